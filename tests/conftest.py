@@ -1,0 +1,46 @@
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from verify.case import Case, DataSpec, ModelSpec
+
+# Small, fast cases. Widths are chosen so no shard is even: 33 and 17 rows over 2, 3 or 4 ranks.
+MLP = ModelSpec(kind="mlp", widths=(16, 33, 17, 8))
+TINY_LM = ModelSpec(kind="transformer", vocab_size=61, dim=16, n_layers=2, n_heads=2, ffn_hidden=23, seq_len=6)
+
+
+def mlp_case(world_size: int = 2, **changes) -> Case:
+    changes.setdefault("data", DataSpec(batch_size=world_size * changes.get("microbatches", 1) * 2))
+    changes.setdefault("steps", 2)
+    return Case(model=MLP, world_size=world_size, **changes)
+
+
+def lm_case(world_size: int = 2, **changes) -> Case:
+    changes.setdefault("data", DataSpec(batch_size=world_size * changes.get("microbatches", 1) * 2))
+    changes.setdefault("steps", 2)
+    return Case(model=TINY_LM, world_size=world_size, **changes)
+
+
+def children_of(pid: int) -> list[int]:
+    """Live child processes of `pid` (from /proc), to prove none is left behind."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    fields = f.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) == pid and fields[0] not in ("Z", "X"):
+                    out.append(int(entry))
+            except (OSError, IndexError, ValueError):
+                pass
+    return out
+
+
+@pytest.fixture
+def no_leftover_children():
+    before = set(children_of(os.getpid()))
+    yield
+    leftover = set(children_of(os.getpid())) - before
+    assert not leftover, f"processes left behind: {sorted(leftover)}"

@@ -1,0 +1,43 @@
+"""Engines that break in ways the pool and the comparators must notice (loaded by file path,
+which also exercises the `path/to/file.py:NAME` engine contract)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from verify.engines.fsdp2 import fully_shard_engine
+
+
+def rank1_activation_error(model, mesh, spec):
+    """Rank 1 scales its first layer's output by (1 + 1e-5)."""
+    if dist.get_rank() == 1:
+        first = model.get_submodule(spec.wrap[0])
+        first.register_forward_hook(lambda _m, _a, out: out * (1 + 1e-5))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_crashes_in_forward(model, mesh, spec):
+    if dist.get_rank() == 1:
+        model.register_forward_pre_hook(lambda *_: os._exit(7))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_hangs_in_forward(model, mesh, spec):
+    if dist.get_rank() == 1:
+        model.register_forward_pre_hook(lambda *_: time.sleep(3600))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank0_raises_while_sharding(model, mesh, spec):
+    if dist.get_rank() == 0:
+        raise RuntimeError("engine bug on rank 0")
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_skips_a_collective(model, mesh, spec):
+    """Rank 0 runs an extra all-reduce the other rank never joins."""
+    if dist.get_rank() == 0:
+        model.register_forward_pre_hook(lambda *_: dist.all_reduce(torch.ones(1)))
+    return fully_shard_engine(model, mesh, spec)

@@ -1,0 +1,64 @@
+import json
+
+import pytest
+
+from verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
+
+
+def test_default_case_round_trips_through_json():
+    case = Case()
+    again = Case.from_json(case.to_json())
+    assert again == case
+    assert again.hash == case.hash
+
+
+def test_hash_changes_with_any_field():
+    assert Case().hash != Case(seed=1).hash
+    assert Case().hash != Case().with_(**{"optim.lr": 0.5}).hash
+
+
+def test_batch_that_does_not_split_names_the_field():
+    with pytest.raises(CaseError) as e:
+        Case(world_size=3, data=DataSpec(batch_size=8))
+    assert e.value.field_path == "data.batch_size"
+    assert "multiple of world_size * microbatches" in str(e.value)
+
+
+@pytest.mark.parametrize(
+    ("data", "field"),
+    [
+        ({"world_size": 0}, "world_size"),
+        ({"steps": -1}, "steps"),
+        ({"model": {"kind": "cnn"}}, "model.kind"),
+        ({"precision": {"param_dtype": "fp8"}}, "precision.param_dtype"),
+        ({"optim": {"name": "lamb"}}, "optim.name"),
+        ({"optim": {"lr": "fast"}}, "optim.lr"),
+        ({"wrap": ["layers.0", "no.such.module", ""]}, "wrap"),
+        ({"wrap": ["", "layers.0"]}, "wrap"),
+        ({"colour": "blue"}, "colour"),
+        ({"model": {"kind": "mlp", "widths": [4]}}, "model.widths"),
+        ({"mesh_shape": [3, 2]}, "mesh_shape"),
+    ],
+)
+def test_bad_fields_are_named(data, field):
+    with pytest.raises(CaseError) as e:
+        Case.from_dict(data)
+    assert e.value.field_path == field, str(e.value)
+
+
+def test_tied_embeddings_must_share_a_unit():
+    model = ModelSpec(tie_embeddings=True)
+    Case(model=model)  # default plan: both in the root unit
+    with pytest.raises(CaseError, match="tied"):
+        Case(model=model, wrap=("output", "layers.0", "layers.1", ""))
+
+
+def test_invalid_json_is_a_case_error():
+    with pytest.raises(CaseError):
+        Case.from_json("{not json")
+
+
+def test_case_file_is_plain_json(tmp_path):
+    path = Case(precision=PrecisionSpec("bfloat16", "float32")).save(tmp_path / "c.json")
+    assert json.loads(path.read_text())["precision"]["param_dtype"] == "bfloat16"
+    assert Case.load(path).precision.param_dtype == "bfloat16"

@@ -1,0 +1,61 @@
+"""The command line, as a user runs it: exit codes 0 / 1 / 2 / 3 and the JSON verdict."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+
+def fsdp_verify(*args, timeout=300):
+    return subprocess.run([sys.executable, "-m", "verify", *args], capture_output=True, text=True, timeout=timeout)
+
+
+def test_check_default_case_passes_and_writes_json(tmp_path):
+    out = tmp_path / "verdict.json"
+    r = fsdp_verify("check", "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EQUIVALENT" in r.stdout
+    verdict = json.loads(out.read_text())
+    assert verdict["ok"] is True and verdict["first_divergence"] is None
+    assert verdict["case"]["model"]["kind"] == "transformer" and verdict["case"]["world_size"] == 2
+
+
+def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
+    out = tmp_path / "verdict.json"
+    r = fsdp_verify("check", "--model", "mlp", "--engine", "verify.mutants:grads_divided_twice", "--json", str(out))
+    assert r.returncode == 1, r.stdout + r.stderr
+    first = json.loads(out.read_text())["first_divergence"]
+    assert (first["step"], first["phase"]) == (1, "grads")
+    assert "First divergence at step 1, gradients" in r.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--world-size", "0"], "world_size"),
+        (["--batch-size", "7", "--world-size", "2"], "data.batch_size"),
+        (["--engine", "no_such_module:engine"], "cannot import"),
+        (["--engine", "verify.mutants:no_such_engine"], "no callable"),
+        (["--steps", "many"], "invalid int value"),
+    ],
+)
+def test_bad_input_exits_2_and_names_the_field(args, message):
+    r = fsdp_verify("check", *args)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert message in r.stderr
+
+
+def test_bad_case_file_exits_2(tmp_path):
+    bad = tmp_path / "case.json"
+    bad.write_text(json.dumps({"optim": {"name": "lamb"}}))
+    r = fsdp_verify("check", "--case", str(bad))
+    assert r.returncode == 2 and "optim.name" in r.stderr
+
+
+def test_crashed_rank_exits_3_naming_rank_and_phase():
+    r = fsdp_verify(
+        "check", "--model", "mlp", "--engine", "tests/engines/faulty.py:rank1_crashes_in_forward", "--timeout", "30"
+    )
+    assert r.returncode == 3, r.stdout + r.stderr
+    assert "rank 1 crash in phase 'step 1 forward" in r.stderr

@@ -1,0 +1,70 @@
+"""A crashed, raising or hung rank ends in a RankFailure naming rank and phase, within the
+timeout, with no process left behind, and the pool runs the next case."""
+
+import os
+
+import pytest
+
+from tests.conftest import children_of, mlp_case
+from verify.pool import RankFailure, RankPool
+from verify.runner import check_case
+
+FAULTY = "tests/engines/faulty.py"
+
+
+@pytest.fixture(scope="module")
+def pool():
+    with RankPool(2, timeout_s=8.0) as p:
+        yield p
+
+
+def _fail(pool, engine):
+    if not pool.alive:
+        pool.start()
+    ranks = set(pool.pids())
+    with pytest.raises(RankFailure) as e:
+        check_case(mlp_case(2, engine=f"{FAULTY}:{engine}"), pool=pool)
+    assert not pool.alive  # killed, to be restarted by the next case
+    assert not ranks & set(children_of(os.getpid())), "a failed rank's process was left behind"
+    return e.value
+
+
+def _recovers(pool):
+    assert check_case(mlp_case(2), pool=pool).ok
+
+
+def test_crashed_rank_is_named_with_its_phase(pool):
+    failure = _fail(pool, "rank1_crashes_in_forward")
+    assert (failure.kind, failure.rank) == ("crash", 1)
+    assert "forward" in failure.phase
+    assert "exited with code 7" in failure.detail
+    _recovers(pool)
+
+
+def test_hung_rank_is_named_with_its_phase(pool):
+    failure = _fail(pool, "rank1_hangs_in_forward")
+    assert (failure.kind, failure.rank) == ("hang", 1)
+    assert "step 1 forward" in failure.phase
+    assert "sleep" in failure.detail or "faulty.py" in failure.detail
+    _recovers(pool)
+
+
+def test_raising_rank_is_named(pool):
+    failure = _fail(pool, "rank0_raises_while_sharding")
+    assert (failure.kind, failure.rank) == ("error", 0)
+    assert failure.phase == "shard (engine)"
+    assert "engine bug on rank 0" in failure.detail
+    _recovers(pool)
+
+
+def test_skipped_collective_ends_in_a_named_failure(pool):
+    failure = _fail(pool, "rank1_skips_a_collective")
+    assert failure.kind in ("hang", "error")
+    assert failure.rank in (0, 1) and failure.phase
+    _recovers(pool)
+
+
+def test_closing_the_pool_leaves_no_process(no_leftover_children):
+    with RankPool(2) as p:
+        p.start()
+        assert len(p.pids()) == 2

@@ -1,0 +1,33 @@
+"""Every comparator must be able to fail: broken engines, each caught at the right place."""
+
+import pytest
+
+from tests.conftest import mlp_case
+
+
+@pytest.mark.parametrize(
+    ("engine", "phase", "hint"),
+    [
+        ("verify.mutants:grads_divided_twice", "grads", "divided by the world size once too often"),
+        ("verify.mutants:grad_sync_off_for_one_unit", "grads", ""),
+        ("verify.mutants:rank1_different_init", "init", "initialised differently"),
+        ("verify.mutants:inputs_cast_to_bf16", "logits", ""),
+    ],
+)
+def test_mutant_is_caught_at_the_right_first_divergence(fsdp_check, engine, phase, hint):
+    verdict = fsdp_check(mlp_case(2, engine=engine))
+    assert not verdict.ok
+    first = verdict.first_divergence
+    assert (first.step, first.phase) == ((0 if phase == "init" else 1), phase), verdict.summary()
+    assert hint in verdict.hint
+    assert "DIVERGED" in verdict.summary()
+
+
+def test_one_rank_with_a_tiny_activation_error_is_caught_in_fp32(fsdp_check):
+    """A 1e-5 relative error on one rank's activations must not hide under the tolerance."""
+    verdict = fsdp_check(mlp_case(2, engine="tests/engines/faulty.py:rank1_activation_error"))
+    assert not verdict.ok
+    first = verdict.first_divergence
+    assert (first.step, first.phase) == (1, "logits"), verdict.summary()
+    assert first.ratio > 2, first.ratio
+    assert "only the samples of rank(s) [1]" in verdict.hint

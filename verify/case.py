@@ -1,0 +1,379 @@
+"""Case: the one frozen, JSON-round-trippable description of a run.
+
+Everything a run does follows from its Case (model, wrap plan, world size, precision, optimizer,
+steps, data, seeds, engine); nothing from globals. Its content hash names caches and repro files.
+Validation happens on construction and names the offending field and what was expected, so a bad
+`--case FILE` fails with exit code 2 before any process is started.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+DTYPES = ("float32", "bfloat16", "float16")
+OPTIMIZERS = ("sgd", "adam", "adamw")
+MODEL_KINDS = ("mlp", "transformer")
+DATA_KINDS = ("normal", "cancellation")
+INIT_MODES = ("eager", "meta")
+
+
+class CaseError(ValueError):
+    """A Case field holds a value the toolkit cannot run; the message names the field."""
+
+    def __init__(self, field_path: str, expected: str, got: Any):
+        self.field_path = field_path
+        super().__init__(f"{field_path}: expected {expected}, got {got!r}")
+
+
+def _check(ok: bool, field_path: str, expected: str, got: Any) -> None:
+    if not ok:
+        raise CaseError(field_path, expected, got)
+
+
+def _num(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Built-in model. `mlp` uses `widths` (input, hidden..., output); `transformer` the rest."""
+
+    kind: str = "transformer"
+    widths: tuple[int, ...] = (16, 33, 17, 8)
+    vocab_size: int = 61
+    dim: int = 32
+    n_layers: int = 2
+    n_heads: int = 4
+    ffn_hidden: int = 44
+    seq_len: int = 8
+    tie_embeddings: bool = False
+    dropout: float = 0.0
+    frozen: tuple[str, ...] = ()  # parameter-name prefixes with requires_grad=False
+
+    def validate(self, prefix: str = "model") -> None:
+        _check(self.kind in MODEL_KINDS, f"{prefix}.kind", f"one of {MODEL_KINDS}", self.kind)
+        if self.kind == "mlp":
+            _check(
+                len(self.widths) >= 2 and all(_int(w) and w >= 1 for w in self.widths),
+                f"{prefix}.widths",
+                "at least two positive integers (input, ..., output)",
+                self.widths,
+            )
+        else:
+            for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "seq_len"):
+                value = getattr(self, name)
+                _check(_int(value) and value >= 1, f"{prefix}.{name}", "a positive integer", value)
+            _check(self.dim % self.n_heads == 0, f"{prefix}.dim", f"a multiple of n_heads={self.n_heads}", self.dim)
+            _check(
+                (self.dim // self.n_heads) % 2 == 0,
+                f"{prefix}.dim",
+                "an even head dimension (RoPE rotates pairs)",
+                self.dim,
+            )
+        _check(
+            _num(self.dropout) and 0.0 <= self.dropout < 1.0,
+            f"{prefix}.dropout",
+            "a probability in [0, 1)",
+            self.dropout,
+        )
+
+    @property
+    def n_blocks(self) -> int:
+        return len(self.widths) - 1 if self.kind == "mlp" else self.n_layers
+
+
+@dataclass(frozen=True)
+class PrecisionSpec:
+    """FSDP2 MixedPrecisionPolicy fields by dtype name; None means "as the parameter" (fp32)."""
+
+    param_dtype: str | None = None
+    reduce_dtype: str | None = None
+    output_dtype: str | None = None
+    cast_forward_inputs: bool = True
+
+    def validate(self, prefix: str = "precision") -> None:
+        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+            value = getattr(self, name)
+            _check(value is None or value in DTYPES, f"{prefix}.{name}", f"null or one of {DTYPES}", value)
+
+    @property
+    def is_full_precision(self) -> bool:
+        return all(d in (None, "float32") for d in (self.param_dtype, self.reduce_dtype, self.output_dtype))
+
+
+@dataclass(frozen=True)
+class OptimSpec:
+    name: str = "adamw"
+    lr: float = 1e-2
+    momentum: float = 0.9  # sgd only
+    weight_decay: float = 0.01  # sgd, adamw
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+
+    def validate(self, prefix: str = "optim") -> None:
+        _check(self.name in OPTIMIZERS, f"{prefix}.name", f"one of {OPTIMIZERS}", self.name)
+        _check(_num(self.lr) and self.lr > 0, f"{prefix}.lr", "a positive learning rate", self.lr)
+        _check(_num(self.momentum) and 0 <= self.momentum < 1, f"{prefix}.momentum", "a value in [0, 1)", self.momentum)
+        _check(
+            _num(self.weight_decay) and self.weight_decay >= 0,
+            f"{prefix}.weight_decay",
+            "a non-negative value",
+            self.weight_decay,
+        )
+        _check(
+            len(self.betas) == 2 and all(_num(b) and 0 <= b < 1 for b in self.betas),
+            f"{prefix}.betas",
+            "two values in [0, 1)",
+            self.betas,
+        )
+        _check(_num(self.eps) and self.eps > 0, f"{prefix}.eps", "a positive value", self.eps)
+
+
+@dataclass(frozen=True)
+class DataSpec:
+    """Global batch per step. `cancellation` pairs samples x and -x + small noise across ranks so
+    per-rank gradients are large and nearly cancel: a reduction in too low a precision loses them."""
+
+    batch_size: int = 8
+    kind: str = "normal"
+    scale: float = 1.0
+
+    def validate(self, prefix: str = "data") -> None:
+        _check(
+            _int(self.batch_size) and self.batch_size >= 1,
+            f"{prefix}.batch_size",
+            "a positive integer",
+            self.batch_size,
+        )
+        _check(self.kind in DATA_KINDS, f"{prefix}.kind", f"one of {DATA_KINDS}", self.kind)
+        _check(_num(self.scale) and self.scale > 0, f"{prefix}.scale", "a positive value", self.scale)
+
+
+@dataclass(frozen=True)
+class Case:
+    model: ModelSpec = field(default_factory=ModelSpec)
+    # Module FQNs to shard, children before parents, "" (the root) last. None = the model's
+    # default plan (every block, then the root).
+    wrap: tuple[str, ...] | None = None
+    world_size: int = 2
+    mesh_shape: tuple[int, ...] | None = None  # None = (world_size,); (replicate, shard) = HSDP
+    precision: PrecisionSpec = field(default_factory=PrecisionSpec)
+    reshard_after_forward: bool | int = True
+    optim: OptimSpec = field(default_factory=OptimSpec)
+    steps: int = 3
+    microbatches: int = 1
+    # True: reduce-scatter after every micro-batch (FSDP2 default). False: accumulate unsharded
+    # grads locally (in param_dtype) and reduce only on the last micro-batch, as seed 000 describes.
+    sync_every_microbatch: bool = True
+    clip_norm: float | None = None
+    data: DataSpec = field(default_factory=DataSpec)
+    seed: int = 0
+    data_seed: int = 1
+    init: str = "eager"
+    engine: str = "fsdp2"
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ---- validation -------------------------------------------------------------------------
+    def validate(self) -> None:
+        self.model.validate()
+        self.precision.validate()
+        self.optim.validate()
+        self.data.validate()
+        _check(_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
+        mesh = self.mesh
+        _check(
+            len(mesh) in (1, 2) and all(_int(d) and d >= 1 for d in mesh),
+            "mesh_shape",
+            "(shard,) or (replicate, shard) of positive integers",
+            self.mesh_shape,
+        )
+        prod = 1
+        for d in mesh:
+            prod *= d
+        _check(
+            prod == self.world_size,
+            "mesh_shape",
+            f"dimensions whose product is world_size={self.world_size}",
+            self.mesh_shape,
+        )
+        _check(_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
+        _check(
+            _int(self.microbatches) and self.microbatches >= 1, "microbatches", "a positive integer", self.microbatches
+        )
+        per = self.world_size * self.microbatches
+        _check(
+            self.data.batch_size % per == 0,
+            "data.batch_size",
+            f"a multiple of world_size * microbatches = {self.world_size} * {self.microbatches} = {per}",
+            self.data.batch_size,
+        )
+        _check(
+            self.clip_norm is None or (_num(self.clip_norm) and self.clip_norm > 0),
+            "clip_norm",
+            "null or a positive max norm",
+            self.clip_norm,
+        )
+        for name in ("seed", "data_seed"):
+            _check(
+                _int(getattr(self, name)) and getattr(self, name) >= 0,
+                name,
+                "a non-negative integer",
+                getattr(self, name),
+            )
+        _check(self.init in INIT_MODES, "init", f"one of {INIT_MODES}", self.init)
+        _check(
+            isinstance(self.engine, str) and bool(self.engine),
+            "engine",
+            "'fsdp2', 'pkg.module:NAME' or 'file.py:NAME'",
+            self.engine,
+        )
+        rsf = self.reshard_after_forward
+        _check(
+            isinstance(rsf, bool) or (_int(rsf) and rsf >= 1),
+            "reshard_after_forward",
+            "true, false or a positive int",
+            rsf,
+        )
+        self._validate_wrap()
+        if self.data.kind == "cancellation":
+            _check(
+                self.model.kind == "mlp",
+                "data.kind",
+                "'normal' for a transformer (token ids cannot cancel)",
+                self.data.kind,
+            )
+
+    def _validate_wrap(self) -> None:
+        from verify.models import module_names
+
+        plan = self.wrap_plan
+        names = module_names(self.model)
+        for fqn in plan:
+            _check(fqn in names, "wrap", f"module names of the model (e.g. {sorted(names)[:6]})", fqn)
+        _check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
+        _check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
+        for i, fqn in enumerate(plan):
+            for later in plan[i + 1 :]:
+                _check(
+                    not _is_ancestor(fqn, later), "wrap", f"children before parents ({later!r} is inside {fqn!r})", plan
+                )
+        if self.model.kind == "transformer" and self.model.tie_embeddings:
+            a, b = _owner(plan, "tok_embeddings"), _owner(plan, "output")
+            _check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
+
+    # ---- derived ------------------------------------------------------------------------------
+    @property
+    def mesh(self) -> tuple[int, ...]:
+        return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.world_size,)
+
+    @property
+    def wrap_plan(self) -> tuple[str, ...]:
+        from verify.models import default_wrap_plan
+
+        return tuple(self.wrap) if self.wrap is not None else default_wrap_plan(self.model)
+
+    @property
+    def local_batch(self) -> int:
+        return self.data.batch_size // self.world_size
+
+    # ---- JSON ---------------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Case:
+        return _build(cls, data, "")
+
+    @classmethod
+    def from_json(cls, text: str) -> Case:
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as e:
+            raise CaseError("<file>", "valid JSON", str(e)) from None
+        return cls.from_dict(data)
+
+    @classmethod
+    def load(cls, path: str | Path) -> Case:
+        return cls.from_json(Path(path).read_text())
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(self.to_json() + "\n")
+        return path
+
+    @property
+    def hash(self) -> str:
+        canonical = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canonical.encode()).hexdigest()[:12]
+
+    def with_(self, **changes: Any) -> Case:
+        """`replace` that also accepts dotted keys for nested specs: with_(**{"optim.lr": 0.1})."""
+        nested: dict[str, dict[str, Any]] = {}
+        flat: dict[str, Any] = {}
+        for key, value in changes.items():
+            if "." in key:
+                head, tail = key.split(".", 1)
+                nested.setdefault(head, {})[tail] = value
+            else:
+                flat[key] = value
+        for head, sub in nested.items():
+            flat[head] = replace(getattr(self, head), **sub)
+        return replace(self, **flat)
+
+
+def _is_ancestor(parent: str, child: str) -> bool:
+    return parent == "" or child.startswith(parent + ".")
+
+
+def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
+    """Innermost wrapped module that contains module `fqn` (the unit that owns its params)."""
+    best = None
+    for unit in plan:
+        if (unit == fqn or _is_ancestor(unit, fqn)) and (best is None or len(unit) > len(best)):
+            best = unit
+    return best
+
+
+_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape"}
+
+
+def _build(cls: type, data: Any, prefix: str) -> Any:
+    where = prefix or "<case>"
+    if not isinstance(data, dict):
+        raise CaseError(where, "a JSON object", data)
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(data) - set(known))
+    if unknown:
+        raise CaseError(
+            f"{prefix + '.' if prefix else ''}{unknown[0]}", f"one of the fields {sorted(known)}", unknown[0]
+        )
+    kwargs: dict[str, Any] = {}
+    sub_specs = {"model": ModelSpec, "precision": PrecisionSpec, "optim": OptimSpec, "data": DataSpec}
+    for name, value in data.items():
+        path = f"{prefix}.{name}" if prefix else name
+        if cls is Case and name in sub_specs:
+            value = _build(sub_specs[name], value, path)
+        elif name in _TUPLE_FIELDS and value is not None:
+            if not isinstance(value, (list, tuple)):
+                raise CaseError(path, "a list", value)
+            value = tuple(value)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except TypeError as e:  # wrong types that slipped through validation
+        raise CaseError(where, "fields of the right type", str(e)) from None

@@ -1,0 +1,46 @@
+"""`fsdp-verify`: the command line. Each subcommand lives in its own module exposing
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
+
+Exit codes (all subcommands): 0 equivalent / passed, 1 divergence found, 2 bad input or usage,
+3 infrastructure failure (a rank crashed or hung), 125 (repro only) cannot run at this revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
+
+# (name, module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("check", "verify.cmd_check", "run one case on the reference and the engine, report where they part"),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors exit 2, as bad input does
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fsdp-verify", description="Differential testing of sharded data-parallel training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, module, help_text in SUBCOMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

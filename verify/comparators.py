@@ -1,0 +1,249 @@
+"""Comparators: one per kind of record, each returning Findings with the measured deviation, the
+tolerance it was held to and why. See `verify/tolerance.py` for how tolerances are derived."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+
+import torch
+
+from verify.tolerance import (
+    EXACT,
+    Deviation,
+    Tolerance,
+    bound_tolerance,
+    calibrated_tolerance,
+    measure,
+    unit_roundoff,
+)
+from verify.trace import PHASES, Key, Trace, sort_key
+
+
+@dataclass
+class Finding:
+    step: int
+    phase: str
+    name: str
+    ok: bool
+    kind: str  # "deviation" | "missing" | "unexpected" | "shape" | "nonfinite"
+    comparator: str
+    message: str = ""
+    max_abs: float = 0.0
+    normwise: float = 0.0
+    max_rel: float = 0.0
+    max_ulp: int = 0
+    tolerance: float = 0.0
+    mode: str = ""
+    why: str = ""
+
+    @property
+    def ratio(self) -> float:
+        """Deviation over tolerance: > 1 fails. inf for an exact record that moved at all."""
+        if self.kind != "deviation":
+            return float("inf")
+        if self.tolerance == 0:
+            return 0.0 if self.normwise == 0 else float("inf")
+        return self.normwise / self.tolerance
+
+    @property
+    def key(self) -> Key:
+        return (self.step, self.phase, self.name)
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        d["ratio"] = self.ratio
+        return d
+
+
+Calibration = Callable[[], list[Trace]]
+
+
+class Comparator:
+    """Compares the records of one phase. Subclasses choose the tolerance."""
+
+    phase: str = ""
+    calibratable = True  # may fall back to a calibrated tolerance when the bound is exceeded
+
+    def tolerance(self, key: Key, ref: torch.Tensor, ctx: CompareContext) -> Tolerance:
+        return bound_tolerance(ref.dtype)
+
+    def compare(self, key: Key, ref: torch.Tensor, got: torch.Tensor, ctx: CompareContext) -> Finding:
+        step, phase, name = key
+        base = dict(step=step, phase=phase, name=name, comparator=type(self).__name__)
+        if tuple(ref.shape) != tuple(got.shape):
+            return Finding(
+                ok=False, kind="shape", message=f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}", **base
+            )
+        if got.is_floating_point() and not torch.isfinite(got).all() and torch.isfinite(ref).all():
+            return Finding(
+                ok=False, kind="nonfinite", message="non-finite values where the reference is finite", **base
+            )
+        dev = measure(ref, got)
+        tol = self.tolerance(key, ref, ctx)
+        ok = dev.normwise <= tol.limit
+        if not ok and self.calibratable and ctx.calibrate is not None:
+            tol = calibrated_tolerance(ref.dtype, ctx.noise(key))
+            ok = dev.normwise <= tol.limit
+        return self._finding(base, ok, dev, tol)
+
+    @staticmethod
+    def _finding(base: dict, ok: bool, dev: Deviation, tol: Tolerance) -> Finding:
+        return Finding(
+            ok=ok,
+            kind="deviation",
+            max_abs=dev.max_abs,
+            normwise=dev.normwise,
+            max_rel=dev.max_rel,
+            max_ulp=dev.max_ulp,
+            tolerance=tol.limit,
+            mode=tol.mode,
+            why=tol.why,
+            **base,
+        )
+
+
+class InitParamsComparator(Comparator):
+    """Initial parameters after sharding, gathered: bit-identical (a rank that initialised
+    differently, or a shard that holds the wrong slice, shows here)."""
+
+    phase = "init"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+
+class LogitsComparator(Comparator):
+    phase = "logits"
+
+
+class LossComparator(Comparator):
+    phase = "loss"
+
+
+class GradsComparator(Comparator):
+    """Full gradients after reduction, before clipping."""
+
+    phase = "grads"
+
+
+class GradNormComparator(Comparator):
+    """The total norm clipping returned: must be the global one (seed 001: 14.283, not 10.63)."""
+
+    phase = "grad_norm"
+
+
+class ParamsComparator(Comparator):
+    """Parameters after the optimizer step."""
+
+    phase = "params"
+
+
+class OptimStateComparator(Comparator):
+    phase = "optim_state"
+
+
+class ParamSumsComparator(Comparator):
+    """float64 sums from the local shards. A sum of n values may move by the sum of their
+    allowed moves: n * (the parameter's tolerance) * max|p|, plus float64 reassociation
+    (n * 2**-53 * sum|p|, generous for a pairwise sum). `__total__` sums that over every parameter
+    the module exposes, so a parameter held twice doubles it (seed 004, finding 4)."""
+
+    phase = "param_sums"
+
+    calibratable = False
+
+    def compare(self, key, ref, got, ctx):
+        step, phase, name = key
+        base = dict(step=step, phase=phase, name=name, comparator=type(self).__name__)
+        params_phase = "init" if step == 0 else "params"
+        names = [n for (s, p, n) in ctx.ref.records if s == step and p == params_phase]
+        if name != "__total__":
+            names = [name] if name in names else []
+        allowed = 0.0
+        for n in names:
+            p = ctx.ref.records[(step, params_phase, n)].double()
+            moves = ctx.limit_of((step, params_phase, n)) * p.abs().max().item()
+            allowed += p.numel() * moves + p.numel() * unit_roundoff(torch.float64) * p.abs().sum().item()
+        dev = measure(ref, got)
+        scale = abs(ref.item())
+        # Relative to the sum when it is not zero, absolute otherwise.
+        normwise, limit = (dev.max_abs / scale, allowed / scale) if scale > 0 else (dev.max_abs, allowed)
+        dev = Deviation(dev.max_abs, normwise, dev.max_rel, dev.max_ulp, dev.scale)
+        tol = Tolerance("bound", limit, "n x the parameters' own tolerance + float64 reassociation")
+        return self._finding(base, normwise <= limit, dev, tol)
+
+
+COMPARATORS: dict[str, Comparator] = {
+    c.phase: c()
+    for c in (
+        InitParamsComparator,
+        LogitsComparator,
+        LossComparator,
+        GradsComparator,
+        GradNormComparator,
+        ParamsComparator,
+        ParamSumsComparator,
+        OptimStateComparator,
+    )
+}
+assert set(COMPARATORS) == set(PHASES)
+
+
+class CompareContext:
+    """What comparators may consult: the reference trace, the limits already decided, and
+    (lazily) the calibration noise of each record."""
+
+    def __init__(self, ref: Trace, calibrate: Calibration | None):
+        self.ref = ref
+        self.calibrate = calibrate
+        self._noise: dict[Key, float] | None = None
+        self.limits: dict[Key, float] = {}
+
+    def noise(self, key: Key) -> float:
+        if self._noise is None:
+            self._noise = {}
+            for other in self.calibrate():
+                for k, ref in self.ref.records.items():
+                    if k in other.records and other.records[k].shape == ref.shape:
+                        self._noise[k] = max(self._noise.get(k, 0.0), measure(ref, other.records[k]).normwise)
+        return self._noise.get(key, 0.0)
+
+    def limit_of(self, key: Key) -> float:
+        return self.limits.get(key, 0.0)
+
+
+def compare_traces(ref: Trace, got: Trace, calibrate: Calibration | None = None) -> list[Finding]:
+    """Every record of the reference against the sharded one, in execution order, plus records
+    the sharded side has and the reference does not."""
+    ctx = CompareContext(ref, calibrate)
+    findings: list[Finding] = []
+    for key in ref.keys_sorted():
+        step, phase, name = key
+        comparator = COMPARATORS[phase]
+        if key not in got.records:
+            findings.append(
+                Finding(
+                    step, phase, name, False, "missing", type(comparator).__name__, "the sharded run has no such record"
+                )
+            )
+            continue
+        finding = comparator.compare(key, ref.records[key], got.records[key], ctx)
+        ctx.limits[key] = finding.tolerance
+        findings.append(finding)
+    for key in sorted(set(got.records) - set(ref.records), key=sort_key):
+        step, phase, name = key
+        findings.append(
+            Finding(
+                step,
+                phase,
+                name,
+                False,
+                "unexpected",
+                type(COMPARATORS[phase]).__name__,
+                "the reference has no such record",
+            )
+        )
+    return findings

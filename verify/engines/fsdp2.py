@@ -1,0 +1,20 @@
+"""The built-in engine: PyTorch FSDP2, `torch.distributed.fsdp.fully_shard`, per the wrap plan."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from verify.engines.spec import ShardSpec
+
+
+def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    for fqn in spec.wrap:
+        fully_shard(
+            model.get_submodule(fqn),
+            mesh=mesh,
+            mp_policy=spec.mp_policy,
+            reshard_after_forward=spec.reshard_after_forward,
+        )
+    return model

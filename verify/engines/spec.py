@@ -1,0 +1,30 @@
+"""ShardSpec: what an engine is told about how to shard. A stable contract for plug-in engines."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from torch.distributed.fsdp import MixedPrecisionPolicy
+
+from verify.case import Case
+from verify.precision import mp_policy
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    # Module FQNs to shard, children before parents; "" is the root and comes last.
+    wrap: tuple[str, ...]
+    # Always set; default fields mean full precision.
+    mp_policy: MixedPrecisionPolicy
+    reshard_after_forward: bool | int
+    # The whole Case, for engines (and mutants) that need more than the three fields above.
+    case: Case | None = None
+
+    @classmethod
+    def from_case(cls, case: Case) -> ShardSpec:
+        return cls(
+            wrap=case.wrap_plan,
+            mp_policy=mp_policy(case.precision),
+            reshard_after_forward=case.reshard_after_forward,
+            case=case,
+        )

@@ -1,0 +1,94 @@
+"""Full tensors and sums from sharded ones, in one collective per mesh dimension.
+
+`DTensor.full_tensor()` costs one collective per tensor, which dominated a tiny case's time. Here
+every rank's dim-0 shards (`Shard(0)` on one mesh dimension, `Replicate` elsewhere, as FSDP2
+places them) are sent as raw bytes in a single all-gather and cut back into tensors by DTensor's
+chunking rule (chunk size ceil(n/W); trailing ranks may hold fewer rows or none). Bytes travel
+bit-exactly whatever the dtype. Any other layout falls back to `full_tensor()`.
+Every rank must call these with the same list (they are collectives).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def _shard_dim(t: DTensor) -> int | None:
+    """The mesh dim a tensor is Shard(0) on, -1 if fully replicated, None for other layouts."""
+    dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if not dims:
+        return -1
+    if len(dims) == 1 and isinstance(t.placements[dims[0]], Shard) and t.placements[dims[0]].dim == 0 and t.ndim > 0:
+        return dims[0]
+    return None
+
+
+def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if not isinstance(t, DTensor):
+            out[i] = t
+            continue
+        dim = _shard_dim(t)
+        if dim == -1:
+            out[i] = t.to_local()
+        elif dim is None:
+            out[i] = t.full_tensor()
+        else:
+            buckets.setdefault((t.device_mesh, dim), []).append(i)
+    for (mesh, dim), items in buckets.items():
+        group = mesh.get_group(dim)
+        world = group.size()
+        pieces, layout = [], []
+        for i in items:
+            t = tensors[i]
+            rows, row_bytes = t.shape[0], math.prod(t.shape[1:]) * t.element_size()
+            chunk = -(-rows // world)
+            local = t.to_local().contiguous().reshape(-1).view(torch.uint8)
+            padded = torch.zeros(chunk * row_bytes, dtype=torch.uint8, device=local.device)
+            padded[: local.numel()] = local
+            pieces.append(padded)
+            layout.append((i, rows, chunk, row_bytes))
+        send = torch.cat(pieces)
+        recv = torch.empty(world * send.numel(), dtype=torch.uint8, device=send.device)
+        _all_gather_single(recv, send, group=group)
+        recv = recv.view(world, -1)
+        offset = 0
+        for i, rows, chunk, row_bytes in layout:
+            t = tensors[i]
+            parts = []
+            for r in range(world):
+                keep = max(0, min(chunk, rows - r * chunk)) * row_bytes
+                parts.append(recv[r, offset : offset + keep])
+            out[i] = torch.cat(parts).view(t.dtype).view(t.shape)
+            offset += chunk * row_bytes
+    return out  # type: ignore[return-value]
+
+
+# torch >= 2.13 names it all_gather_single; older releases all_gather_into_tensor.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def sum_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """float64 sum of each tensor, from its local shard and then reduced over the shard group:
+    a path independent of the gather, which sees padding leaking into shards."""
+    sums = [t.to_local().double().sum() if isinstance(t, DTensor) else t.double().sum() for t in tensors]
+    buckets: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if isinstance(t, DTensor):
+            dim = _shard_dim(t)
+            if dim is None:
+                sums[i] = t.double().sum().full_tensor()
+            elif dim >= 0:
+                buckets.setdefault((t.device_mesh, dim), []).append(i)
+    for (mesh, dim), items in buckets.items():
+        local = torch.stack([sums[i] for i in items])
+        dist.all_reduce(local, group=mesh.get_group(dim))
+        for j, i in enumerate(items):
+            sums[i] = local[j]
+    return sums

@@ -1,0 +1,41 @@
+"""Turn a first divergence into a likely cause, from the shape of the difference."""
+
+from __future__ import annotations
+
+import torch
+
+from verify.comparators import Finding
+from verify.trace import Trace
+
+
+def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int) -> str:
+    if first is None or first.kind != "deviation":
+        return ""
+    a, b = ref.records[first.key].double().flatten(), got.records[first.key].double().flatten()
+    if first.phase == "init":
+        return "initial parameters differ: ranks initialised differently, or a shard holds the wrong slice"
+    if first.phase == "param_sums" and first.name == "__total__":
+        ratio = (b.sum() / a.sum()).item() if a.sum().item() != 0 else float("nan")
+        return f"the parameter total is {ratio:.3g}x the reference's: a parameter may be held twice or missed"
+    denom = a.dot(a).item()
+    if denom == 0:
+        return ""
+    scale = a.dot(b).item() / denom
+    fits = (b - scale * a).norm().item() <= 1e-3 * a.norm().item()
+    if fits and first.phase == "grads":
+        if abs(scale) < 1e-6:
+            return "the gradient is zero: was it reduced at all (gradient sync off)?"
+        for name, value in (("1/world_size", 1 / world_size), ("world_size", world_size)):
+            if world_size > 1 and abs(scale - value) <= 1e-3 * value:
+                return f"the gradient is {name} x the reference's: divided by the world size {'once too often' if value < 1 else 'too rarely'}"
+    if fits and abs(scale - 1) > 1e-3:
+        return f"the sharded values are {scale:.4g}x the reference's"
+    if first.phase == "logits" and first.max_rel > 0 and torch.is_tensor(b):
+        rows = ref.records[first.key].shape[0]
+        per = rows // max(world_size, 1)
+        diff = (ref.records[first.key] - got.records[first.key]).double().abs().flatten(1).amax(1) if rows else None
+        if diff is not None and per > 0:
+            bad = sorted({i // per for i in torch.nonzero(diff > 0).flatten().tolist()})
+            if 0 < len(bad) < world_size:
+                return f"only the samples of rank(s) {bad} differ"
+    return ""

@@ -1,0 +1,75 @@
+"""Built-in models: definitions only. How they are sharded lives in `verify/engines/`.
+
+Both sides of a comparison build the model with `build_model`, which constructs it and then
+initialises every parameter from `seed` in a fixed order (`init_weights`), so eager and meta-device
+construction give the same values no matter how much randomness construction itself consumed
+(seed 004, finding 3).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verify.case import ModelSpec
+from verify.models.mlp import MLP
+from verify.models.transformer import Transformer
+
+__all__ = ["MLP", "Transformer", "build_model", "default_wrap_plan", "module_names", "loss_fn"]
+
+
+def _construct(spec: ModelSpec) -> nn.Module:
+    if spec.kind == "mlp":
+        return MLP(spec.widths, dropout=spec.dropout)
+    return Transformer(
+        vocab_size=spec.vocab_size,
+        dim=spec.dim,
+        n_layers=spec.n_layers,
+        n_heads=spec.n_heads,
+        ffn_hidden=spec.ffn_hidden,
+        seq_len=spec.seq_len,
+        tie_embeddings=spec.tie_embeddings,
+        dropout=spec.dropout,
+    )
+
+
+def build_model(spec: ModelSpec, seed: int, init: str = "eager", device: str | torch.device = "cpu") -> nn.Module:
+    """Construct and initialise. `init="meta"` constructs on the meta device and materialises
+    with `to_empty`; both modes then draw every initial value from `seed` on the CPU generator
+    (CPU and CUDA generators differ for one seed: seed 004, finding 1), then move to `device`."""
+    if init == "meta":
+        with torch.device("meta"):
+            model = _construct(spec)
+        model.to_empty(device="cpu")
+    else:
+        model = _construct(spec)
+    generator = torch.Generator().manual_seed(seed)
+    model.init_weights(generator)
+    for name, p in model.named_parameters():
+        if any(name == f or name.startswith(f + ".") for f in spec.frozen):
+            p.requires_grad_(False)
+    return model.to(device)
+
+
+_MODULE_NAMES_CACHE: dict[ModelSpec, frozenset[str]] = {}
+
+
+def module_names(spec: ModelSpec) -> frozenset[str]:
+    """All module FQNs of the model ("" is the root), from a meta-device build (no memory)."""
+    if spec not in _MODULE_NAMES_CACHE:
+        with torch.device("meta"):
+            model = _construct(spec)
+        _MODULE_NAMES_CACHE[spec] = frozenset(name for name, _ in model.named_modules())
+    return _MODULE_NAMES_CACHE[spec]
+
+
+def default_wrap_plan(spec: ModelSpec) -> tuple[str, ...]:
+    """Every block its own shard unit, then the root (torchtitan's plan)."""
+    return tuple(f"layers.{i}" for i in range(spec.n_blocks)) + ("",)
+
+
+def loss_fn(spec: ModelSpec, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """Mean loss over the samples given, computed in fp32 whatever the output dtype."""
+    if spec.kind == "mlp":
+        return torch.nn.functional.mse_loss(output.float(), target.float())
+    return torch.nn.functional.cross_entropy(output.float().flatten(0, 1), target.flatten())

@@ -1,0 +1,79 @@
+"""Trace: what one run recorded, in one schema for the reference and the sharded side.
+
+Records are full (unsharded) tensors keyed by (step, phase, name). Step 0 holds the initial
+state; steps 1..N the training steps. Phases are listed in execution order, which is the order
+the first divergence is searched in. Stored as safetensors (tensors) with the JSON metadata in the
+safetensors header: no pickle, so a Trace file from a stranger is safe to open.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+# Execution order within a step. "init" only at step 0; "param_sums" at step 0 and after each step.
+PHASES = ("init", "logits", "loss", "grads", "grad_norm", "params", "param_sums", "optim_state")
+PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
+
+Key = tuple[int, str, str]
+
+
+def sort_key(key: Key) -> tuple[int, int, str]:
+    step, phase, name = key
+    return (step, PHASE_RANK[phase], name)
+
+
+@dataclass
+class Trace:
+    side: str  # "reference" or "sharded"
+    records: dict[Key, torch.Tensor] = field(default_factory=dict)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def add(self, step: int, phase: str, name: str, value: torch.Tensor) -> None:
+        if phase not in PHASE_RANK:
+            raise ValueError(f"unknown phase {phase!r}; expected one of {PHASES}")
+        self.records[(step, phase, name)] = value.detach().clone().contiguous().cpu()
+
+    def keys_sorted(self) -> list[Key]:
+        return sorted(self.records, key=sort_key)
+
+    @property
+    def steps(self) -> int:
+        return max((k[0] for k in self.records), default=0)
+
+    # ---- serialisation (no pickle) ------------------------------------------------------------
+    def to_bytes(self) -> bytes:
+        tensors = {f"{s}/{p}/{n}": t for (s, p, n), t in self.records.items()}
+        header = {"side": self.side, "meta": json.dumps(self.meta, sort_keys=True)}
+        return st_save(tensors, metadata=header)
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> Trace:
+        tensors = st_load(blob)
+        header = _safetensors_metadata(blob)
+        records: dict[Key, torch.Tensor] = {}
+        for key, t in tensors.items():
+            step, phase, name = key.split("/", 2)
+            records[(int(step), phase, name)] = t
+        return cls(side=header.get("side", "?"), records=records, meta=json.loads(header.get("meta", "{}")))
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_bytes(self.to_bytes())
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> Trace:
+        return cls.from_bytes(Path(path).read_bytes())
+
+
+def _safetensors_metadata(blob: bytes) -> dict[str, str]:
+    n = int.from_bytes(blob[:8], "little")
+    return json.loads(blob[8 : 8 + n].decode()).get("__metadata__", {})

@@ -1,0 +1,127 @@
+"""Verdict: pass or fail, every finding, and where the two runs first part."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from verify.case import Case
+from verify.comparators import Finding
+from verify.trace import PHASES, sort_key
+
+PHASE_TITLES = {
+    "init": "initial parameters",
+    "logits": "logits",
+    "loss": "loss",
+    "grads": "gradients",
+    "grad_norm": "clip total norm",
+    "params": "parameters after the step",
+    "param_sums": "parameter sums",
+    "optim_state": "optimizer state",
+}
+
+
+@dataclass
+class Verdict:
+    case: Case
+    findings: list[Finding]
+    hint: str = ""
+    seconds: dict[str, float] = field(default_factory=dict)
+    calibrated: bool = False
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def failures(self) -> list[Finding]:
+        return sorted((f for f in self.findings if not f.ok), key=lambda f: sort_key(f.key))
+
+    @property
+    def first_divergence(self) -> Finding | None:
+        fails = self.failures
+        return fails[0] if fails else None
+
+    def worst(self) -> Finding | None:
+        numeric = [f for f in self.findings if f.kind == "deviation"]
+        return max(numeric, key=lambda f: f.ratio, default=None)
+
+    def summary(self) -> str:
+        c = self.case
+        what = (
+            f"{c.engine} vs the reference ({c.model.kind}, world size {c.world_size}, {c.steps} steps, case {c.hash})"
+        )
+        first = self.first_divergence
+        if first is None:
+            worst = self.worst()
+            tail = f" Worst deviation: {worst.ratio:.3g}x its tolerance ({_where(worst)})." if worst else ""
+            return f"EQUIVALENT: {what}: all {len(self.findings)} records agree.{tail}"
+        agreed = sum(1 for f in self.findings if sort_key(f.key) < sort_key(first.key))
+        text = f"DIVERGED: {what}. First divergence at {_where(first)}: "
+        if first.kind == "deviation":
+            text += (
+                f"off by {first.normwise:.3g} of its largest element (max abs {first.max_abs:.3g}, "
+                f"{first.max_ulp} ulp), {first.ratio:.3g}x the {first.mode} tolerance {first.tolerance:.3g} "
+                f"({first.why})."
+            )
+        else:
+            text += f"{first.message}."
+        later = len(self.failures) - 1
+        text += f" {agreed} earlier records agreed; {later} later records also diverge."
+        if self.hint:
+            text += f" Hint: {self.hint}"
+        return text
+
+    def table(self) -> str:
+        """Steps x phases: the worst ratio of deviation to tolerance in each cell, FAIL marked."""
+        cells: dict[tuple[int, str], list[Finding]] = {}
+        for f in self.findings:
+            cells.setdefault((f.step, f.phase), []).append(f)
+        rows = [["step"] + [p for p in PHASES]]
+        for step in sorted({s for s, _ in cells}):
+            row = [str(step)]
+            for phase in PHASES:
+                fs = cells.get((step, phase))
+                if not fs:
+                    row.append("-")
+                    continue
+                worst = max(f.ratio for f in fs)
+                bad = sum(1 for f in fs if not f.ok)
+                row.append(f"FAIL x{bad}" if bad else ("exact" if worst == 0 else f"{worst:.2g}"))
+            rows.append(row)
+        widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
+        legend = "cells: worst deviation/tolerance ratio of the records in that step and phase (<1 passes)"
+        return "\n".join(lines + [legend])
+
+    def to_dict(self) -> dict[str, Any]:
+        first = self.first_divergence
+        return {
+            "ok": self.ok,
+            "case_hash": self.case.hash,
+            "case": self.case.to_dict(),
+            "summary": self.summary(),
+            "first_divergence": first.to_dict() if first else None,
+            "hint": self.hint,
+            "calibrated": self.calibrated,
+            "seconds": self.seconds,
+            "findings": [f.to_dict() for f in sorted(self.findings, key=lambda f: sort_key(f.key))],
+        }
+
+    def save_json(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
+        return path
+
+
+def _where(f: Finding) -> str:
+    return f"step {f.step}, {PHASE_TITLES[f.phase]}, {f.name!r}"
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float):
+        return str(o)
+    return repr(o)
