@@ -17,7 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from verify.case import Case
 from verify.data import global_batch, microbatch_slices
 from verify.engines import ShardSpec, resolve_engine
-from verify.gather import gather_full, sum_full
+from verify.engines.view import EngineView, view_of
 from verify.models import build_model, loss_fn
 from verify.optim import make_optimizer, optimizer_state
 from verify.rng import dropout_seed
@@ -33,23 +33,19 @@ class RankContext:
     phase: Callable[[str], None] = lambda _p: None
 
 
-def full(t: torch.Tensor) -> torch.Tensor:
-    """The whole tensor from a DTensor shard (a collective: every rank must call it)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
-
-
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
-    params = dict(sharded.named_parameters())
+    view = view_of(sharded)
+    params = view.parameters()
     optimizer = make_optimizer(case.optim, params.values())
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
 
     ctx.phase("step 0 gather initial params")
-    _record_params(trace, 0, params, initial=True)
+    _record_params(trace, 0, view, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     dtypes: dict[str, str] = {}
     for step in range(1, case.steps + 1):
@@ -57,8 +53,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
         slices = microbatch_slices(case, ctx.rank)
         for m, index in enumerate(slices):
-            if hasattr(sharded, "set_requires_gradient_sync") and not case.sync_every_microbatch:
-                sharded.set_requires_gradient_sync(m == len(slices) - 1)
+            if not case.sync_every_microbatch:
+                view.set_requires_gradient_sync(m == len(slices) - 1)
             ctx.phase(f"step {step} forward (micro-batch {m})")
             out = sharded(inputs[index].to(ctx.device))
             loss = loss_fn(case.model, out, targets[index].to(ctx.device)) / case.microbatches
@@ -74,22 +70,18 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         _add(trace, step, "loss", "loss", local_loss / ctx.world_size)
 
         ctx.phase(f"step {step} gather gradients")
-        with_grad = {n: p.grad for n, p in params.items() if p.grad is not None}
-        for (name, g), whole in zip(with_grad.items(), gather_full(list(with_grad.values()))):
-            dtypes["grads"] = str(g.dtype)
+        for name, whole in view.full_grads().items():
+            dtypes["grads"] = str(whole.dtype)
             _add(trace, step, "grads", name, whole)
         if case.clip_norm is not None:
             ctx.phase(f"step {step} clip gradients")
-            grads_of = [p for p in params.values() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(grads_of, case.clip_norm)
-            _add(trace, step, "grad_norm", "total_norm", full(norm))
+            _add(trace, step, "grad_norm", "total_norm", view.clip_grad_norm_(case.clip_norm))
         ctx.phase(f"step {step} optimizer step")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         ctx.phase(f"step {step} gather params and optimizer state")
-        _record_params(trace, step, params)
-        state = optimizer_state(optimizer, params)
-        for key, whole in zip(state, gather_full(list(state.values()))):
+        _record_params(trace, step, view)
+        for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
             _add(trace, step, "optim_state", key, whole)
     ctx.phase("done")
     if trace is not None:
@@ -102,21 +94,16 @@ def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Ten
         trace.add(step, phase, name, value)
 
 
-def _record_params(trace: Trace | None, step: int, params: dict[str, torch.Tensor], initial: bool = False) -> None:
+def _record_params(trace: Trace | None, step: int, view: EngineView, initial: bool = False) -> None:
     """Full params, and per-param sums computed from the local shards (sum of each shard, then
     reduced): a second path that sees padding leaking into shards or a parameter held twice."""
-    tensors = [p.detach() for p in params.values()]
-    sums = sum_full(tensors)
-    for name, whole, s in zip(params, gather_full(tensors), sums):
+    sums = view.param_sums()
+    for name, whole in view.full_params().items():
         _add(trace, step, "init" if initial else "params", name, whole)
+    for name, s in sums.items():
         _add(trace, step, "param_sums", name, s)
-    _add(
-        trace,
-        step,
-        "param_sums",
-        "__total__",
-        torch.stack(sums).sum() if sums else torch.zeros((), dtype=torch.float64),
-    )
+    total = torch.stack(list(sums.values())).sum() if sums else torch.zeros((), dtype=torch.float64)
+    _add(trace, step, "param_sums", "__total__", total)
 
 
 def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,61 @@
+"""EngineView: what the training loop needs from a sharded model beyond forward and backward.
+
+FSDP2-style engines, whose parameters are DTensors, need nothing more: `DTensorView` reads full
+tensors from the shards. An engine whose parameters are not DTensors (FSDP1's FlatParameter, a
+home-grown engine) gives the module it returns a method `verify_view(self) -> EngineView`; the
+loop then asks that view instead. All methods with full tensors are collectives: every rank calls
+them in the same order.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verify.gather import gather_full, sum_full
+
+
+class EngineView:
+    """The default view, for DTensor parameters (and plain replicated ones)."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The tensors the optimizer steps, by their original FQN (tied weights once)."""
+        return dict(self.module.named_parameters())
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        params = self.parameters()
+        return dict(zip(params, gather_full([p.detach() for p in params.values()])))
+
+    def param_sums(self) -> dict[str, torch.Tensor]:
+        """float64 sum of each parameter from the local shards, reduced over the shard group."""
+        params = self.parameters()
+        return dict(zip(params, sum_full([p.detach() for p in params.values()])))
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        """Gradients after reduction, before clipping; parameters without a gradient are absent."""
+        grads = {n: p.grad for n, p in self.parameters().items() if p.grad is not None}
+        return dict(zip(grads, gather_full(list(grads.values()))))
+
+    def full_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return dict(zip(state, gather_full(list(state.values()))))
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm; returns the full total norm."""
+        with_grad = [p for p in self.parameters().values() if p.grad is not None]
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        if hasattr(self.module, "set_requires_gradient_sync"):
+            self.module.set_requires_gradient_sync(sync)
+
+
+DTensorView = EngineView
+
+
+def view_of(module: nn.Module) -> EngineView:
+    custom = getattr(module, "verify_view", None)
+    return custom() if callable(custom) else EngineView(module)
