@@ -11,6 +11,7 @@ import torch.distributed as dist
 
 from reference import train_reference
 from verify.case import Case
+from verify.checks import run_checks
 from verify.comparators import compare_traces
 from verify.localize import hint
 from verify.pool import RankPool, get_pool
@@ -34,7 +35,7 @@ def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict
         calibrated.append(True)
         return calibration_runs(case)
 
-    findings = compare_traces(ref, got, calibration if calibrate else None)
+    findings = compare_traces(ref, got, calibration if calibrate else None) + run_checks(case, ref, got)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
     verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size)
     return verdict

@@ -20,6 +20,7 @@ from verify.engines import ShardSpec, resolve_engine
 from verify.engines.view import EngineView, view_of
 from verify.models import build_model, loss_fn
 from verify.optim import make_optimizer, optimizer_state
+from verify.probes import PROBES
 from verify.rng import dropout_seed
 from verify.trace import Trace
 
@@ -34,15 +35,21 @@ class RankContext:
 
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
+    trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
+    probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
+    for probe in probes:
+        probe.after_build(model)
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
     view = view_of(sharded)
     params = view.parameters()
     optimizer = make_optimizer(case.optim, params.values())
-    trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
+    ctx.phase("probes after sharding")
+    for probe in probes:
+        probe.after_shard(sharded, view)
 
     ctx.phase("step 0 gather initial params")
     _record_params(trace, 0, view, initial=True)
@@ -56,10 +63,16 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
             if not case.sync_every_microbatch:
                 view.set_requires_gradient_sync(m == len(slices) - 1)
             ctx.phase(f"step {step} forward (micro-batch {m})")
+            for probe in probes:
+                probe.before_forward(step, m)
             out = sharded(inputs[index].to(ctx.device))
+            for probe in probes:
+                probe.after_forward(step, m, out)
             loss = loss_fn(case.model, out, targets[index].to(ctx.device)) / case.microbatches
             ctx.phase(f"step {step} backward (micro-batch {m})")
             loss.backward()
+            for probe in probes:
+                probe.after_backward(step, m)
             logits.append(out.detach())
             local_loss += loss.detach().float()
         dtypes["logits"] = str(out.dtype)
@@ -83,6 +96,11 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         _record_params(trace, step, view)
         for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
             _add(trace, step, "optim_state", key, whole)
+        ctx.phase(f"step {step} probes after the step")
+        for probe in probes:
+            probe.after_step(step)
+    for probe in probes:
+        probe.finish()
     ctx.phase("done")
     if trace is not None:
         trace.meta["dtypes"] = dtypes

@@ -17,8 +17,24 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-# Execution order within a step. "init" only at step 0; "param_sums" at step 0 and after each step.
-PHASES = ("init", "logits", "loss", "grads", "grad_norm", "params", "param_sums", "optim_state")
+# Execution order within a step: the order the first divergence is searched in. Step 0 holds
+# "ownership" (who owns each parameter), "init" and "param_sums"; "buffers" are recorded at step 0
+# and after each step; "precision" holds the dtypes seen during a step's forward and backward.
+# "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
+PHASES = (
+    "ownership",
+    "init",
+    "buffers",
+    "precision",
+    "rng",
+    "logits",
+    "loss",
+    "grads",
+    "grad_norm",
+    "params",
+    "param_sums",
+    "optim_state",
+)
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 
 Key = tuple[int, str, str]

@@ -12,7 +12,11 @@ from verify.comparators import Finding
 from verify.trace import PHASES, sort_key
 
 PHASE_TITLES = {
+    "ownership": "parameter ownership",
     "init": "initial parameters",
+    "buffers": "buffers",
+    "precision": "precision contract",
+    "rng": "random state",
     "logits": "logits",
     "loss": "loss",
     "grads": "gradients",
