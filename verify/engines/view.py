@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from verify.gather import gather_full, sum_full
+from verify.ownership import OwnershipMap
 
 
 class EngineView:
@@ -47,6 +48,11 @@ class EngineView:
         with_grad = [p for p in self.parameters().values() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def ownership(self) -> OwnershipMap | None:
+        """Which shard unit owns each parameter and how many elements each rank holds (a
+        collective). None if the engine cannot say. FSDP2's reading lives in verify/checks/."""
+        return None
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         if hasattr(self.module, "set_requires_gradient_sync"):
