@@ -63,6 +63,9 @@ class Deviation:
     scale: float  # max|reference|
 
 
+EXACT_MATCH = Deviation(0.0, 0.0, 0.0, 0, 0.0)  # two records equal to the bit
+
+
 def measure(ref: torch.Tensor, got: torch.Tensor) -> Deviation:
     a, b = ref.detach().double(), got.detach().double()
     diff = (a - b).abs()

@@ -1,0 +1,127 @@
+"""What verification costs on a medium model: bare training vs the same training verified.
+
+bare     = a plain single-process training loop (the reference without records)
+         + the sharded training loop without any gathering or recording
+verified = the recording reference (reference/trainer.py) + the recording sharded loop
+           (verify/sharded.py) + comparing the traces
+Measured in the same two rank processes, one after the other, after a warm-up.
+Target: verified / bare <= 1.3.
+
+    python bench/overhead.py [--repeats 3] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from reference import train_reference
+from verify.case import Case, DataSpec, ModelSpec
+from verify.data import global_batch, microbatch_slices
+from verify.engines import ShardSpec, resolve_engine
+from verify.models import build_model, loss_fn
+from verify.optim import make_optimizer
+from verify.runner import judge
+from verify.sharded import RankContext, run_sharded
+from verify.worker import MeshCache
+
+MEDIUM = Case(
+    model=ModelSpec(kind="transformer", vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_hidden=344, seq_len=64),
+    world_size=2,
+    steps=4,
+    data=DataSpec(batch_size=8),
+)
+
+
+def bare_sharded(case: Case, mesh) -> None:
+    model = resolve_engine(case.engine)(build_model(case.model, case.seed), mesh, ShardSpec.from_case(case))
+    optimizer = make_optimizer(case.optim, model.parameters())
+    for step in range(1, case.steps + 1):
+        inputs, targets = global_batch(case, step)
+        for index in microbatch_slices(case, dist.get_rank()):
+            (loss_fn(case.model, model(inputs[index]), targets[index]) / case.microbatches).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def bare_reference(case: Case) -> None:
+    model = build_model(case.model, case.seed)
+    optimizer = make_optimizer(case.optim, model.parameters())
+    for step in range(1, case.steps + 1):
+        inputs, targets = global_batch(case, step)
+        loss_fn(case.model, model(inputs), targets).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+
+
+def verify(case: Case, got) -> None:
+    verdict = judge(case, train_reference(case), got)
+    assert verdict.ok, verdict.summary()
+
+
+def timed(fn) -> float:
+    dist.barrier()
+    t = time.perf_counter()
+    fn()
+    dist.barrier()
+    return time.perf_counter() - t
+
+
+def rank_main(rank: int, store_path: str, repeats: int, out_path: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
+    case, ctx = MEDIUM, RankContext(rank, 2, torch.device("cpu"), MeshCache("cpu").get((2,)))
+    rows = []
+    for i in range(repeats + 1):
+        row = {
+            "bare_sharded": timed(lambda: bare_sharded(case, ctx.mesh)),
+            "bare_reference": timed(lambda: rank == 0 and bare_reference(case)),
+        }
+        holder: dict = {}
+        row["verified_sharded"] = timed(lambda h=holder: h.update(got=run_sharded(case, ctx)))
+        row["verified_reference_and_compare"] = timed(lambda h=holder: rank == 0 and verify(case, h["got"]))
+        if i > 0:  # the first round warms up
+            rows.append(row)
+    if rank == 0:
+        med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
+        bare = med["bare_sharded"] + med["bare_reference"]
+        verified = med["verified_sharded"] + med["verified_reference_and_compare"]
+        result = {
+            **{f"{k}_s": v for k, v in med.items()},
+            "bare_s": bare,
+            "verified_s": verified,
+            "ratio": verified / bare,
+        }
+        with open(out_path, "w") as f:
+            json.dump(result, f, indent=2)
+    dist.destroy_process_group()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--json", type=str)
+    args = parser.parse_args()
+    tmp = tempfile.mkdtemp(prefix="fsdp-verify-bench-")
+    out = os.path.join(tmp, "result.json")
+    mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args.repeats, out), nprocs=2)
+    with open(out) as f:
+        result = json.load(f)
+    print(f"case: {MEDIUM.model}")
+    for k, v in result.items():
+        print(f"{k:36s} {v:.4g}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
