@@ -20,18 +20,21 @@ from verify.data import global_batch, microbatch_slices
 from verify.models import build_model, loss_fn
 from verify.optim import make_optimizer, optimizer_state
 from verify.precision import cast_floats, to_dtype
-from verify.rng import dropout_seed
+from verify.rng import dropout_seed, rng_fingerprint
 from verify.trace import Trace
 
 
-def train_reference(case: Case, emulate: bool = True, reverse: bool = False) -> Trace:
-    """`reverse=True` sums ranks and gradient norms in reverse order: a calibration run."""
+def train_reference(case: Case, emulate: bool = True, order: str = "ring") -> Trace:
+    """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
+    reduce-scatter adds them (see `_average`), "rank" (0, 1, ...) or "reverse" (which also sums
+    the gradient norms of a clip in reverse); the latter two are calibration runs."""
     model = build_model(case.model, case.seed, init="eager")
     _install_precision_hooks(model, case)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
-    trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "reverse": reverse})
+    trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order})
     _record_params(trace, 0, params, initial=True)
+    _record_buffers(trace, 0, model)
 
     param_dtype = to_dtype(case.precision.param_dtype) or torch.float32
     reduce_dtype = to_dtype(case.precision.reduce_dtype) or param_dtype
@@ -45,58 +48,94 @@ def train_reference(case: Case, emulate: bool = True, reverse: bool = False) -> 
         if not emulate:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
         logits: dict[int, torch.Tensor] = {}
-        loss_sum = torch.zeros((), dtype=torch.float32)
+        rank_loss = [torch.zeros((), dtype=torch.float32) for _ in groups[0]]
         master_grads: dict[str, torch.Tensor] = {}
         local_grads: list[dict[str, torch.Tensor]] = [{} for _ in groups[0]]  # sync-last accumulators
+        fingerprints: dict[str, list[int]] = {}
         for m, group in enumerate(groups):
             rank_grads = []
             for r, index in enumerate(group):
+                if emulate:  # each rank's generator before and after its forward (verify/probes/rng.py)
+                    fingerprints.setdefault(f"before_forward.{m}", []).append(rng_fingerprint(rng_states[r]))
                 torch.set_rng_state(rng_states[r])
                 compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
                 out = functional_call(model, compute, (inputs[index],))
+                if emulate:
+                    fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
                 loss = loss_fn(case.model, out, targets[index]) / case.microbatches
                 trainable = [n for n in compute if compute[n].requires_grad]
                 grads = torch.autograd.grad(loss, [compute[n] for n in trainable])
                 rank_grads.append(dict(zip(trainable, grads)))
                 rng_states[r] = torch.get_rng_state()
-                loss_sum += loss.detach().float() / len(group)
+                rank_loss[r] += loss.detach().float()
                 _store_logits(logits, index, out.detach())
             if not case.sync_every_microbatch:
-                for acc, g in zip(local_grads, rank_grads):  # unsharded accumulation in param_dtype
+                # Unsharded accumulation without communication. FSDP2 (FSDPParam.
+                # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
+                # no-sync gradient to reduce_dtype when that is set and differs from the compute
+                # dtype and adds later micro-batches into it there (fp32 += bf16), so the running
+                # sum is in reduce_dtype, not param_dtype as seed 000 describes; with reduce_dtype
+                # unset (or equal) autograd accumulates in param_dtype. Both are `reduce_dtype` here.
+                for acc, g in zip(local_grads, rank_grads):
                     for n, t in g.items():
-                        acc[n] = acc[n] + t if n in acc else t
+                        acc[n] = acc[n] + t if n in acc else t.to(reduce_dtype)
                 if m < len(groups) - 1:
                     continue
                 rank_grads = local_grads
             for n in rank_grads[0]:
-                ordered = [g[n] for g in rank_grads]
-                reduced = _average(ordered[::-1] if reverse else ordered, reduce_dtype).to(torch.float32)
+                reduced = _average([g[n] for g in rank_grads], reduce_dtype, order).to(torch.float32)
                 master_grads[n] = master_grads[n] + reduced if n in master_grads else reduced
         for n, p in params.items():
             p.grad = master_grads.get(n)
 
+        for name, per_rank in fingerprints.items():
+            trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
         trace.add(step, "logits", "logits", torch.cat([logits[i] for i in sorted(logits)]))
-        trace.add(step, "loss", "loss", loss_sum)
+        # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
+        trace.add(step, "loss", "loss", torch.stack(rank_loss).sum() / len(rank_loss))
         for n, g in master_grads.items():
             trace.add(step, "grads", n, g)
         if case.clip_norm is not None:
             with_grad = [p for p in params.values() if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(with_grad[::-1] if reverse else with_grad, case.clip_norm)
+            norm = torch.nn.utils.clip_grad_norm_(with_grad[::-1] if order == "reverse" else with_grad, case.clip_norm)
             trace.add(step, "grad_norm", "total_norm", norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _record_params(trace, step, params)
+        _record_buffers(trace, step, model)
         for key, value in optimizer_state(optimizer, params).items():
             trace.add(step, "optim_state", key, value)
     return trace
 
 
-def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype) -> torch.Tensor:
-    """ReduceOp.AVG as FSDP2 issues it: upcast, sum in rank order, divide by the world size."""
-    total = grads[0].to(reduce_dtype)
-    for g in grads[1:]:
-        total = total + g.to(reduce_dtype)
-    return total / len(grads) if len(grads) > 1 else total
+def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -> torch.Tensor:
+    """ReduceOp.AVG as FSDP2 issues it: upcast to reduce_dtype, sum, divide by the world size.
+
+    FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's ring
+    reduce-scatter adds the contributions to the rows that rank r owns in the order r-1, r-2,
+    ..., r+1 and then r (measured on torch 2.13's gloo for W = 3 and 4). Emulating that order
+    makes a correct fp32 FSDP2 run on CPU bit-exact at any world size. With a 2-byte reduce_dtype
+    gloo's segment boundaries fall a few elements off the rank boundaries, so a few elements per
+    unit are added in a neighbour's order (one bf16 ulp); that, and NCCL's different order on GPUs,
+    is left to the calibrated tolerance."""
+    world = len(grads)
+    wide = [g.to(reduce_dtype) for g in grads]
+    if world == 1:
+        return wide[0]
+    if order == "rank":
+        sequences = [(slice(None), list(range(world)))]
+    elif order == "reverse":
+        sequences = [(slice(None), list(range(world))[::-1])]
+    else:
+        chunk = -(-wide[0].shape[0] // world) if wide[0].dim() else 1
+        sequences = [(slice(r * chunk, (r + 1) * chunk), [(r - k) % world for k in range(1, world)] + [r]) for r in range(world)]
+    total = torch.empty_like(wide[0])
+    for rows, ranks in sequences:
+        acc = wide[ranks[0]][rows]
+        for r in ranks[1:]:
+            acc = acc + wide[r][rows]
+        total[rows] = acc
+    return total / world
 
 
 def _store_logits(logits: dict[int, torch.Tensor], index, out: torch.Tensor) -> None:
@@ -116,6 +155,11 @@ def _record_params(trace: Trace, step: int, params: dict[str, nn.Parameter], ini
         trace.add(step, "param_sums", n, s)
         total += s
     trace.add(step, "param_sums", "__total__", total)
+
+
+def _record_buffers(trace: Trace, step: int, model: nn.Module) -> None:
+    for n, b in model.named_buffers():
+        trace.add(step, "buffers", n, b)
 
 
 def _install_precision_hooks(model: nn.Module, case: Case) -> None:

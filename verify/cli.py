@@ -16,6 +16,11 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 # (name, module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("check", "verify.cmd_check", "run one case on the reference and the engine, report where they part"),
+    ("ownership", "verify.cmd_ownership", "print which shard unit owns each parameter and check it is a partition"),
+    ("shrink", "verify.cmd_shrink", "reduce a failing case to a minimal one that fails the same way"),
+    ("repro", "verify.cmd_repro", "replay a repro file; exit 0 / 1 / 125 for `git bisect run`"),
+    ("selftest", "verify.cmd_selftest", "run the bug zoo: every injected bug must be caught (exit 1 if not)"),
+    ("fuzz", "verify.cmd_fuzz", "generate cases, check a property on each; shrink a failure to a minimal repro"),
 ]
 
 

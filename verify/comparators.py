@@ -40,9 +40,10 @@ class Finding:
 
     @property
     def ratio(self) -> float:
-        """Deviation over tolerance: > 1 fails. inf for an exact record that moved at all."""
+        """Deviation over tolerance: > 1 fails. inf for an exact record that moved at all, and for
+        a failed non-numeric finding; 0 for a passing one (a warning or note)."""
         if self.kind != "deviation":
-            return float("inf")
+            return 0.0 if self.ok else float("inf")
         if self.tolerance == 0:
             return 0.0 if self.normwise == 0 else float("inf")
         return self.normwise / self.tolerance
@@ -118,6 +119,18 @@ class InitParamsComparator(Comparator):
         return EXACT
 
 
+class BuffersComparator(Comparator):
+    """Buffers (RoPE frequencies, norm statistics) on rank 0, at step 0 and after each step:
+    bit-identical, as both sides compute them by the same code from the same inputs."""
+
+    phase = "buffers"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+
 class LogitsComparator(Comparator):
     phase = "logits"
 
@@ -183,6 +196,7 @@ COMPARATORS: dict[str, Comparator] = {
     c.phase: c()
     for c in (
         InitParamsComparator,
+        BuffersComparator,
         LogitsComparator,
         LossComparator,
         GradsComparator,
@@ -202,18 +216,27 @@ class CompareContext:
     def __init__(self, ref: Trace, calibrate: Calibration | None):
         self.ref = ref
         self.calibrate = calibrate
-        self._noise: dict[Key, float] | None = None
+        self._noise: dict[tuple[int, str], float] | None = None
         self._names: dict[tuple[int, str], list[str]] | None = None
         self.limits: dict[Key, float] = {}
 
     def noise(self, key: Key) -> float:
+        """Calibration noise of a record, pooled over its step and phase: every record of one
+        phase at one step went through the same perturbations (reassociated sums a step earlier,
+        then bf16 rounding flips), so the largest deviation any of them showed in a calibration
+        run is a sample of what each may show; one record's own two samples are too few (a
+        reversed order can happen to round the same way). The loss is a function of the logits,
+        so it is pooled with them."""
         if self._noise is None:
             self._noise = {}
             for other in self.calibrate():
                 for k, ref in self.ref.records.items():
                     if k in other.records and other.records[k].shape == ref.shape:
-                        self._noise[k] = max(self._noise.get(k, 0.0), measure(ref, other.records[k]).normwise)
-        return self._noise.get(key, 0.0)
+                        pool = (k[0], "logits" if k[1] == "loss" else k[1])
+                        dev = measure(ref, other.records[k]).normwise
+                        self._noise[pool] = max(self._noise.get(pool, 0.0), dev)
+        step, phase, _ = key
+        return self._noise.get((step, "logits" if phase == "loss" else phase), 0.0)
 
     def names(self, step: int, phase: str) -> list[str]:
         """Record names of one step and phase of the reference, indexed once."""

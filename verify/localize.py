@@ -8,10 +8,15 @@ from verify.comparators import Finding
 from verify.trace import Trace
 
 
-def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int) -> str:
+def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
     if first is None or first.kind != "deviation":
         return ""
     a, b = ref.records[first.key].double().flatten(), got.records[first.key].double().flatten()
+    if first.phase == "init" and init == "meta":
+        return (
+            "initial parameters differ from an eager build: the meta-device build or its materialisation"
+            " consumed or reordered random numbers (save and restore the RNG state; seed 004)"
+        )
     if first.phase == "init":
         return "initial parameters differ: ranks initialised differently, or a shard holds the wrong slice"
     if first.phase == "param_sums" and first.name == "__total__":

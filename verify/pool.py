@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from verify.case import Case
+from verify.devices import pool_env
 from verify.trace import Trace
 from verify.worker import PhaseBoard
 
@@ -72,6 +73,7 @@ class RankPool:
         env = {
             **os.environ,
             "PYTHONPATH": os.pathsep.join(filter(None, [_source_root(), os.environ.get("PYTHONPATH")])),
+            **pool_env(self.world_size),  # this xdist worker's own GPUs when CUDA is present (verify/devices.py)
         }
         for rank in range(self.world_size):
             down_r, down_w = os.pipe()

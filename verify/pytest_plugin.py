@@ -1,32 +1,216 @@
-"""pytest plugin (entry point `pytest11`): a per-process rank pool and a fixture that checks a
-case. Under pytest-xdist every worker is its own process and so gets its own pools (FileStore
-rendezvous in a private temp dir: no ports or files shared between workers)."""
+"""pytest plugin (entry point `pytest11`): per-process rank pools, fixtures that check a case or a
+property, generated cases configured from the command line, Hypothesis profiles, and minimal
+repro files for failing properties.
+
+Under pytest-xdist every worker is its own process and so gets its own pools (FileStore
+rendezvous in a private temp dir: no ports or files shared between workers) and, on a GPU runner,
+its own disjoint slice of the GPUs (verify/devices.py). Repro files are named by the Case's hash,
+so two workers never write one file with different contents.
+
+    from hypothesis import given, strategies as st
+
+    @given(data=st.data())
+    def test_my_engine(fsdp_cases, fsdp_property, data):
+        fsdp_property(data.draw(fsdp_cases(model_kinds=("mlp",))))
+"""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from pathlib import Path
+
 import pytest
+
+REPRO_SECTION = "fsdp-verify: minimal failing case"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("fsdp-verify")
     group.addoption("--fsdp-engine", default="fsdp2", help="engine under test (fsdp2 | pkg.module:NAME | file.py:NAME)")
     group.addoption("--fsdp-timeout", type=float, default=120.0, help="seconds before a rank counts as hung")
+    group.addoption(
+        "--fsdp-world-sizes",
+        type=_world_sizes,
+        default=(1, 2, 3, 4),
+        help="world sizes generated cases use, comma separated (default 1,2,3,4)",
+    )
+    group.addoption(
+        "--fsdp-precisions",
+        type=_precisions,
+        default=("fp32", "bf16"),
+        help="precision policies generated cases use: fp32,bf16 (default both)",
+    )
+    group.addoption(
+        "--fsdp-max-examples",
+        type=int,
+        default=None,
+        help="generated cases per property test (overrides the Hypothesis profile's max_examples)",
+    )
+    group.addoption(
+        "--fsdp-repro-dir",
+        default="fsdp-verify-repros",
+        help="where a failing property writes its shrunk Case file (default ./fsdp-verify-repros)",
+    )
 
 
+def _world_sizes(text: str) -> tuple[int, ...]:
+    import argparse
+
+    try:
+        sizes = tuple(int(s) for s in text.split(",") if s.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
+    return sizes
+
+
+def _precisions(text: str) -> tuple[str, ...]:
+    import argparse
+
+    names = tuple(s.strip() for s in text.split(",") if s.strip())
+    if not names or any(n not in ("fp32", "bf16") for n in names):
+        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of fp32,bf16, got {text!r}")
+    return names
+
+
+@pytest.hookimpl(trylast=True)  # after Hypothesis's own plugin has loaded --hypothesis-profile
+def pytest_configure(config: pytest.Config) -> None:
+    """Register the `ci`, `nightly` and `dev` profiles; unless --hypothesis-profile chose one, load
+    `ci` when the CI variable is set, else `dev`; then apply --fsdp-max-examples."""
+    from hypothesis import settings
+
+    from properties.search import default_profile, register_profiles
+
+    register_profiles()
+    if not config.getoption("hypothesis_profile", None):
+        settings.load_profile(default_profile())
+    n = config.getoption("--fsdp-max-examples")
+    if n is not None:
+        if n < 1:
+            raise pytest.UsageError(f"--fsdp-max-examples: expected a positive integer, got {n}")
+        name = f"{settings.get_current_profile_name()}-fsdp-max-examples-{n}"
+        settings.register_profile(name, max_examples=n)  # the current profile, with max_examples
+        settings.load_profile(name)
+
+
+# ---- fixtures -----------------------------------------------------------------------------------
 @pytest.fixture(scope="session")
 def fsdp_engine(request: pytest.FixtureRequest) -> str:
     return request.config.getoption("--fsdp-engine")
 
 
-@pytest.fixture
-def fsdp_check(request: pytest.FixtureRequest):
-    """`fsdp_check(case) -> Verdict`, run on this process's warm pool for the case's world size."""
+@pytest.fixture(scope="session")
+def fsdp_world_sizes(request: pytest.FixtureRequest) -> tuple[int, ...]:
+    return request.config.getoption("--fsdp-world-sizes")
+
+
+@pytest.fixture(scope="session")
+def fsdp_repro_dir(request: pytest.FixtureRequest) -> Path:
+    return _repro_dir(request.config)
+
+
+@pytest.fixture(scope="session")
+def fsdp_pool(request: pytest.FixtureRequest):
+    """`fsdp_pool(world_size) -> RankPool`: this process's warm pool (one per xdist worker)."""
     from verify.pool import get_pool
+
+    timeout = request.config.getoption("--fsdp-timeout")
+    return lambda world_size: get_pool(world_size, timeout)
+
+
+@pytest.fixture(scope="session")
+def fsdp_check(request: pytest.FixtureRequest, fsdp_pool):
+    """`fsdp_check(case) -> Verdict`, run on this process's warm pool for the case's world size.
+    Session-scoped, so it can be used inside Hypothesis tests."""
     from verify.runner import check_case
 
     timeout = request.config.getoption("--fsdp-timeout")
 
     def check(case, **kwargs):
-        return check_case(case, pool=get_pool(case.world_size, timeout), **kwargs)
+        kwargs.setdefault("timeout_s", timeout)
+        return check_case(case, pool=fsdp_pool(case.world_size), **kwargs)
 
     return check
+
+
+@pytest.fixture(scope="session")
+def fsdp_property(request: pytest.FixtureRequest, fsdp_pool):
+    """`fsdp_property(case, name="sharded-equals-reference") -> Verdict`; raises PropertyFailed
+    (the plugin then writes the shrunk Case file and prints its replay command)."""
+    from properties.properties import PROPERTIES
+
+    timeout = request.config.getoption("--fsdp-timeout")
+
+    def check(case, name: str = "sharded-equals-reference", **kwargs):
+        if name not in PROPERTIES:
+            raise ValueError(f"property: expected one of {sorted(PROPERTIES)}, got {name!r}")
+        kwargs.setdefault("timeout_s", timeout)
+        return PROPERTIES[name](case, pool=fsdp_pool(case.world_size), **kwargs)
+
+    return check
+
+
+@pytest.fixture(scope="session")
+def fsdp_cases(request: pytest.FixtureRequest) -> Callable:
+    """`fsdp_cases(**pins) -> SearchStrategy[Case]`: `properties.strategies.cases` with the engine,
+    world sizes and precisions from the command line as defaults."""
+    from properties.strategies import cases
+
+    config = request.config
+    defaults = {
+        "engine": config.getoption("--fsdp-engine"),
+        "world_sizes": config.getoption("--fsdp-world-sizes"),
+        "precisions": config.getoption("--fsdp-precisions"),
+    }
+    return lambda **pins: cases(**{**defaults, **pins})
+
+
+# ---- minimal repros -----------------------------------------------------------------------------
+def _repro_dir(config: pytest.Config) -> Path:
+    path = Path(config.getoption("--fsdp-repro-dir"))
+    return path if path.is_absolute() else config.invocation_params.dir / path
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    """A failing property (after Hypothesis's shrinking, this is the smallest failing Case):
+    write its Case file before the report is rendered, so the failure message ends with the
+    replay command, and add a section with the Case, its first divergence and that command."""
+    failures = []
+    if call.when == "call" and call.excinfo is not None:
+        from properties.search import property_failures
+
+        failures = property_failures(call.excinfo.value)
+        for failure in failures:
+            if failure.repro_path is None:
+                failure.write_repro(_repro_dir(item.config))
+    outcome = yield
+    if failures:
+        from verify.repro import replay_command
+
+        report = outcome.get_result()
+        for failure in failures:
+            text = "\n".join(
+                [
+                    failure.summary(),
+                    f"First divergence: {failure.first_divergence}",
+                    f"Shrunk case written to {failure.repro_path}:",
+                    failure.case.to_json(),
+                    f"Replay: {replay_command(failure.repro_path)}",
+                ]
+            )
+            report.sections.append((REPRO_SECTION, text))
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    lines = [
+        content.rsplit("\n", 1)[-1]
+        for report in terminalreporter.stats.get("failed", [])
+        for title, content in report.sections
+        if title == REPRO_SECTION
+    ]
+    if lines:
+        terminalreporter.section("fsdp-verify: replay the minimal failing cases")
+        for line in lines:
+            terminalreporter.line(line.removeprefix("Replay: "))

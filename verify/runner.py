@@ -20,9 +20,9 @@ from verify.verdict import Verdict
 
 
 def calibration_runs(case: Case) -> list[Trace]:
-    """Numerically equivalent reference runs: ranks reduced in reverse order, and (without
+    """Numerically equivalent reference runs: ranks reduced in rank and in reverse order, and (without
     dropout, whose masks depend on the per-rank split) the global batch in one piece."""
-    runs = [train_reference(case, reverse=True)]
+    runs = [train_reference(case, order="rank"), train_reference(case, order="reverse")]
     if case.model.dropout == 0:
         runs.append(train_reference(case, emulate=False))
     return runs
@@ -37,7 +37,7 @@ def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict
 
     findings = compare_traces(ref, got, calibration if calibrate else None) + run_checks(case, ref, got)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
-    verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size)
+    verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
     return verdict
 
 

@@ -50,6 +50,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("probes after sharding")
     for probe in probes:
         probe.after_shard(sharded, view)
+    for probe in probes:
+        probe.after_optimizer(optimizer, view)
 
     ctx.phase("step 0 gather initial params")
     _record_params(trace, 0, view, initial=True)

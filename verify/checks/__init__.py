@@ -15,6 +15,20 @@ Check = Callable[[Case, Trace, Trace], list[Finding]]
 CHECKS: list[Check] = []
 
 
+def _register_builtin() -> None:
+    from verify.checks.ownership import check_ownership
+    from verify.checks.rng import check_rng
+    from verify.checks.shared_state import check_buffers_across_ranks, check_frozen_params
+
+    CHECKS.extend([check_ownership, check_rng, check_buffers_across_ranks, check_frozen_params])
+    from verify.checks.precision import check_precision
+
+    CHECKS.append(check_precision)
+
+
+_register_builtin()
+
+
 def run_checks(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     findings: list[Finding] = []
     for check in CHECKS:

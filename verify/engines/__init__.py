@@ -22,6 +22,8 @@ Engine = Callable[..., nn.Module]
 
 BUILTIN = {
     "fsdp2": "verify.engines.fsdp2:fully_shard_engine",
+    "fsdp1": "verify.engines.fsdp1:fsdp1_engine",
+    "flat": "verify.engines.flat.engine:flat_engine",
 }
 
 

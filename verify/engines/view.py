@@ -51,8 +51,10 @@ class EngineView:
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a
-        collective). None if the engine cannot say. FSDP2's reading lives in verify/checks/."""
-        return None
+        collective). None if the engine cannot say. FSDP2's reading: verify/ownership_fsdp2.py."""
+        from verify.ownership_fsdp2 import fsdp2_ownership
+
+        return fsdp2_ownership(self.module)
 
     def set_requires_gradient_sync(self, sync: bool) -> None:
         if hasattr(self.module, "set_requires_gradient_sync"):

@@ -34,6 +34,9 @@ class Probe:
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         """The engine's module and view, before the first step."""
 
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
+        """The optimizer the loop built from `view.parameters()`, before the first step."""
+
     def before_forward(self, step: int, microbatch: int) -> None: ...
 
     def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None: ...
@@ -47,3 +50,17 @@ class Probe:
 
 
 PROBES: list[type[Probe]] = []
+
+
+def _register_builtin() -> None:
+    from verify.probes.buffers import BuffersProbe
+    from verify.probes.ownership import OwnershipProbe
+    from verify.probes.rng import RngProbe
+
+    PROBES.extend([OwnershipProbe, RngProbe, BuffersProbe])
+    from verify.probes.precision import PrecisionProbe
+
+    PROBES.append(PrecisionProbe)
+
+
+_register_builtin()

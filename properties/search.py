@@ -1,0 +1,123 @@
+"""Running a property over generated Cases outside pytest (the `fuzz` command, the nightly job,
+the toolkit's own tests), and the Hypothesis profiles every entry point shares.
+
+Hypothesis does the search and the shrinking: the property raises `PropertyFailed`, Hypothesis
+shrinks the Case and finally replays the smallest failing one, whose exception `search` returns.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import hypothesis
+from hypothesis import HealthCheck, given, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.strategies import SearchStrategy
+
+from properties.properties import PropertyFailed
+from verify.case import Case
+from verify.verdict import Verdict
+
+# A case takes 0.2-2 s: no deadline, and slow data generation is no health problem.
+_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
+PROFILES = {
+    # Quick and reproducible: the same examples every run, nothing remembered between runs.
+    "ci": {"max_examples": 10, "derandomize": True, "database": None, "print_blob": False},
+    # Many examples; failures are remembered and replayed first on the next night.
+    "nightly": {"max_examples": 300, "database": DirectoryBasedExampleDatabase(".hypothesis/fsdp-verify")},
+    # A person at a desk: random, a handful of examples, remembered failures.
+    "dev": {"max_examples": 20},
+}
+
+
+def register_profiles() -> None:
+    for name, values in PROFILES.items():
+        settings.register_profile(name, **_COMMON, **values)
+
+
+def default_profile() -> str:
+    """`ci` when the CI environment variable is set (every major CI service sets it), else `dev`."""
+    return "ci" if os.environ.get("CI", "").strip().lower() not in ("", "0", "false") else "dev"
+
+
+register_profiles()
+
+
+@dataclass
+class Example:
+    """One case the search ran: its verdict (None if a rank failed) and wall time."""
+
+    case: Case
+    ok: bool
+    seconds: float
+    verdict: Verdict | None = None
+    failure: PropertyFailed | None = None
+
+
+@dataclass
+class SearchResult:
+    examples: list[Example] = field(default_factory=list)
+    failure: PropertyFailed | None = None  # the shrunk failure, if any
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return self.failure is None
+
+
+def search(
+    prop: Callable[[Case], Verdict],
+    strategy: SearchStrategy[Case],
+    *,
+    profile: str | None = None,
+    max_examples: int | None = None,
+    seed: int | None = None,
+    on_example: Callable[[Example], None] | None = None,
+) -> SearchResult:
+    """Run `prop` on cases drawn from `strategy` until one fails (then shrink it) or
+    `max_examples` pass. Returns every example run (shrinking included) and the shrunk failure."""
+    base = settings.get_profile(profile or default_profile())
+    overrides = {"max_examples": max_examples} if max_examples is not None else {}
+    if seed is not None:
+        overrides["derandomize"] = False
+    result = SearchResult()
+
+    def body(case: Case) -> None:
+        t0 = time.perf_counter()
+        try:
+            verdict = prop(case)
+        except PropertyFailed as e:
+            _record(Example(case, False, time.perf_counter() - t0, e.verdict, e))
+            raise
+        _record(Example(case, True, time.perf_counter() - t0, verdict))
+
+    def _record(example: Example) -> None:
+        result.examples.append(example)
+        if on_example is not None:
+            on_example(example)
+
+    test = settings(base, **overrides)(given(strategy)(body))
+    if seed is not None:
+        test = hypothesis.seed(seed)(test)
+    t0 = time.perf_counter()
+    try:
+        test()
+    except PropertyFailed as e:
+        result.failure = e
+    except Exception as e:  # an ExceptionGroup of several distinct failures: report the first
+        failures = property_failures(e)
+        if not failures:
+            raise
+        result.failure = failures[0]
+    result.seconds = time.perf_counter() - t0
+    return result
+
+
+def property_failures(exc: BaseException) -> list[PropertyFailed]:
+    """The PropertyFailed in `exc`, or in the (nested) exception group `exc`."""
+    if isinstance(exc, PropertyFailed):
+        return [exc]
+    return [f for e in getattr(exc, "exceptions", ()) for f in property_failures(e)]

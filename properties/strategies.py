@@ -1,0 +1,314 @@
+"""Hypothesis strategies that generate valid, tiny Cases.
+
+`cases()` draws every field of a Case; `pins` fix some fields (a plain value) or draw them from a
+strategy of your own, by Case field name or dotted nested name (`"optim.name"`, `"model.dropout"`).
+The pieces (`models()`, `wrap_plans(spec)`, `precision_specs()`, `optim_specs()`, `data_specs()`)
+compose on their own too.
+
+Cases stay tiny (widths <= 40, <= 3 layers, <= 3 steps, small batches) so one costs well under a
+second on CPU: the search's power comes from many cases, not big ones. Every draw shrinks towards
+the simplest value (world size and steps towards the smallest, flags towards off), so Hypothesis's
+shrinking ends at a small case a person can read.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import fields
+from functools import lru_cache
+from typing import Any
+
+import torch
+from hypothesis import assume
+from hypothesis import strategies as st
+from hypothesis.strategies import SearchStrategy
+from torch import nn
+
+from verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from verify.models import _construct
+
+PRECISIONS = ("fp32", "bf16")
+# Widths that make uneven shards over 2, 3 and 4 ranks, one-element parameters, primes.
+AWKWARD_WIDTHS = (1, 2, 3, 5, 7, 13, 17, 31, 33, 37)
+MAX_WIDTH = 40
+LEARNING_RATES = (1e-3, 1e-2, 1e-1)
+# A tiny model's gradient norm is O(0.1..1); these clip on every step.
+CLIP_NORMS = (1e-3, 1e-2)
+
+
+class PinError(ValueError):
+    """A pin names no field of a Case."""
+
+
+# ---- pins ---------------------------------------------------------------------------------------
+def _valid_pin_names() -> set[str]:
+    names = {f.name for f in fields(Case)}
+    for head, spec in (("model", ModelSpec), ("precision", PrecisionSpec), ("optim", OptimSpec), ("data", DataSpec)):
+        names |= {f"{head}.{f.name}" for f in fields(spec)}
+    return names
+
+
+def _check_pins(pins: dict[str, Any]) -> None:
+    unknown = sorted(set(pins) - _valid_pin_names())
+    if unknown:
+        raise PinError(f"pins: {unknown[0]!r} is no field of a Case (e.g. 'steps', 'optim.name', 'model.dropout')")
+
+
+def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
+    """The strategy for field `name`: the pin (a strategy, or a value to fix) or the default."""
+    if name not in pins:
+        return default
+    value = pins[name]
+    return value if isinstance(value, SearchStrategy) else st.just(value)
+
+
+def _sub(pins: dict[str, Any], head: str) -> dict[str, Any]:
+    """The pins under `head.` with the prefix removed."""
+    return {k.split(".", 1)[1]: v for k, v in pins.items() if k.startswith(head + ".")}
+
+
+def _widths() -> SearchStrategy[int]:
+    return st.one_of(st.sampled_from(AWKWARD_WIDTHS), st.integers(1, MAX_WIDTH))
+
+
+# ---- models -------------------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
+def _param_names(spec: ModelSpec) -> tuple[str, ...]:
+    with torch.device("meta"):
+        return tuple(name for name, _ in _construct(spec).named_parameters())
+
+
+@st.composite
+def _frozen(draw: Callable, spec: ModelSpec) -> tuple[str, ...]:
+    """Up to two frozen parameters, never all of them (the optimizer needs something to train)."""
+    names = _param_names(spec)
+    if len(names) < 2:
+        return ()
+    return tuple(draw(st.lists(st.sampled_from(names), unique=True, max_size=min(2, len(names) - 1))))
+
+
+@st.composite
+def _mlp(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
+    widths = draw(_pinned(pins, "widths", st.lists(_widths(), min_size=2, max_size=4).map(tuple)))
+    dropout = draw(_pinned(pins, "dropout", st.sampled_from((0.0, 0.1, 0.5))))
+    spec = ModelSpec(kind="mlp", widths=widths, dropout=dropout)
+    frozen = draw(_pinned(pins, "frozen", _frozen(spec)))
+    return ModelSpec(kind="mlp", widths=widths, dropout=dropout, frozen=frozen)
+
+
+@st.composite
+def _transformer(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
+    n_heads = draw(_pinned(pins, "n_heads", st.sampled_from((1, 2, 4))))
+    head_dim = draw(st.sampled_from((2, 4, 6, 8)))  # RoPE rotates pairs: even
+    values = {
+        "vocab_size": draw(_pinned(pins, "vocab_size", st.one_of(st.sampled_from((2, 5, 17, 37)), st.integers(2, 40)))),
+        "dim": draw(_pinned(pins, "dim", st.just(n_heads * head_dim))),
+        "n_layers": draw(_pinned(pins, "n_layers", st.integers(1, 3))),
+        "n_heads": n_heads,
+        "ffn_hidden": draw(_pinned(pins, "ffn_hidden", _widths())),
+        "seq_len": draw(_pinned(pins, "seq_len", st.integers(1, 8))),
+        "tie_embeddings": draw(_pinned(pins, "tie_embeddings", st.booleans())),
+        "dropout": draw(_pinned(pins, "dropout", st.sampled_from((0.0, 0.1)))),
+    }
+    spec = ModelSpec(kind="transformer", **values)
+    frozen = draw(_pinned(pins, "frozen", _frozen(spec)))
+    return ModelSpec(kind="transformer", frozen=frozen, **values)
+
+
+def models(kinds: Iterable[str] = ("mlp", "transformer"), **pins: Any) -> SearchStrategy[ModelSpec]:
+    """ModelSpecs of the given kinds; `pins` by ModelSpec field name (`widths`, `dropout`, ...)."""
+    kinds = tuple(kinds)
+    kind_strategy = _pinned(pins, "kind", st.sampled_from(kinds))
+    rest = {k: v for k, v in pins.items() if k != "kind"}
+    return kind_strategy.flatmap(lambda kind: _mlp(rest) if kind == "mlp" else _transformer(rest))
+
+
+# ---- wrap plans ---------------------------------------------------------------------------------
+@lru_cache(maxsize=1024)
+def _wrappable(spec: ModelSpec) -> tuple[str, ...]:
+    """Modules whose forward runs (so FSDP2's hooks fire): not the root, not a ModuleList."""
+    with torch.device("meta"):
+        model = _construct(spec)
+    out = []
+    for name, module in model.named_modules():
+        if name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
+            if spec.tie_embeddings and name in ("tok_embeddings", "output"):
+                continue  # tied: both must stay with the root in one unit
+            out.append(name)
+    return tuple(out)
+
+
+def _order(units: Iterable[str]) -> tuple[str, ...]:
+    """Children before parents (deepest first), then the root."""
+    return tuple(sorted(units, key=lambda n: (-n.count("."), n))) + ("",)
+
+
+def _runs_in(name: str, spec: ModelSpec, precision: PrecisionSpec | None) -> bool:
+    """Can the built-in model run with `name` as its own unit under `precision`? Two limits of the
+    models, not of any engine (found by running FSDP2 on generated plans):
+    * MLP, cast_forward_inputs=False: MLPBlock casts its input to its Linear's weight dtype, which a
+      separately wrapped Linear has only after its own pre-forward (still the fp32 shard before):
+      the Linear then gets fp32 input and bf16 weights.
+    * Transformer, output_dtype other than the param dtype: a unit's fp32 output that meets a bf16
+      tensor in a matmul or attention outside any unit fails. Blocks, attention, feed-forward,
+      dropouts, wo, w2, the embeddings and the output layer feed the residual stream or the loss
+      (dtype-tolerant); q/k/v, w1/w3 and the norms feed matmuls directly.
+    """
+    if precision is None or precision.param_dtype in (None, "float32"):
+        return True
+    leaf = name.rsplit(".", 1)[-1]
+    if spec.kind == "mlp":
+        return precision.cast_forward_inputs or leaf != "linear"
+    if precision.output_dtype not in (None, precision.param_dtype):
+        return leaf not in ("wq", "wk", "wv", "w1", "w3", "attention_norm", "ffn_norm", "norm")
+    return True
+
+
+def wrap_plans(
+    spec: ModelSpec, max_units: int = 8, precision: PrecisionSpec | None = None
+) -> SearchStrategy[tuple[str, ...]]:
+    """Up to `max_units` of the wrappable modules (nested plans included), then the root; shrinks
+    towards root only. The cap keeps a case cheap: every unit adds collectives per step. With
+    `precision`, only units the model can run with under it (`_runs_in`)."""
+    candidates = [name for name in _wrappable(spec) if _runs_in(name, spec, precision)]
+    if not candidates:
+        return st.just(("",))
+    return st.lists(st.sampled_from(candidates), unique=True, max_size=max_units).map(_order)
+
+
+# ---- precision, optimizer, data -----------------------------------------------------------------
+def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> SearchStrategy[PrecisionSpec]:
+    """ "fp32": PrecisionSpec(); "bf16": bf16 params, fp32 or bf16 reduction, any output dtype,
+    cast_forward_inputs on or off."""
+    precisions = tuple(precisions)
+    bad = [p for p in precisions if p not in PRECISIONS]
+    if bad or not precisions:
+        raise PinError(f"precisions: expected a non-empty subset of {PRECISIONS}, got {precisions!r}")
+
+    def build(name: str) -> SearchStrategy[PrecisionSpec]:
+        if name == "fp32":
+            defaults = {
+                "param_dtype": st.just(None),
+                "reduce_dtype": st.just(None),
+                "output_dtype": st.just(None),
+                "cast_forward_inputs": st.just(True),
+            }
+        else:
+            defaults = {
+                "param_dtype": st.just("bfloat16"),
+                "reduce_dtype": st.sampled_from(("float32", "bfloat16")),
+                "output_dtype": st.sampled_from((None, "float32", "bfloat16")),
+                "cast_forward_inputs": st.sampled_from((True, False)),
+            }
+        return st.builds(PrecisionSpec, **{k: _pinned(pins, k, v) for k, v in defaults.items()})
+
+    return st.sampled_from(precisions).flatmap(build)
+
+
+def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
+    """SGD with momentum, Adam, AdamW with weight decay, at a few learning rates."""
+
+    def build(name: str) -> SearchStrategy[OptimSpec]:
+        decay = {"sgd": st.sampled_from((0.0, 0.01)), "adam": st.just(0.0), "adamw": st.sampled_from((0.01, 0.1))}
+        return st.builds(
+            OptimSpec,
+            name=st.just(name),
+            lr=_pinned(pins, "lr", st.sampled_from(LEARNING_RATES)),
+            momentum=_pinned(pins, "momentum", st.sampled_from((0.9, 0.0)) if name == "sgd" else st.just(0.9)),
+            weight_decay=_pinned(pins, "weight_decay", decay[name]),
+            betas=_pinned(pins, "betas", st.just((0.9, 0.999))),
+            eps=_pinned(pins, "eps", st.just(1e-8)),
+        )
+
+    return _pinned(pins, "name", st.sampled_from(("sgd", "adam", "adamw"))).flatmap(build)
+
+
+def data_specs(batch_multiple: int = 1, model_kind: str = "mlp", **pins: Any) -> SearchStrategy[DataSpec]:
+    """Global batches of 1-2 samples per rank per micro-batch (`batch_multiple` = world size x
+    micro-batches). Cancellation data (seed 000's large, nearly cancelling values) only for MLPs."""
+    kinds = ("normal", "cancellation") if model_kind == "mlp" else ("normal",)
+    return st.builds(
+        DataSpec,
+        batch_size=_pinned(pins, "batch_size", st.integers(1, 2).map(lambda k: k * batch_multiple)),
+        kind=_pinned(pins, "kind", st.sampled_from(kinds)),
+        scale=_pinned(pins, "scale", st.sampled_from((1.0, 0.01, 100.0))),
+    )
+
+
+def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
+    """True, False, or an int FSDP2 accepts: a non-trivial divisor of the shard dimension (FSDP2's
+    `_get_post_forward_mesh_info` rejects non-divisors and turns 1 and the full size into
+    False and True; `fully_shard`'s docstring asks for a divisor excluding 1 and the size)."""
+    divisors = [d for d in range(2, world_size) if world_size % d == 0]
+    return st.one_of(st.booleans(), st.sampled_from(divisors)) if divisors else st.booleans()
+
+
+# ---- whole cases --------------------------------------------------------------------------------
+@st.composite
+def _cases(
+    draw: Callable,
+    engine: str,
+    world_sizes: tuple[int, ...],
+    precisions: tuple[str, ...],
+    model_kinds: tuple[str, ...],
+    pins: dict[str, Any],
+) -> Case:
+    def field(name: str, default: SearchStrategy) -> Any:
+        return draw(_pinned(pins, name, default))
+
+    world = field("world_size", st.sampled_from(world_sizes))
+    model = field("model", models(model_kinds, **_sub(pins, "model")))
+    precision = field("precision", precision_specs(precisions, **_sub(pins, "precision")))
+    wrap = field("wrap", wrap_plans(model, precision=precision))
+    steps = field("steps", st.integers(1, 3))
+    microbatches = field("microbatches", st.integers(1, 4))
+    optim = field("optim", optim_specs(**_sub(pins, "optim")))
+    data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
+    values = {
+        "model": model,
+        "wrap": wrap,
+        "world_size": world,
+        "mesh_shape": field("mesh_shape", st.just(None)),
+        "precision": precision,
+        "reshard_after_forward": field("reshard_after_forward", reshard_values(world)),
+        "optim": optim,
+        "steps": steps,
+        "microbatches": microbatches,
+        "sync_every_microbatch": field("sync_every_microbatch", st.sampled_from((True, False))),
+        "clip_norm": field("clip_norm", st.sampled_from((None,) + CLIP_NORMS)),
+        "data": data,
+        "seed": field("seed", st.integers(0, 2**16)),
+        "data_seed": field("data_seed", st.integers(0, 2**16)),
+        # Tied embeddings on the meta device are not generated: `build_model`'s `to_empty` unties
+        # them (a toolkit bug, reported to the lead; both sides then train two matrices).
+        "init": field("init", st.just("eager") if model.tie_embeddings else st.sampled_from(("eager", "meta"))),
+        "engine": field("engine", st.just(engine)),
+    }
+    try:
+        return Case(**values)
+    except CaseError:
+        # Only pins can make a drawn case invalid (e.g. a pinned batch size the drawn world size
+        # does not divide): discard the draw, Hypothesis draws another.
+        assume(False)
+        raise
+
+
+def cases(
+    *,
+    engine: str = "fsdp2",
+    world_sizes: Iterable[int] = (1, 2, 3, 4),
+    precisions: Iterable[str] = PRECISIONS,
+    model_kinds: Iterable[str] = ("mlp", "transformer"),
+    **pins: Any,
+) -> SearchStrategy[Case]:
+    """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
+    value (fixed) or a strategy (drawn from it); every other field is drawn."""
+    _check_pins(pins)
+    world_sizes, precisions, model_kinds = tuple(world_sizes), tuple(precisions), tuple(model_kinds)
+    if not world_sizes or not all(isinstance(w, int) and w >= 1 for w in world_sizes):
+        raise PinError(f"world_sizes: expected positive integers, got {world_sizes!r}")
+    bad = [k for k in model_kinds if k not in ("mlp", "transformer")]
+    if bad or not model_kinds:
+        raise PinError(f"model_kinds: expected a non-empty subset of ('mlp', 'transformer'), got {model_kinds!r}")
+    precision_specs(precisions)  # validates the names now, not at the first draw
+    return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins)

@@ -1,0 +1,60 @@
+"""`fsdp-verify fuzz`: the property search from the command line, its exit codes, the shrunk Case
+file and the report."""
+
+import json
+
+from verify.case import Case
+from verify.cli import main
+from verify.report import histogram, svg_histogram
+
+
+def test_fuzz_passes_on_the_correct_engine_and_writes_the_report(tmp_path, capsys):
+    out = tmp_path / "fuzz"
+    code = main(
+        ["fuzz", "--engine", "fsdp2", "--max-examples", "3", "--world-sizes", "2", "--profile", "ci"]
+        + ["--out", str(out)]
+    )
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    assert "fuzz" in captured.err  # the progress bar
+    report = json.loads((out / "report.json").read_text())
+    assert report["ok"] and report["examples"] == 3 and report["passed"] == 3 and report["failure"] is None
+    assert report["by_world_size"] == {"2": 3}
+    assert report["worst_ratio"] is not None and report["worst_ratio"] < 1
+    page = (out / "report.html").read_text()
+    assert "<svg" in page and "PASS" in page
+    assert not list(out.glob("case-*.json"))
+
+
+def test_fuzz_finds_shrinks_and_writes_the_case_of_a_broken_engine(tmp_path, capsys):
+    out = tmp_path / "fuzz"
+    args = ["fuzz", "--engine", "verify.mutants:rank1_different_init", "--max-examples", "3", "--world-sizes", "2"]
+    code = main(
+        args + ["--models", "mlp", "--precisions", "fp32", "--profile", "ci", "--no-progress", "--out", str(out)]
+    )
+    captured = capsys.readouterr()
+    assert code == 1, captured.out + captured.err
+    (path,) = out.glob("case-*.json")
+    case = Case.load(path)
+    assert case.world_size == 2 and case.engine == "verify.mutants:rank1_different_init"
+    assert f"Replay: fsdp-verify repro {path}" in captured.out
+    assert "First divergence: step 0, initial parameters" in captured.out
+    report = json.loads((out / "report.json").read_text())
+    assert not report["ok"] and report["failure"]["case_hash"] == case.hash
+    assert "FAIL" in (out / "report.html").read_text()
+
+
+def test_fuzz_rejects_bad_input_with_exit_code_2(tmp_path, capsys):
+    assert main(["fuzz", "--max-examples", "0", "--out", str(tmp_path)]) == 2
+    assert "--max-examples" in capsys.readouterr().err
+    assert main(["fuzz", "--engine", "no/such/file.py:nothing", "--out", str(tmp_path)]) == 2
+    assert main(["fuzz", "--world-sizes", "0", "--out", str(tmp_path)]) == 2
+    assert main(["fuzz", "--property", "no-such-property", "--out", str(tmp_path)]) == 2
+
+
+def test_histogram_bins_ratios_by_decade_with_exact_and_over_tolerance_apart():
+    bins = dict(histogram([0.0, 0.0, 3e-7, 0.05, 0.5, 1.0, 250.0]))
+    assert bins["exact"] == 2 and bins["<1e-6"] == 1 and bins["1e-2..1e-1"] == 1 and bins["1e-1..1e0"] == 1
+    assert bins["1e0..1e1"] == 1 and bins[">=1e2"] == 1
+    assert sum(bins.values()) == 7
+    assert svg_histogram(list(bins.items())).count("<rect") == len(bins)

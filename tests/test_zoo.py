@@ -1,0 +1,72 @@
+"""The bug zoo (CI budget): every injected bug is caught within a few generated cases at world
+size 2, by a comparator expected to catch it. `fsdp-verify selftest` without limits is the
+nightly version."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from verify.cli import main
+from verify.cmd_selftest import hunt
+from verify.zoo import BY_NAME, ZOO
+
+BUDGET = 20  # generated cases per bug
+
+
+@pytest.mark.parametrize("name", [bug.name for bug in ZOO])
+def test_zoo_bug_is_caught_within_the_budget(name):
+    bug = BY_NAME[name]
+    result = hunt(bug, BUDGET, world_sizes=(2,))
+    assert result.status == "caught", f"{name}: {result.status} after {result.examples} cases: {result.detail}"
+    assert result.examples <= BUDGET
+    assert result.expected_catcher, f"{name} caught by {result.comparator} at {result.phase}, not {bug.catchers}"
+
+
+def test_every_bug_of_the_issue_is_in_the_zoo():
+    required = {
+        "grads_divided_twice",
+        "grads_not_averaged",
+        "reduce_in_bf16",
+        "param_dtype_ignored",
+        "microbatch_accumulation_overwrites",
+        "grad_sync_off_on_last_microbatch",
+        "clip_with_local_norm",
+        "rank1_different_init",
+        "tie_broken_by_sharding",
+        "frozen_params_move",
+    }
+    assert required <= set(BY_NAME)
+    assert all(bug.engine == f"verify.mutants:{bug.name}" for bug in ZOO)
+
+
+def test_a_bug_whose_mutant_does_not_exist_is_reported_missing_not_passed():
+    ghost = replace(BY_NAME["grads_divided_twice"], name="ghost", engine="verify.mutants:no_such_mutant")
+    result = hunt(ghost, 3, world_sizes=(2,))
+    assert (result.status, result.examples) == ("missing", 0)
+    assert "no_such_mutant" in result.detail
+
+
+def test_the_correct_engine_is_not_caught():
+    correct = replace(BY_NAME["grads_divided_twice"], name="correct", engine="fsdp2")
+    result = hunt(correct, 3, world_sizes=(2,))
+    assert (result.status, result.examples) == ("uncaught", 3), result.detail
+
+
+def test_selftest_cli_prints_the_matrix_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "zoo.json"
+    code = main(
+        ["selftest", "--bugs", "grads_divided_twice", "clip_with_local_norm", "--world-sizes", "2"]
+        + ["--max-examples", "5", "--json", str(out)]
+    )
+    text = capsys.readouterr().out
+    assert code == 0, text
+    assert "grads_divided_twice" in text and "GradNormComparator" in text and "2/2 bugs caught" in text
+    rows = json.loads(out.read_text())
+    assert [r["bug"] for r in rows] == ["grads_divided_twice", "clip_with_local_norm"]
+    assert all(r["status"] == "caught" and 1 <= r["examples"] <= 5 for r in rows)
+
+
+def test_selftest_cli_rejects_an_unknown_bug(capsys):
+    assert main(["selftest", "--bugs", "nope"]) == 2
+    assert "--bugs" in capsys.readouterr().err

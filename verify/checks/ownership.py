@@ -1,0 +1,167 @@
+"""Ownership check: the engine's map from parameter to shard unit must be a partition.
+
+Every parameter the reference trains is owned exactly once, by the unit the wrap plan implies (the
+innermost wrapped ancestor); nothing is unmanaged; each replica's ranks hold exactly the
+parameter's elements between them, with equal padded shards; tied parameters stay one parameter;
+and the optimizer steps exactly the tensors the sharded module computes with. Seed 004 lost a week
+to a parameter flattened into two FlatParameters: here that is one finding naming both owners.
+All findings sit at step 0, phase "ownership", which the first divergence searches first.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from verify.case import Case, _owner
+from verify.comparators import Finding
+from verify.models import _construct
+from verify.ownership import OwnershipMap
+from verify.trace import Trace
+
+COMPARATOR = "OwnershipCheck"
+
+
+def _fail(name: str, kind: str, message: str) -> Finding:
+    return Finding(0, "ownership", name, False, kind, COMPARATOR, message)
+
+
+def expected_ties(case: Case) -> list[list[str]]:
+    """Names sharing one tensor in the unsharded model (from a meta-device build: no memory)."""
+    with torch.device("meta"):
+        model = _construct(case.model)
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    return [names for names in by_tensor.values() if len(names) > 1]
+
+
+def expected_params(case: Case) -> list[str]:
+    """The parameters the reference trains, tied weights once under their first name."""
+    with torch.device("meta"):
+        model = _construct(case.model)
+    return [name for name, _ in model.named_parameters()]
+
+
+def check_ownership(case: Case, ref: Trace, got: Trace) -> list[Finding]:
+    """The map first, then ties, then the optimizer: for one parameter with several violations,
+    the most fundamental one is reported first (the verdict's sort keeps this order)."""
+    ties = expected_ties(case)
+    raw = got.meta.get("ownership")  # None: the engine cannot say who owns what
+    findings = check_map(case, OwnershipMap.from_json(raw), expected_params(case), ties) if raw is not None else []
+    findings += _check_ties(ties, got.meta.get("ties"))
+    return findings + _check_optimizer(got.meta.get("optimizer_params"))
+
+
+def check_map(case: Case, ownership: OwnershipMap, expected: list[str], ties: list[list[str]]) -> list[Finding]:
+    """`expected`: the parameters the reference trains (tied weights once, under their first name)."""
+    findings: list[Finding] = []
+    aliases = {alias: names[0] for names in ties for alias in names[1:]}
+    plan = case.wrap_plan
+    module_units = all(u in plan for o in ownership.params.values() for u in o.units)
+    for name in ownership.unmanaged:
+        findings.append(_fail(name, "unmanaged", "no shard unit owns it: it stays replicated and is never reduced"))
+    for name in expected:
+        if name not in ownership.params and name not in ownership.unmanaged:
+            findings.append(_fail(name, "missing", "absent from the engine's ownership map"))
+    for name, own in ownership.params.items():
+        if name not in expected:
+            canonical = aliases.get(name)
+            why = (
+                f"tied to {canonical!r} in the model, but the engine owns it as a separate parameter"
+                if canonical
+                else "not a parameter of the reference model"
+            )
+            findings.append(_fail(name, "unexpected", why))
+        if len(own.units) != 1:
+            owners = " and ".join(repr(u) for u in own.units) or "no unit"
+            findings.append(
+                _fail(name, "ownership", f"owned by {len(own.units)} units: {owners} (must be exactly one)")
+            )
+            continue
+        module = name.rsplit(".", 1)[0] if "." in name else ""
+        want = _owner(plan, module)
+        if module_units and own.units[0] != want:
+            findings.append(
+                _fail(name, "ownership", f"owned by {own.units[0]!r}, but the wrap plan puts it in {want!r}")
+            )
+        findings.extend(_check_coverage(case, name, own.shape, own.local_numel, own.padding))
+    return findings
+
+
+def _check_coverage(
+    case: Case, name: str, shape: tuple[int, ...], local: tuple[int, ...], padding: tuple[int, ...]
+) -> list[Finding]:
+    """Within each replica, the ranks' local pieces add up to the parameter exactly, and every
+    rank's piece plus its padding is the same size (the padded chunk all-gathered)."""
+    shard = case.mesh[-1]
+    numel = math.prod(shape)
+    if len(local) != case.world_size:
+        return [_fail(name, "ownership", f"local sizes for {len(local)} ranks, expected {case.world_size}")]
+    out = []
+    for start in range(0, case.world_size, shard):
+        ranks = range(start, start + shard)
+        held = sum(local[r] for r in ranks)
+        if held != numel:
+            sizes = ", ".join(f"rank {r}: {local[r]}" for r in ranks)
+            out.append(
+                _fail(
+                    name,
+                    "ownership",
+                    f"ranks {start}..{start + shard - 1} hold {held} of its {numel} elements ({sizes})",
+                )
+            )
+        if padding:
+            padded = {local[r] + padding[r] for r in ranks}
+            if len(padded) > 1:
+                out.append(_fail(name, "ownership", f"padded shard sizes differ across ranks: {sorted(padded)}"))
+    return out
+
+
+def _check_ties(expected: list[list[str]], seen: list[list[str]] | None) -> list[Finding]:
+    """Each group of tied names must still resolve to one tensor in the sharded module."""
+    if seen is None:
+        return []
+    seen_sets = [set(g) for g in seen]
+    out = []
+    for names in expected:
+        if not any(set(names) <= g for g in seen_sets):
+            out.append(
+                _fail(
+                    names[0],
+                    "tie",
+                    f"tied to {', '.join(repr(n) for n in names[1:])} in the model, but after sharding they are "
+                    "separate tensors (the tie was broken: each copy trains on its own gradient)",
+                )
+            )
+    return out
+
+
+def _check_optimizer(per_rank: list[dict] | None) -> list[Finding]:
+    if per_rank is None:
+        return []
+    out = []
+    for rank, seen in enumerate(per_rank):
+        for name in seen.get("stale", []):
+            out.append(
+                _fail(
+                    name,
+                    "optimizer",
+                    f"rank {rank}'s optimizer steps a tensor for it that is not a parameter of the sharded module "
+                    "(a stale pre-sharding parameter, or a copy the module does not compute with)",
+                )
+            )
+        for name in seen.get("not_stepped", []):
+            out.append(_fail(name, "optimizer", f"rank {rank}'s optimizer does not hold it"))
+        if seen.get("foreign", 0):
+            out.append(
+                _fail(
+                    "<optimizer>",
+                    "optimizer",
+                    f"rank {rank}'s optimizer holds {seen['foreign']} tensors the engine does not expose as parameters",
+                )
+            )
+        if out:
+            break  # one rank's story is enough; ranks agree unless the engine is rank-dependent
+    return out

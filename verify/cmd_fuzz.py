@@ -1,0 +1,114 @@
+"""`fsdp-verify fuzz`: the property search outside pytest, for nightly jobs and for people who
+don't live in pytest. Generates Cases with Hypothesis, checks a named property on each, and on a
+failure shrinks it, writes the shrunk Case file into --out and exits 1 (0 when all pass). Always
+writes report.json and report.html into --out."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from verify.cli import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="fsdp2", help="fsdp2 | pkg.module:NAME | path/to/file.py:NAME")
+    p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
+    p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4], metavar="N")
+    p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
+    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
+    p.add_argument(
+        "--profile",
+        choices=("ci", "nightly", "dev"),
+        default=None,
+        help="Hypothesis profile (default: ci if the CI variable is set, else dev)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, to rerun one search exactly")
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may take per case (default 120)")
+    p.add_argument("--out", type=Path, required=True, help="directory for the report and the shrunk Case file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from properties.properties import PROPERTIES
+    from properties.search import search
+    from properties.strategies import PinError, cases
+    from verify.engines import EngineLoadError, resolve_engine
+    from verify.pool import get_pool
+    from verify.report import write_report
+    from verify.repro import replay_command
+
+    if args.property not in PROPERTIES:
+        return _bad(f"--property: expected one of {sorted(PROPERTIES)}, got {args.property!r}")
+    if args.max_examples is not None and args.max_examples < 1:
+        return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
+    if any(w < 1 for w in args.world_sizes):
+        return _bad(f"--world-sizes: expected positive integers, got {args.world_sizes}")
+    try:
+        resolve_engine(args.engine)  # fail fast, before any rank starts
+        strategy = cases(
+            engine=args.engine,
+            world_sizes=args.world_sizes,
+            precisions=args.precisions,
+            model_kinds=args.models,
+        )
+    except (EngineLoadError, PinError, OSError) as e:
+        return _bad(str(e))
+
+    prop = PROPERTIES[args.property]
+    bar = _progress(args)
+    failures_seen = 0
+
+    def check(case):
+        return prop(case, pool=get_pool(case.world_size, args.timeout), timeout_s=args.timeout)
+
+    def on_example(example) -> None:
+        nonlocal failures_seen
+        failures_seen += not example.ok
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
+
+    result = search(
+        check, strategy, profile=args.profile, max_examples=args.max_examples, seed=args.seed, on_example=on_example
+    )
+    if bar is not None:
+        bar.close()
+    if result.failure is not None:
+        result.failure.write_repro(args.out)
+    meta = {
+        "engine": args.engine,
+        "property": args.property,
+        "profile": args.profile,
+        "max_examples": args.max_examples,
+        "world_sizes": args.world_sizes,
+        "precisions": args.precisions,
+        "models": args.models,
+        "seed": args.seed,
+    }
+    json_path, html_path = write_report(result, args.out, meta)
+    passed = sum(e.ok for e in result.examples)
+    print(f"{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s. Report: {html_path}")
+    if result.failure is None:
+        return EXIT_OK
+    f = result.failure
+    print(f.summary())
+    print(f"First divergence: {f.first_divergence}")
+    print(f"Shrunk case written to {f.repro_path}")
+    print(f"Replay: {replay_command(f.repro_path)}")
+    return EXIT_DIVERGED
+
+
+def _progress(args: argparse.Namespace):
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=args.max_examples, desc="fuzz", unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def _bad(message: str) -> int:
+    print(f"fsdp-verify: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT

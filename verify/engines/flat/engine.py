@@ -1,0 +1,72 @@
+"""`--engine flat`: the bundled FlatParameter engine applied per the Case's wrap plan, and the view
+the toolkit reads it through. A worked example of a plug-in engine without DTensors."""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
+from verify.engines.flat.meta_init import construct_on_meta, materialize
+from verify.engines.flat.view import FlatView, Holding
+from verify.engines.spec import ShardSpec
+
+
+def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> nn.Module:
+    """With `init: meta` the engine builds its own model on the meta device and materialises
+    it, as a trainer too big for one device would (the built model only gives the device)."""
+    if spec.case is not None and spec.case.init == "meta":
+        from verify.models import _construct
+
+        device = next(model.parameters()).device
+        model = construct_on_meta(lambda: _construct(spec.case.model))
+        wrap_per_plan(model, mesh, spec, collect)
+        return with_view(materialize(model, _init_from_seed(spec.case.seed), device))
+    wrap_per_plan(model, mesh, spec, collect)
+    return with_view(shard_all(model))
+
+
+def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> None:
+    """`fully_shard` every module of the wrap plan, in its order (children first, root last)."""
+    for fqn in spec.wrap:
+        fully_shard(
+            model.get_submodule(fqn),
+            mesh=mesh,
+            mp_policy=spec.mp_policy,
+            reshard_after_forward=spec.reshard_after_forward,
+            name=fqn,
+            collect=collect,
+        )
+
+
+def _init_from_seed(seed: int):
+    """The models' own init, from an explicit CPU generator, as `verify.models.build_model`."""
+    import torch
+
+    def init(model: nn.Module) -> None:
+        model.init_weights(torch.Generator().manual_seed(seed))
+
+    return init
+
+
+def with_view(model: nn.Module) -> nn.Module:
+    """Give the sharded model the `verify_view()` the toolkit's loop looks for."""
+    model.verify_view = lambda: FlatEngineView(model)
+    return model
+
+
+class FlatEngineView(FlatView):
+    def __init__(self, model: nn.Module):
+        self.units = [u for u in units(model) if u.flat is not None]
+        super().__init__(model, self.units[0].group if self.units else None)
+
+    def holdings(self) -> list[Holding]:
+        return [
+            Holding(slot.fqn, unit.name, slot.shape, view)
+            for unit in self.units
+            for slot, view in zip(unit.slots, unit.flat.shard_views)
+        ]
+
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        for unit in self.units:
+            unit.sync_gradients = sync

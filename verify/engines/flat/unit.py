@@ -1,0 +1,112 @@
+"""FlatUnit: the runtime of one `fully_shard`-ed module. Four hooks do all of FSDP's work:
+
+1. pre-forward: all-gather the FlatParameter, point the module's parameters at views of it,
+   cast floating inputs to `param_dtype`;
+2. post-forward: cast outputs to `output_dtype`; put the shard views back as the module's
+   parameters; free the unsharded buffer if `reshard_after_forward`; hook the outputs so that
+3. pre-backward (a gradient reaches an output): all-gather again, into the same storage the
+   saved tensors of forward point at;
+4. post-backward (`full.grad` accumulated, i.e. every use of the unit's views is done):
+   reduce-scatter the gradient, averaged over ranks, in `reduce_dtype`, and free the buffer.
+   With gradient sync off, `full.grad` just keeps accumulating in `param_dtype`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.utils._pytree import tree_flatten, tree_map
+
+from verify.engines.flat.flat_param import FlatParameter, Slot
+
+
+def _set_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:
+    """During compute a parameter is a plain tensor (a view), not a registered Parameter."""
+    module._parameters.pop(attr, None)
+    setattr(module, attr, tensor)
+
+
+def _set_param(module: nn.Module, attr: str, param: nn.Parameter) -> None:
+    module.__dict__.pop(attr, None)
+    module._parameters[attr] = param
+
+
+def _cast(obj, dtype: torch.dtype | None):
+    if dtype is None:
+        return obj
+    return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, obj)
+
+
+class FlatUnit:
+    def __init__(
+        self,
+        module: nn.Module,
+        name: str,
+        slots: list[Slot],
+        group: dist.ProcessGroup,
+        mp_policy: MixedPrecisionPolicy,
+        reshard_after_forward: bool,
+    ):
+        self.module, self.name, self.slots, self.group = module, name, slots, group
+        self.param_dtype = mp_policy.param_dtype or torch.float32
+        self.reduce_dtype = mp_policy.reduce_dtype or self.param_dtype
+        self.mp_policy, self.reshard_after_forward = mp_policy, reshard_after_forward
+        self.flat: FlatParameter | None = None  # built by shard(); None if the unit owns nothing
+        self.sync_gradients = True
+        module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
+        module.register_forward_hook(self._post_forward)
+
+    # ---- sharding (once) -----------------------------------------------------------------------
+    def full_values(self) -> list[torch.Tensor]:
+        """The slots' parameters as the model holds them now (before any unit replaced them)."""
+        return [getattr(*s.uses[0]) for s in self.slots]
+
+    def shard(self, values: list[torch.Tensor]) -> None:
+        """Flatten `values` into a FlatParameter, keep this rank's chunk, and register the
+        chunk's per-parameter views in place of the full parameters."""
+        if self.flat is not None or not self.slots:
+            return
+        self.flat = FlatParameter(self.slots, values, self.group, self.param_dtype)
+        self._use_shard_views()
+        if self.flat.full.requires_grad:
+            self.flat.full.register_post_accumulate_grad_hook(self._post_backward)
+
+    def _use_shard_views(self) -> None:
+        for slot, view in zip(self.slots, self.flat.shard_views):
+            for module, attr in slot.uses:
+                _set_param(module, attr, view)
+
+    # ---- the hooks -----------------------------------------------------------------------------
+    def _pre_forward(self, _module, args, kwargs):
+        if self.flat is not None:
+            self.flat.all_gather()
+            for slot, view in zip(self.slots, self.flat.compute_views()):
+                for module, attr in slot.uses:
+                    _set_tensor(module, attr, view)
+        if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
+            args, kwargs = _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
+        return args, kwargs
+
+    def _post_forward(self, _module, _args, output):
+        output = _cast(output, self.mp_policy.output_dtype)
+        if self.flat is None:
+            return output
+        self._use_shard_views()
+        if self.reshard_after_forward:
+            self.flat.free()
+        if torch.is_grad_enabled():
+            for t in tree_flatten(output)[0]:
+                if isinstance(t, torch.Tensor) and t.requires_grad:
+                    t.register_hook(self._pre_backward)
+        return output
+
+    def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
+        self.flat.all_gather()  # a no-op if it was never freed
+        return grad
+
+    def _post_backward(self, _full: torch.Tensor) -> None:
+        if self.sync_gradients:
+            self.flat.reduce_scatter_grad(self.reduce_dtype)
+        self.flat.free()

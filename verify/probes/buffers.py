@@ -1,0 +1,38 @@
+"""Buffers probe: every buffer of the sharded module (RoPE frequencies, norm statistics) at step 0
+and after each step. Rank 0's copy goes into the trace (phase "buffers", compared exactly with the
+reference's); every rank's hash of each buffer goes into trace.meta["buffer_hashes"], so the
+check can name a rank whose copy differs (buffers are replicated, never synchronised by FSDP)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+from torch import nn
+
+from verify.engines.view import EngineView
+from verify.probes import Probe
+from verify.probes.ownership import gather_objects
+
+
+def tensor_hash(t: torch.Tensor) -> str:
+    data = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+    return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
+
+
+class BuffersProbe(Probe):
+    def after_shard(self, model: nn.Module, view: EngineView) -> None:
+        self.module = model
+        self.hashes: dict[str, dict[str, list[str]]] = {}
+        self._record(0)
+
+    def after_step(self, step: int) -> None:
+        self._record(step)
+
+    def _record(self, step: int) -> None:
+        buffers = dict(self.module.named_buffers())
+        for name, b in buffers.items():
+            self.add(step, "buffers", name, b)
+        per_rank = gather_objects({name: tensor_hash(b) for name, b in buffers.items()})
+        self.hashes[str(step)] = {name: [h.get(name, "") for h in per_rank] for name in buffers}
+        self.meta("buffer_hashes", self.hashes)

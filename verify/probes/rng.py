@@ -1,0 +1,37 @@
+"""RNG probe: a fingerprint of each rank's global (CPU) generator before and after every
+micro-batch's forward, gathered once at the end into records (step, "rng", "before_forward.<m>")
+holding one int64 per rank. The reference replays each rank's stream and records the same points,
+so a rank that draws a different stream (a shared dropout mask, a reseed, an extra draw) shows at
+the first forward where it happens. Also notes the device type the engine's parameters live on:
+the reference draws initial values on the CPU, and CPU and CUDA generators differ for one seed."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from verify.engines.view import EngineView
+from verify.probes import Probe
+from verify.probes.ownership import gather_objects
+from verify.rng import rng_fingerprint
+
+
+class RngProbe(Probe):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.points: list[tuple[int, str, int]] = []
+
+    def after_shard(self, model: nn.Module, view: EngineView) -> None:
+        devices = sorted({p.device.type for p in view.parameters().values()})
+        self.meta("param_device_types", devices)
+
+    def before_forward(self, step: int, microbatch: int) -> None:
+        self.points.append((step, f"before_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
+
+    def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None:
+        self.points.append((step, f"after_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
+
+    def finish(self) -> None:
+        per_rank = gather_objects(self.points)
+        for i, (step, name, _) in enumerate(per_rank[0]):
+            self.add(step, "rng", name, torch.tensor([points[i][2] for points in per_rank], dtype=torch.int64))
