@@ -13,8 +13,10 @@ def fsdp_verify(*args, timeout=300):
 
 def test_check_default_case_passes_and_writes_json(tmp_path):
     out = tmp_path / "verdict.json"
-    r = fsdp_verify("check", "--json", str(out))
+    page = tmp_path / "verdict.html"
+    r = fsdp_verify("check", "--json", str(out), "--html", str(page))
     assert r.returncode == 0, r.stdout + r.stderr
+    assert "EQUIVALENT" in page.read_text() and "<svg" in page.read_text()
     assert "EQUIVALENT" in r.stdout
     verdict = json.loads(out.read_text())
     assert verdict["ok"] is True and verdict["first_divergence"] is None
@@ -23,8 +25,11 @@ def test_check_default_case_passes_and_writes_json(tmp_path):
 
 def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
     out = tmp_path / "verdict.json"
-    r = fsdp_verify("check", "--model", "mlp", "--engine", "verify.mutants:grads_divided_twice", "--json", str(out))
+    page = tmp_path / "verdict.html"
+    args = ["--model", "mlp", "--engine", "verify.mutants:grads_divided_twice", "--json", str(out), "--html", str(page)]
+    r = fsdp_verify("check", *args)
     assert r.returncode == 1, r.stdout + r.stderr
+    assert "DIVERGED" in page.read_text() and "FAIL" in page.read_text()
     first = json.loads(out.read_text())["first_divergence"]
     assert (first["step"], first["phase"]) == (1, "grads")
     assert "First divergence at step 1, gradients" in r.stdout

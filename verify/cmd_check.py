@@ -26,6 +26,7 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
+    p.add_argument("--html", type=Path, metavar="PATH", help="write a page with a heat map and plot of the verdict")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may go without finishing (default 120)")
     p.add_argument("--no-calibrate", action="store_true", help="hold records to the bound only (no calibration runs)")
     p.add_argument("--save-case", type=Path, metavar="PATH", help="write the resolved case JSON here")
@@ -91,4 +92,8 @@ def run(args: argparse.Namespace) -> int:
     print(verdict.summary())
     if args.json:
         verdict.save_json(args.json)
+    if args.html:
+        from verify.verdict_html import save_html
+
+        save_html(verdict, args.html)
     return EXIT_OK if verdict.ok else EXIT_DIVERGED
