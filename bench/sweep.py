@@ -33,6 +33,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--cases", type=int, default=100, help="generated cases (default 100; nightly: 1000+)")
     p.add_argument("--seed", type=int, default=0, help="Hypothesis seed: the same seed draws the same cases")
+    p.add_argument("--engine", default="fsdp2", help="engine under test (default: the correct FSDP2)")
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3, 4])
     p.add_argument("--precisions", nargs="+", default=["fp32", "bf16"])
     p.add_argument("--out", type=Path, default=Path("sweep-out"), help="directory for the report and false alarms")
@@ -54,7 +55,7 @@ def sweep(args: argparse.Namespace) -> dict:
         phases=(Phase.generate,),
         suppress_health_check=list(HealthCheck),
     )
-    @given(cases(world_sizes=tuple(args.world_sizes), precisions=tuple(args.precisions)))
+    @given(cases(engine=args.engine, world_sizes=tuple(args.world_sizes), precisions=tuple(args.precisions)))
     def one(case) -> None:
         row = {
             "case": case.hash,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hypothesis
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis.database import DirectoryBasedExampleDatabase
 from hypothesis.strategies import SearchStrategy
 
@@ -21,8 +21,14 @@ from properties.properties import PropertyFailed
 from verify.case import Case
 from verify.verdict import Verdict
 
-# A case takes 0.2-2 s: no deadline, and slow data generation is no health problem.
-_COMMON = {"deadline": None, "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture]}
+# A case takes 0.2-2 s: no deadline, and slow data generation is no health problem. No `explain`
+# phase: after shrinking it reruns the failing case once per choice to say which parts do not
+# matter, doubling the cost of a failure; the first divergence already says where it is.
+_COMMON = {
+    "deadline": None,
+    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+    "phases": [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
+}
 PROFILES = {
     # Quick and reproducible: the same examples every run, nothing remembered between runs.
     "ci": {"max_examples": 10, "derandomize": True, "database": None, "print_blob": False},

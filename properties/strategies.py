@@ -28,8 +28,6 @@ from verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, Precisi
 from verify.models import _construct
 
 PRECISIONS = ("fp32", "bf16")
-# Widths that make uneven shards over 2, 3 and 4 ranks, one-element parameters, primes.
-AWKWARD_WIDTHS = (1, 2, 3, 5, 7, 13, 17, 31, 33, 37)
 MAX_WIDTH = 40
 LEARNING_RATES = (1e-3, 1e-2, 1e-1)
 # A tiny model's gradient norm is O(0.1..1); these clip on every step.
@@ -68,7 +66,9 @@ def _sub(pins: dict[str, Any], head: str) -> dict[str, Any]:
 
 
 def _widths() -> SearchStrategy[int]:
-    return st.one_of(st.sampled_from(AWKWARD_WIDTHS), st.integers(1, MAX_WIDTH))
+    """1..MAX_WIDTH: primes, uneven splits over 2-4 ranks and one-element rows all occur. A plain
+    integer range (no one_of with a list of favourites) keeps shrinking short."""
+    return st.integers(1, MAX_WIDTH)
 
 
 # ---- models -------------------------------------------------------------------------------------
@@ -101,7 +101,7 @@ def _transformer(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
     n_heads = draw(_pinned(pins, "n_heads", st.sampled_from((1, 2, 4))))
     head_dim = draw(st.sampled_from((2, 4, 6, 8)))  # RoPE rotates pairs: even
     values = {
-        "vocab_size": draw(_pinned(pins, "vocab_size", st.one_of(st.sampled_from((2, 5, 17, 37)), st.integers(2, 40)))),
+        "vocab_size": draw(_pinned(pins, "vocab_size", st.integers(2, 40))),
         "dim": draw(_pinned(pins, "dim", st.just(n_heads * head_dim))),
         "n_layers": draw(_pinned(pins, "n_layers", st.integers(1, 3))),
         "n_heads": n_heads,
@@ -279,9 +279,7 @@ def _cases(
         "data": data,
         "seed": field("seed", st.integers(0, 2**16)),
         "data_seed": field("data_seed", st.integers(0, 2**16)),
-        # Tied embeddings on the meta device are not generated: `build_model`'s `to_empty` unties
-        # them (a toolkit bug, reported to the lead; both sides then train two matrices).
-        "init": field("init", st.just("eager") if model.tie_embeddings else st.sampled_from(("eager", "meta"))),
+        "init": field("init", st.sampled_from(("eager", "meta"))),
         "engine": field("engine", st.just(engine)),
     }
     try:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from verify.case import Case
 from verify.data import global_batch, microbatch_slices
@@ -167,6 +168,7 @@ def _install_precision_hooks(model: nn.Module, case: Case) -> None:
     its outputs to `output_dtype`; the same casts, on the same modules."""
     policy = case.precision
     param_dtype, output_dtype = to_dtype(policy.param_dtype), to_dtype(policy.output_dtype)
+    units_with_params = {_owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters()}
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)
         if policy.cast_forward_inputs and param_dtype is not None:
@@ -175,3 +177,39 @@ def _install_precision_hooks(model: nn.Module, case: Case) -> None:
             )
         if output_dtype is not None:
             module.register_forward_hook(lambda _m, _a, out, d=output_dtype: cast_floats(out, d))
+        if fqn in units_with_params:
+            module.register_forward_pre_hook(_post_backward_node, with_kwargs=True)
+
+
+class _PostBackwardNode(torch.autograd.Function):
+    """Identity, as FSDP2's RegisterPostBackwardFunction: after casting a unit's inputs, FSDP2
+    passes those that require grad through this one autograd node (to run its post-backward).
+    It regroups the gradient sum of a tensor with several consumers: the residual stream `x`
+    feeds both `x + ...` and a wrapped RMSNorm that reads `x.float()` twice, so without the node
+    autograd adds three bf16 contributions in one order and with it the two inside the unit
+    first (one bf16 ulp apart in the embedding's gradient). The same node here, on the same
+    inputs of the same units (those managing parameters: FSDP2 has no param group otherwise)."""
+
+    @staticmethod
+    def forward(ctx, *inputs: torch.Tensor):
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads
+
+
+def _post_backward_node(_module: nn.Module, args: tuple, kwargs: dict):
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where or not torch.is_grad_enabled():
+        return None
+    for i, t in zip(where, _PostBackwardNode.apply(*[flat[i] for i in where])):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
+
+
+def _owning_unit(plan: tuple[str, ...], param_fqn: str) -> str:
+    """The innermost wrapped module containing parameter `param_fqn`: the unit managing it."""
+    module = param_fqn.rsplit(".", 1)[0] if "." in param_fqn else ""
+    return max((u for u in plan if u == "" or module == u or module.startswith(u + ".")), key=len)

@@ -42,3 +42,15 @@ def test_default_case_is_the_transformer_at_world_size_2():
     case = Case()
     assert case.model == Case().model and case.model.kind == "transformer" and case.world_size == 2
     assert TINY_LM.kind == "transformer"
+
+
+def test_unit_inside_a_block_without_input_casting(fsdp_check):
+    """Regression (found by the zoo sweep): a unit around `layers.0.linear` only, inputs not cast.
+    The block outside the unit saw the fp32 shard's dtype and fed fp32 into a bf16 matmul."""
+    case = mlp_case(
+        2,
+        wrap=("layers.0.linear", ""),
+        precision=PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32", cast_forward_inputs=False),
+    )
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()

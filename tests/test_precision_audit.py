@@ -34,6 +34,27 @@ def test_transformer_bf16_with_output_dtype_and_sync_on_the_last_microbatch(fsdp
     assert verdict.ok, verdict.summary()
 
 
+def test_no_sync_accumulation_is_in_reduce_dtype_as_fsdp2_does_it(fsdp_check):
+    """FSDP2 upcasts a no-sync bf16 gradient to reduce_dtype and accumulates later micro-batches
+    there (FSDPParam.to_accumulated_grad_if_needed); the reference models it, so at world size 2
+    the run agrees bit for bit without any calibration (accumulating in bf16 would not)."""
+    case = mlp_case(2, precision=BF16, microbatches=3, sync_every_microbatch=False, steps=1)
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    inexact = [f.key for f in verdict.findings if f.phase in ("grads", "params") and f.max_abs != 0]
+    assert not inexact, inexact
+
+
+def test_wrapped_norm_regroups_bf16_gradient_sums_as_the_reference_models_it(fsdp_check):
+    """A wrapped RMSNorm puts FSDP2's post-backward autograd node on the residual stream, which
+    changes the order of the bf16 gradient sum into the embedding (found by the sweep: one bf16
+    ulp, 1e3x the bound). The reference inserts the same node, so the run is bit-exact."""
+    case = lm_case(1, precision=BF16, wrap=("layers.0.attention_norm", ""), steps=1)
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert all(f.max_abs == 0 for f in verdict.findings if f.phase == "grads")
+
+
 def test_probe_records_each_stage_in_the_dtype_the_policy_names():
     """The probe's record itself (not just the absence of findings): every stage is observed."""
     from verify.pool import get_pool

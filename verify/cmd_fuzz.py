@@ -6,6 +6,7 @@ writes report.json and report.html into --out."""
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from pathlib import Path
 
@@ -19,6 +20,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--precisions", nargs="+", choices=("fp32", "bf16"), default=["fp32", "bf16"])
     p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
+    )
     p.add_argument(
         "--profile",
         choices=("ci", "nightly", "dev"),
@@ -53,6 +61,7 @@ def run(args: argparse.Namespace) -> int:
             world_sizes=args.world_sizes,
             precisions=args.precisions,
             model_kinds=args.models,
+            **_pins(args.pin),
         )
     except (EngineLoadError, PinError, OSError) as e:
         return _bad(str(e))
@@ -99,6 +108,24 @@ def run(args: argparse.Namespace) -> int:
     print(f"Shrunk case written to {f.repro_path}")
     print(f"Replay: {replay_command(f.repro_path)}")
     return EXIT_DIVERGED
+
+
+def _pins(items: list[str]) -> dict[str, object]:
+    """`FIELD=JSON` pairs; a value that is not JSON is taken as a string (`optim.name=sgd`).
+    JSON lists become tuples, as Case fields hold them."""
+    from properties.strategies import PinError
+
+    pins: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise PinError(f"--pin: expected FIELD=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        pins[key] = tuple(value) if isinstance(value, list) else value
+    return pins
 
 
 def _progress(args: argparse.Namespace):

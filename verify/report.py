@@ -32,6 +32,10 @@ def case_row(example) -> dict[str, Any]:
         "steps": c.steps,
         "worst_ratio": worst.ratio if worst is not None else None,
         "worst_where": f"step {worst.step} {worst.phase} {worst.name}" if worst is not None else None,
+        # Every failing case in full, not only the shrunk one: a flaky failure may not shrink to
+        # itself, and the first one seen is often the clearest.
+        "case": c.to_dict() if not example.ok else None,
+        "summary": example.failure.summary() if example.failure is not None else None,
     }
 
 

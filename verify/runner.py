@@ -3,8 +3,10 @@ run the sharded side, then the comparators, then the verdict."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -19,13 +21,25 @@ from verify.trace import Trace
 from verify.verdict import Verdict
 
 
+@contextlib.contextmanager
+def rank_like_threads() -> Iterator[None]:
+    """Run the reference with the thread count of a rank process (1, see verify/worker.py): a
+    multi-threaded CPU kernel may split a sum over threads and so round differently."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 def calibration_runs(case: Case) -> list[Trace]:
-    """Numerically equivalent reference runs: ranks reduced in rank and in reverse order, and (without
-    dropout, whose masks depend on the per-rank split) the global batch in one piece."""
-    runs = [train_reference(case, order="rank"), train_reference(case, order="reverse")]
-    if case.model.dropout == 0:
-        runs.append(train_reference(case, emulate=False))
-    return runs
+    """Numerically equivalent reference runs: the ranks' gradients summed in rank order and in
+    reverse order (which also reverses the clip's norm sum). These are the freedoms a correct
+    engine has. The global batch in one piece is not: its per-rank bf16 roundings differ from any
+    sharded run's, and calibrating on them hid a reduction silently done in bf16."""
+    with rank_like_threads():
+        return [train_reference(case, order="rank"), train_reference(case, order="reverse")]
 
 
 def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict:
@@ -49,7 +63,8 @@ def check_case(
     t0 = time.perf_counter()
     pool.submit(case)
     try:
-        ref = train_reference(case)  # overlaps with the ranks' work
+        with rank_like_threads():
+            ref = train_reference(case)  # overlaps with the ranks' work
     except BaseException:
         pool.result(timeout_s)  # keep the pool in step before propagating
         raise

@@ -4,8 +4,10 @@ cases for each from its pinned strategy and counts how many it takes to catch it
 
 Pins narrow `properties.strategies.cases` to the cases where the bug can show at all (sync only
 on the last micro-batch for a bug in that path, clipping on for a clipping bug, two ranks or more
-for a reduction bug), never to the cases where it happens to show: within its pins every
-generated case must expose the bug, and the self-test counts how many it took.
+for a reduction bug), never to the cases where it happens to show. Even so, not every case can
+expose every bug (a rank that re-initialises but holds no element of any parameter, as when all
+widths are 1, changes nothing), which is why the self-test counts the cases it took. Most bugs
+are drawn on MLPs only, to keep an example cheap; the tied-weight bug needs the Transformer.
 """
 
 from __future__ import annotations

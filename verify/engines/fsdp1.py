@@ -34,10 +34,10 @@ from verify.engines.spec import ShardSpec
 
 
 def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    if mesh.ndim != 1:
-        raise ValueError(f"mesh_shape: the fsdp1 engine shards on one mesh dimension, got {tuple(mesh.shape)}")
     if spec.mp_policy.output_dtype is not None:
         raise ValueError("precision.output_dtype: FSDP1 has no output_dtype; expected null")
+    if mesh.ndim != 1:
+        raise ValueError(f"mesh_shape: the fsdp1 engine shards on one mesh dimension, got {tuple(mesh.shape)}")
     # An int (FSDP2: reshard to a smaller group after forward) is a memory/communication trade
     # FSDP1 lacks; numerically it is resharding after forward, so it maps to FULL_SHARD.
     rsf = spec.reshard_after_forward is not False

@@ -7,18 +7,18 @@ import math
 import torch
 from torch import nn
 
+from verify.models.layers import Linear
+
 
 class MLPBlock(nn.Module):
     def __init__(self, d_in: int, d_out: int, activation: bool, dropout: float):
         super().__init__()
-        self.linear = nn.Linear(d_in, d_out)
+        self.linear = Linear(d_in, d_out)
         self.activation = activation
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Inputs follow the weight dtype: a block outside any shard unit may receive the previous
-        # unit's output in `output_dtype` while its own weights are in `param_dtype`.
-        x = self.linear(x.to(self.linear.weight.dtype))
+        x = self.linear(x)
         if self.activation:
             x = self.dropout(torch.tanh(x))
         return x

@@ -7,6 +7,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from verify.models.layers import Linear
+
 
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float = 1e-6):
@@ -42,10 +44,10 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, dropout: float):
         super().__init__()
         self.n_heads = n_heads
-        self.wq = nn.Linear(dim, dim, bias=False)
-        self.wk = nn.Linear(dim, dim, bias=False)
-        self.wv = nn.Linear(dim, dim, bias=False)
-        self.wo = nn.Linear(dim, dim, bias=False)
+        self.wq = Linear(dim, dim, bias=False)
+        self.wk = Linear(dim, dim, bias=False)
+        self.wv = Linear(dim, dim, bias=False)
+        self.wo = Linear(dim, dim, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -61,9 +63,9 @@ class FeedForward(nn.Module):
 
     def __init__(self, dim: int, hidden: int, dropout: float):
         super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)
-        self.w2 = nn.Linear(hidden, dim, bias=False)
-        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w1 = Linear(dim, hidden, bias=False)
+        self.w2 = Linear(hidden, dim, bias=False)
+        self.w3 = Linear(dim, hidden, bias=False)
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -101,9 +103,9 @@ class Transformer(nn.Module):
         self.tok_embeddings = nn.Embedding(vocab_size, dim)
         self.layers = nn.ModuleList(Block(dim, n_heads, ffn_hidden, dropout) for _ in range(n_layers))
         self.norm = RMSNorm(dim)
-        self.output = nn.Linear(dim, vocab_size, bias=False)
-        if tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
+        self.output = Linear(dim, vocab_size, bias=False)
+        self.tie_embeddings = tie_embeddings
+        self.tie_weights()
         self.register_buffer("freqs", rope_frequencies(self.head_dim, seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
@@ -112,9 +114,14 @@ class Transformer(nn.Module):
             x = layer(x, self.freqs)
         return self.output(self.norm(x))
 
+    def tie_weights(self) -> None:
+        if self.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         """Every weight drawn in module order from one CPU generator; norms to one."""
+        self.tie_weights()  # materialising from the meta device (`to_empty`) unties them
         self.freqs.copy_(rope_frequencies(self.head_dim, self.seq_len))
         for name, p in self.named_parameters():
             if name.endswith("norm.weight"):

@@ -106,11 +106,22 @@ class FlatParameter:
         return self.slots[-1].offset + self.slots[-1].numel
 
     # ---- gradients -----------------------------------------------------------------------------
+    unsynced_grad: torch.Tensor | None = None
+
+    def accumulate_unsynced_grad(self, reduce_dtype: torch.dtype) -> None:
+        """Gradient sync off: keep this micro-batch's unsharded gradient, summed with the earlier
+        ones in reduce_dtype (FSDP2's `to_accumulated_grad_if_needed`: upcast, then fp32 += bf16),
+        not in param_dtype, where small contributions would round away."""
+        grad, self.full.grad = self.full.grad, None
+        self.unsynced_grad = grad.to(reduce_dtype) if self.unsynced_grad is None else self.unsynced_grad + grad
+
     def reduce_scatter_grad(self, reduce_dtype: torch.dtype) -> None:
         """`full.grad` (this rank's unsharded gradient, in param_dtype) -> the average over ranks
         of this rank's chunk, in fp32, accumulated into the shard views' `.grad`. Upcast first,
         sum, then divide by the world size: what the reference does (and FSDP2 on gloo)."""
         grad, self.full.grad = self.full.grad, None
+        if self.unsynced_grad is not None:  # earlier micro-batches of this step, not yet reduced
+            grad, self.unsynced_grad = self.unsynced_grad + grad, None
         send = grad.to(reduce_dtype).contiguous()
         out = torch.empty(self.shard_numel, dtype=reduce_dtype, device=send.device)
         dist.reduce_scatter_single(out, send, op=dist.ReduceOp.SUM, group=self.group)

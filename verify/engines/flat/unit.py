@@ -8,7 +8,8 @@
    saved tensors of forward point at;
 4. post-backward (`full.grad` accumulated, i.e. every use of the unit's views is done):
    reduce-scatter the gradient, averaged over ranks, in `reduce_dtype`, and free the buffer.
-   With gradient sync off, `full.grad` just keeps accumulating in `param_dtype`.
+   With gradient sync off, the unsharded gradient is set aside and summed in `reduce_dtype`
+   until a synced backward reduces it (as FSDP2 does).
 """
 
 from __future__ import annotations
@@ -109,4 +110,6 @@ class FlatUnit:
     def _post_backward(self, _full: torch.Tensor) -> None:
         if self.sync_gradients:
             self.flat.reduce_scatter_grad(self.reduce_dtype)
+        else:
+            self.flat.accumulate_unsynced_grad(self.reduce_dtype)
         self.flat.free()

@@ -1,0 +1,115 @@
+"""The bundled FlatParameter engine (`--engine flat`, verify/engines/flat/): equivalent to the
+reference on real gloo process groups, and its seed-004 bugs caught where they first show."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+
+from properties import cases, sharded_equals_reference
+from tests.conftest import TINY_LM, lm_case, mlp_case
+from verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
+from verify.checks.ownership import check_map, expected_params, expected_ties
+from verify.engines.flat.api import unmanaged_params
+from verify.models import MLP
+from verify.ownership import OwnershipMap
+from verify.pool import get_pool
+
+BF16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_flat_mlp_uneven_shards_fp32(fsdp_check, world_size):
+    verdict = fsdp_check(mlp_case(world_size, engine="flat"))
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_flat_mlp_bf16_params_fp32_reduction(fsdp_check, world_size):
+    verdict = fsdp_check(mlp_case(world_size, engine="flat", precision=BF16))
+    assert verdict.ok, verdict.summary()
+
+
+def test_flat_transformer_bf16_with_clipping_and_microbatches(fsdp_check):
+    case = lm_case(3, engine="flat", precision=BF16, clip_norm=0.05, microbatches=2, data=DataSpec(batch_size=12))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert any(f.phase == "grad_norm" for f in verdict.findings)
+
+
+def test_flat_sync_only_on_last_microbatch_bf16(fsdp_check):
+    case = mlp_case(2, engine="flat", precision=BF16, microbatches=2, sync_every_microbatch=False)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+
+
+def test_flat_meta_device_build_with_tied_embeddings_equals_eager(fsdp_check):
+    """The engine builds on meta, re-ties, initialises from the seed, then shards: the initial
+    parameters must equal the eager reference's bit for bit (the init comparator is exact)."""
+    case = Case(model=TINY_LM.__class__(**{**TINY_LM.__dict__, "tie_embeddings": True}), init="meta", engine="flat")
+    case = case.with_(steps=2, data=DataSpec(batch_size=4))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+
+
+def test_flat_world_size_2_fp32_is_bit_exact(fsdp_check):
+    verdict = fsdp_check(mlp_case(2, engine="flat", optim=OptimSpec(name="adam")), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    inexact = [f for f in verdict.findings if f.phase != "param_sums" and f.max_abs != 0]
+    assert not inexact, [(f.key, f.max_abs) for f in inexact]
+
+
+def test_flat_ownership_map_is_a_partition_with_uneven_slices():
+    """Each parameter in exactly its layer's unit; the ranks' slices of it add up to it, and a
+    slice may be empty (a flat buffer is cut without regard to parameter boundaries)."""
+    case = mlp_case(3, engine="flat")
+    ownership = OwnershipMap.from_json(get_pool(3).run(case).meta["ownership"])
+    assert check_map(case, ownership, expected_params(case), expected_ties(case)) == []
+    w = ownership.params["layers.0.linear.weight"]
+    assert w.units == ("layers.0",) and sum(w.local_numel) == 33 * 16
+    # layers.0 flattens 528 + 33 = 561 elements into 3 chunks of 187: the weight spans all three
+    assert w.local_numel == (187, 187, 154)
+    assert ownership.params["layers.0.linear.bias"].local_numel == (0, 0, 33)
+
+
+@given(cases(engine="flat"))
+def test_flat_property_sharded_equals_reference(case):
+    """The property suite's generated cases: nested wrap plans, frozen and tied weights, dropout,
+    meta init, micro-batches with and without sync, clipping, bf16 with any reduce/output dtype."""
+    sharded_equals_reference(case, pool=get_pool(case.world_size))
+
+
+# ---- seed 004's bugs ----------------------------------------------------------------------------
+def test_parent_unit_skips_parameters_of_wrapped_descendants():
+    """The fix itself, without processes: the root collects only what no unit below manages."""
+    model = MLP((4, 5, 3))
+    model.layers[0].__dict__["_flat_unit"] = object()  # as fully_shard marks a unit
+    names = [rel for rel, *_ in unmanaged_params(model)]
+    assert names == ["layers.1.linear.weight", "layers.1.linear.bias"]
+
+
+def test_double_ownership_is_caught_at_step_0_naming_both_units(fsdp_check):
+    verdict = fsdp_check(mlp_case(2, engine="verify.mutants:flat_nested_double_ownership"))
+    assert not verdict.ok
+    first = verdict.first_divergence
+    assert (first.step, first.phase) == (0, "ownership"), verdict.summary()
+    assert "owned by 2 units: 'layers.0' and ''" in " ".join(f.message for f in verdict.failures)
+    # Every MLP parameter sits in a layer and again in the root: the total param sum doubles.
+    total = next(f for f in verdict.findings if f.key == (0, "param_sums", "__total__"))
+    assert not total.ok and total.normwise == pytest.approx(1.0, rel=1e-9)
+
+
+def test_meta_init_that_consumes_rng_is_caught_at_step_0_init(fsdp_check):
+    verdict = fsdp_check(lm_case(2, engine="verify.mutants:flat_meta_init_consumes_rng"))
+    assert not verdict.ok
+    first = verdict.first_divergence
+    assert (first.step, first.phase) == (0, "init"), verdict.summary()
+
+
+def test_cli_check_engine_flat_exits_0():
+    r = subprocess.run(
+        [sys.executable, "-m", "verify", "check", "--engine", "flat"], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EQUIVALENT: flat" in r.stdout

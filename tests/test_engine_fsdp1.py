@@ -1,0 +1,102 @@
+"""`--engine fsdp1`: PyTorch FSDP1 (`FullyShardedDataParallel`, FlatParameter, use_orig_params) on
+real gloo process groups, equivalent to the reference; read through the FlatView."""
+
+import subprocess
+import sys
+
+import pytest
+from hypothesis import given
+
+from properties import cases, sharded_equals_reference
+from tests.conftest import lm_case, mlp_case
+from verify.case import DataSpec, OptimSpec, PrecisionSpec
+from verify.checks.ownership import check_map, expected_params, expected_ties
+from verify.engines.fsdp1 import fsdp1_engine
+from verify.engines.spec import ShardSpec
+from verify.ownership import OwnershipMap
+from verify.pool import get_pool
+
+BF16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+def test_fsdp1_mlp_uneven_shards_fp32(fsdp_check, world_size):
+    verdict = fsdp_check(mlp_case(world_size, engine="fsdp1"))
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_fsdp1_mlp_bf16_params_fp32_reduction(fsdp_check, world_size):
+    """World size 3: FSDP1 pre-divides by 2 and post-divides by 1.5; the reference divides the
+    sum by 3 once. The same correctly rounded quotient, so this must pass without a tweak."""
+    verdict = fsdp_check(mlp_case(world_size, engine="fsdp1", precision=BF16))
+    assert verdict.ok, verdict.summary()
+
+
+def test_fsdp1_transformer_bf16_with_clipping_and_microbatches(fsdp_check):
+    case = lm_case(2, engine="fsdp1", precision=BF16, clip_norm=0.05, microbatches=2, data=DataSpec(batch_size=8))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert any(f.phase == "grad_norm" for f in verdict.findings)
+
+
+def test_fsdp1_no_sync_on_all_but_last_microbatch_fp32(fsdp_check):
+    case = lm_case(2, engine="fsdp1", microbatches=2, sync_every_microbatch=False)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="FSDP1 sums no-sync gradients in param_dtype (bf16); the reference models FSDP2, which "
+    "upcasts them to reduce_dtype first. An engine-aware reference tweak is for the lead to decide.",
+)
+def test_fsdp1_no_sync_bf16_accumulates_like_the_reference(fsdp_check):
+    case = lm_case(2, engine="fsdp1", precision=BF16, microbatches=2, sync_every_microbatch=False, wrap=("",))
+    verdict = fsdp_check(case.with_(**{"model.dropout": 0.1}))
+    assert verdict.ok, verdict.summary()
+
+
+def _outside_known_gap(case) -> bool:
+    """Not a no-sync case whose bf16 compute differs from an fp32 reduce_dtype (the xfail above)."""
+    p = case.precision
+    return case.sync_every_microbatch or p.param_dtype in (None, "float32") or p.reduce_dtype in (None, p.param_dtype)
+
+
+@given(cases(engine="fsdp1", **{"precision.output_dtype": None}).filter(_outside_known_gap))
+def test_fsdp1_property_sharded_equals_reference(case):
+    """The property suite's generated cases (nested wrap plans, frozen and tied weights, dropout,
+    meta init, micro-batches, clipping), minus what FSDP1 cannot express (output_dtype)."""
+    sharded_equals_reference(case, pool=get_pool(case.world_size))
+
+
+def test_fsdp1_world_size_2_fp32_is_bit_exact(fsdp_check):
+    verdict = fsdp_check(mlp_case(2, engine="fsdp1", optim=OptimSpec(name="adam")), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    inexact = [f for f in verdict.findings if f.phase != "param_sums" and f.max_abs != 0]
+    assert not inexact, [(f.key, f.max_abs) for f in inexact]
+
+
+def test_fsdp1_ownership_from_flat_parameter_metadata():
+    """Each FlatParameter's recorded FQNs, prefixes cleaned, one unit per parameter; the ranks'
+    slices of a parameter add up to it."""
+    case = lm_case(2, engine="fsdp1").with_(**{"model.tie_embeddings": True})
+    ownership = OwnershipMap.from_json(get_pool(2).run(case).meta["ownership"])
+    assert check_map(case, ownership, expected_params(case), expected_ties(case)) == []
+    assert ownership.params["layers.1.ffn_norm.weight"].units == ("layers.1",)
+    assert ownership.params["tok_embeddings.weight"].units == ("",)
+    assert "output.weight" not in ownership.params  # tied: one parameter, under its first name
+
+
+def test_fsdp1_refuses_output_dtype_naming_the_field():
+    case = mlp_case(2, engine="fsdp1", precision=PrecisionSpec(param_dtype="bfloat16", output_dtype="float32"))
+    with pytest.raises(ValueError, match="precision.output_dtype"):
+        fsdp1_engine(None, None, ShardSpec.from_case(case))
+
+
+def test_cli_check_engine_fsdp1_exits_0():
+    r = subprocess.run(
+        [sys.executable, "-m", "verify", "check", "--engine", "fsdp1"], capture_output=True, text=True, timeout=600
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EQUIVALENT: fsdp1" in r.stdout
