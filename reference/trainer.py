@@ -129,7 +129,9 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
         sequences = [(slice(None), list(range(world))[::-1])]
     else:
         chunk = -(-wide[0].shape[0] // world) if wide[0].dim() else 1
-        sequences = [(slice(r * chunk, (r + 1) * chunk), [(r - k) % world for k in range(1, world)] + [r]) for r in range(world)]
+        sequences = [
+            (slice(r * chunk, (r + 1) * chunk), [(r - k) % world for k in range(1, world)] + [r]) for r in range(world)
+        ]
     total = torch.empty_like(wide[0])
     for rows, ranks in sequences:
         acc = wide[ranks[0]][rows]

@@ -3,6 +3,7 @@ worked example: local norms 2.236, 5, 7.81, 10.63 make a global 14.283, not 10.6
 
 import math
 
+import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -18,10 +19,14 @@ SHARDS = [torch.tensor(v, dtype=torch.float64) for v in ([1.0, 2.0], [3.0, 4.0],
 def test_seed_001_global_norm_is_the_root_of_the_all_reduced_local_squares():
     local = [s.norm() for s in SHARDS]
     assert [round(n.item(), 2) for n in local] == [2.24, 5.0, 7.81, 10.63]
-    squares = torch.stack([n**2 for n in local])
-    global_norm = squares.sum().sqrt()  # all-reduce(SUM) of the local squares, then the root
+    # Each rank sends its local *squared* norm (sum of squares, exact for these integers; squaring
+    # the rounded root would not be), the all-reduce sums them, the root is taken once.
+    squares = torch.stack([(s * s).sum() for s in SHARDS])
+    global_norm = squares.sum().sqrt()
     assert round(global_norm.item(), 3) == 14.283
-    assert global_norm.item() == math.sqrt(204)
+    assert squares.sum().item() == 204.0  # 5 + 25 + 61 + 113, exactly
+    # The root of exactly 204 (torch's scalar sqrt may differ from math.sqrt in the last bit).
+    assert global_norm.item() == pytest.approx(math.sqrt(204), rel=2**-52)
     assert torch.isclose(global_norm, torch.nn.utils.get_total_norm(SHARDS))
     assert torch.isclose(global_norm, torch.cat(SHARDS).norm())
     assert max(n.item() for n in local) < global_norm.item() - 3  # the local norm is a different number

@@ -166,6 +166,24 @@ ZOO: list[ZooBug] = [
         precisions=("fp32",),
         pins=dict(_CHEAP),
     ),
+    ZooBug(
+        "flat_nested_double_ownership",
+        _mutant("flat_nested_double_ownership"),
+        "the root's FlatParameter collects parameters(recurse=True): wrapped children's params held twice",
+        "seed 004, finding 4 (the parameter sum doubled after wrapping)",
+        ("ownership", "param_sums"),
+        world_sizes=(1, 2, 3, 4),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "flat_meta_init_consumes_rng",
+        _mutant("flat_meta_init_consumes_rng"),
+        "meta-device build that consumes random numbers before initialisation (RNG not restored)",
+        "seed 004, finding 3",
+        ("init",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "init": "meta"},
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

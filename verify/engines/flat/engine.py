@@ -14,12 +14,16 @@ from verify.engines.spec import ShardSpec
 
 def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> nn.Module:
     """With `init: meta` the engine builds its own model on the meta device and materialises
-    it, as a trainer too big for one device would (the built model only gives the device)."""
+    it, as a trainer too big for one device would (the built model only gives the device and
+    which weights are frozen)."""
     if spec.case is not None and spec.case.init == "meta":
         from verify.models import _construct
 
         device = next(model.parameters()).device
+        frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
         model = construct_on_meta(lambda: _construct(spec.case.model))
+        for name, p in model.named_parameters():
+            p.requires_grad_(name not in frozen)
         wrap_per_plan(model, mesh, spec, collect)
         return with_view(materialize(model, _init_from_seed(spec.case.seed), device))
     wrap_per_plan(model, mesh, spec, collect)
