@@ -7,47 +7,18 @@ shrinks the Case and finally replays the smallest failing one, whose exception `
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import hypothesis
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis import given, settings
 from hypothesis.strategies import SearchStrategy
 
 from properties.properties import PropertyFailed
 from verify.case import Case
+from verify.profiles import default_profile, register_profiles
 from verify.verdict import Verdict
-
-# A case takes 0.2-2 s: no deadline, and slow data generation is no health problem. No `explain`
-# phase: after shrinking it reruns the failing case once per choice to say which parts do not
-# matter, doubling the cost of a failure; the first divergence already says where it is.
-_COMMON = {
-    "deadline": None,
-    "suppress_health_check": [HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
-    "phases": [Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink],
-}
-PROFILES = {
-    # Quick and reproducible: the same examples every run, nothing remembered between runs.
-    "ci": {"max_examples": 10, "derandomize": True, "database": None, "print_blob": False},
-    # Many examples; failures are remembered and replayed first on the next night.
-    "nightly": {"max_examples": 300, "database": DirectoryBasedExampleDatabase(".hypothesis/fsdp-verify")},
-    # A person at a desk: random, a handful of examples, remembered failures.
-    "dev": {"max_examples": 20},
-}
-
-
-def register_profiles() -> None:
-    for name, values in PROFILES.items():
-        settings.register_profile(name, **_COMMON, **values)
-
-
-def default_profile() -> str:
-    """`ci` when the CI environment variable is set (every major CI service sets it), else `dev`."""
-    return "ci" if os.environ.get("CI", "").strip().lower() not in ("", "0", "false") else "dev"
-
 
 register_profiles()
 

@@ -91,3 +91,16 @@ def test_bad_plugin_options_are_usage_errors(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--fsdp-world-sizes", "two")
     assert result.ret == 4
     assert "--fsdp-world-sizes" in result.stderr.str()
+
+
+def test_hypothesis_profile_option_selects_our_profiles(pytester):
+    """`--hypothesis-profile nightly|dev|ci` names our profiles, which must exist before
+    Hypothesis's own plugin loads the chosen one."""
+    pytester.makepyfile(
+        test_inner="from hypothesis import settings\n\n"
+        "def test_profile():\n"
+        "    assert settings.get_current_profile_name() == 'nightly'\n"
+        "    assert settings.default.max_examples == 300 and settings.default.deadline is None\n"
+    )
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hypothesis-profile", "nightly")
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()

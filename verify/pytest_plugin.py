@@ -25,6 +25,9 @@ REPRO_SECTION = "fsdp-verify: minimal failing case"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
+    from verify.profiles import register_profiles
+
+    register_profiles()  # before any plugin's pytest_configure loads --hypothesis-profile
     group = parser.getgroup("fsdp-verify")
     group.addoption("--fsdp-engine", default="fsdp2", help="engine under test (fsdp2 | pkg.module:NAME | file.py:NAME)")
     group.addoption("--fsdp-timeout", type=float, default=120.0, help="seconds before a rank counts as hung")
@@ -80,9 +83,8 @@ def pytest_configure(config: pytest.Config) -> None:
     `ci` when the CI variable is set, else `dev`; then apply --fsdp-max-examples."""
     from hypothesis import settings
 
-    from properties.search import default_profile, register_profiles
+    from verify.profiles import default_profile
 
-    register_profiles()
     if not config.getoption("hypothesis_profile", None):
         settings.load_profile(default_profile())
     n = config.getoption("--fsdp-max-examples")

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
-from torch.utils._pytree import tree_flatten, tree_map
+from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
 from verify.engines.flat.flat_param import FlatParameter, Slot
 
@@ -38,6 +38,31 @@ def _cast(obj, dtype: torch.dtype | None):
     if dtype is None:
         return obj
     return tree_map(lambda t: t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t, obj)
+
+
+class _UnitInputs(torch.autograd.Function):
+    """Identity on the unit's inputs that require grad, as FSDP2's RegisterPostBackwardFunction.
+    It is not needed for correctness here (the post-accumulate-grad hook runs post-backward), but
+    it groups autograd's gradient sum of a tensor with several consumers (the residual stream
+    feeds both `x + ...` and this unit) the way FSDP2 does, so the two engines round alike."""
+
+    @staticmethod
+    def forward(ctx, *inputs: torch.Tensor):
+        return inputs
+
+    @staticmethod
+    def backward(ctx, *grads: torch.Tensor):
+        return grads
+
+
+def _through_unit_node(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    flat, spec = tree_flatten((args, kwargs))
+    where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
+    if not where or not torch.is_grad_enabled():
+        return args, kwargs
+    for i, t in zip(where, _UnitInputs.apply(*[flat[i] for i in where])):
+        flat[i] = t
+    return tree_unflatten(flat, spec)
 
 
 class FlatUnit:
@@ -88,6 +113,8 @@ class FlatUnit:
                     _set_tensor(module, attr, view)
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
+        if self.flat is not None:
+            args, kwargs = _through_unit_node(args, kwargs)
         return args, kwargs
 
     def _post_forward(self, _module, _args, output):
