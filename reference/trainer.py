@@ -25,12 +25,14 @@ from verify.rng import dropout_seed, rng_fingerprint
 from verify.trace import Trace
 
 
-def train_reference(case: Case, emulate: bool = True, order: str = "ring") -> Trace:
+def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_input_node: bool = True) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), "rank" (0, 1, ...) or "reverse" (which also sums
-    the gradient norms of a clip in reverse); the latter two are calibration runs."""
+    the gradient norms of a clip in reverse); the latter two are calibration runs.
+    `unit_input_node=False` leaves out FSDP2's identity node on unit inputs (`_PostBackwardNode`),
+    as FSDP1 and most home-grown engines do: another calibration run."""
     model = build_model(case.model, case.seed, init="eager")
-    _install_precision_hooks(model, case)
+    _install_precision_hooks(model, case, unit_input_node)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
     trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order})
@@ -165,7 +167,7 @@ def _record_buffers(trace: Trace, step: int, model: nn.Module) -> None:
         trace.add(step, "buffers", n, b)
 
 
-def _install_precision_hooks(model: nn.Module, case: Case) -> None:
+def _install_precision_hooks(model: nn.Module, case: Case, unit_input_node: bool = True) -> None:
     """FSDP2 casts floating inputs of every shard unit to `param_dtype` (cast_forward_inputs) and
     its outputs to `output_dtype`; the same casts, on the same modules."""
     policy = case.precision
@@ -179,7 +181,7 @@ def _install_precision_hooks(model: nn.Module, case: Case) -> None:
             )
         if output_dtype is not None:
             module.register_forward_hook(lambda _m, _a, out, d=output_dtype: cast_floats(out, d))
-        if fqn in units_with_params:
+        if unit_input_node and fqn in units_with_params:
             module.register_forward_pre_hook(_post_backward_node, with_kwargs=True)
 
 
