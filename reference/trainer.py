@@ -28,7 +28,8 @@ from verify.trace import Trace
 def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_input_node: bool = True) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), "rank" (0, 1, ...) or "reverse" (which also sums
-    the gradient norms of a clip in reverse); the latter two are calibration runs.
+    the gradient norms of a clip in reverse), or "flat" (ring order over each unit's gradients
+    flattened into one padded buffer, see `_average_flat`); the latter three are calibration runs.
     `unit_input_node=False` leaves out FSDP2's identity node on unit inputs (`_PostBackwardNode`),
     as FSDP1 and most home-grown engines do: another calibration run."""
     model = build_model(case.model, case.seed, init="eager")
@@ -85,8 +86,12 @@ def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_
                 if m < len(groups) - 1:
                     continue
                 rank_grads = local_grads
-            for n in rank_grads[0]:
-                reduced = _average([g[n] for g in rank_grads], reduce_dtype, order).to(torch.float32)
+            if order == "flat":
+                averaged = _average_flat(rank_grads, _units(case, params), reduce_dtype)
+            else:
+                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+            for n, avg in averaged.items():
+                reduced = avg.to(torch.float32)
                 master_grads[n] = master_grads[n] + reduced if n in master_grads else reduced
         for n, p in params.items():
             p.grad = master_grads.get(n)
@@ -141,6 +146,48 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
             acc = acc + wide[r][rows]
         total[rows] = acc
     return total / world
+
+
+def _average_flat(
+    rank_grads: list[dict[str, torch.Tensor]], units: list[list[tuple[str, torch.Size]]], reduce_dtype: torch.dtype
+) -> dict[str, torch.Tensor]:
+    """ReduceOp.AVG as a FlatParameter engine (FSDP1, verify/engines/flat) issues it: per unit,
+    the gradients of its parameters in registration order (zeros for a frozen one) concatenated,
+    padded to a multiple of the world size and reduce-scattered in equal chunks, so gloo's ring
+    order (see `_average`) follows chunk boundaries of the flat buffer rather than FSDP2's rows.
+    (FSDP1 also aligns each parameter's start to 16 bytes; this run does not: it is one more
+    numerically equivalent order, a sample of the noise, not an emulation.)"""
+    world = len(rank_grads)
+    out: dict[str, torch.Tensor] = {}
+    for unit in units:
+        names = [n for n, _ in unit if n in rank_grads[0]]
+        if not names:
+            continue
+        flats = [torch.cat([g[n].to(reduce_dtype).reshape(-1) for n in names]) for g in rank_grads]
+        numel = flats[0].numel()
+        chunk = -(-numel // world)
+        padded = [torch.nn.functional.pad(f, (0, chunk * world - numel)).view(world, chunk) for f in flats]
+        total = torch.empty_like(padded[0])
+        for r in range(world):
+            acc = padded[(r - 1) % world][r]
+            for k in range(2, world + 1):
+                acc = acc + padded[(r - k) % world][r]
+            total[r] = acc
+        averaged = (total / world).reshape(-1)[:numel]
+        offset = 0
+        for n in names:
+            size = rank_grads[0][n].numel()
+            out[n] = averaged[offset : offset + size].view_as(rank_grads[0][n])
+            offset += size
+    return out
+
+
+def _units(case: Case, params: dict[str, nn.Parameter]) -> list[list[tuple[str, torch.Size]]]:
+    """The parameters of each unit of the wrap plan, in registration order."""
+    by_unit: dict[str, list[tuple[str, torch.Size]]] = {}
+    for n, p in params.items():
+        by_unit.setdefault(_owning_unit(case.wrap_plan, n), []).append((n, p.shape))
+    return list(by_unit.values())
 
 
 def _store_logits(logits: dict[int, torch.Tensor], index, out: torch.Tensor) -> None:

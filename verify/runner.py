@@ -34,8 +34,9 @@ def rank_like_threads() -> Iterator[None]:
 
 
 def calibration_runs(case: Case) -> list[Trace]:
-    """Numerically equivalent reference runs: the ranks' gradients summed in rank order and in
-    reverse order (which also reverses the clip's norm sum), and the emulation without FSDP2's
+    """Numerically equivalent reference runs: the ranks' gradients summed in rank order, in
+    reverse order (which also reverses the clip's norm sum) and in ring order along each unit's
+    flattened gradient (a FlatParameter engine's reduce-scatter segments), and the emulation without FSDP2's
     identity node on unit inputs (FSDP1 and most home-grown engines have none; autograd then adds
     the residual stream's gradient contributions in another grouping: measured bit-exact against
     FSDP1, 16 fp32 ulp away from FSDP2 on a tiny tied Transformer). These are the freedoms a
@@ -45,6 +46,7 @@ def calibration_runs(case: Case) -> list[Trace]:
         return [
             train_reference(case, order="rank"),
             train_reference(case, order="reverse"),
+            train_reference(case, order="flat"),
             train_reference(case, unit_input_node=False),
         ]
 

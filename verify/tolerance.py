@@ -18,11 +18,14 @@ Three modes, in the order DESIGN.md prefers them:
   (16 * 2**-24 = 9.5e-7).
 * calibrated: reassociation noise compounds over steps (an fp32 ulp that flips a bf16 rounding of
   a parameter at step 2 moves every logit by a bf16 ulp at step 3). Its size is not known a priori,
-  so it is measured: the reference is run again in numerically equivalent ways (ranks reduced in
-  rank order and in reverse order; not the global batch in one piece, whose bf16 roundings no
-  sharded run shows) and each record may deviate NOISE_MULTIPLE times
+  so it is measured: the reference is run again in numerically equivalent ways, each a freedom a
+  correct engine has (ranks reduced in rank order, in reverse order, and in ring order along each
+  unit's flattened gradient as a FlatParameter engine's reduce-scatter adds them; and without
+  FSDP2's identity autograd node on unit inputs, which regroups the gradient sum of the residual
+  stream; not the global batch in one piece, whose bf16 roundings no sharded run shows) and each
+  record may deviate NOISE_MULTIPLE times
   the largest deviation seen between those runs and the emulating reference, and never less than
-  the bound. Calibration costs two more reference runs, so it runs only when some record
+  the bound. Calibration costs four more reference runs, so it runs only when some record
   exceeds its bound.
 
 Every finding says which mode held it, the limit, and the ratio of its deviation to that limit.
