@@ -35,7 +35,7 @@ def rank_like_threads() -> Iterator[None]:
 
 def calibration_runs(case: Case) -> list[Trace]:
     """Numerically equivalent reference runs: the ranks' gradients summed in rank order, in
-    reverse order (which also reverses the clip's norm sum) and in ring order along each unit's
+    reverse order (with a clip's norm from the full gradients, summed in reverse) and in ring order along each unit's
     flattened gradient (a FlatParameter engine's reduce-scatter segments), and the emulation without FSDP2's
     identity node on unit inputs (FSDP1 and most home-grown engines have none; autograd then adds
     the residual stream's gradient contributions in another grouping: measured bit-exact against
