@@ -44,7 +44,8 @@ class _UnitInputs(torch.autograd.Function):
     """Identity on the unit's inputs that require grad, as FSDP2's RegisterPostBackwardFunction.
     It is not needed for correctness here (the post-accumulate-grad hook runs post-backward), but
     it groups autograd's gradient sum of a tensor with several consumers (the residual stream
-    feeds both `x + ...` and this unit) the way FSDP2 does, so the two engines round alike."""
+    feeds both `x + ...` and this unit) the way FSDP2 does, so the two engines round alike.
+    The reference has its own copy on purpose: it shares no code with an engine under test."""
 
     @staticmethod
     def forward(ctx, *inputs: torch.Tensor):
