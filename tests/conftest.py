@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import os
+from pathlib import Path
 
 import pytest
 
@@ -21,6 +22,11 @@ def lm_case(world_size: int = 2, **changes) -> Case:
     changes.setdefault("data", DataSpec(batch_size=world_size * changes.get("microbatches", 1) * 2))
     changes.setdefault("steps", 2)
     return Case(model=TINY_LM, world_size=world_size, **changes)
+
+
+def regression(case_hash: str) -> Case:
+    """A pinned case from tests/regressions/ (see its README), for a property test's @example."""
+    return Case.load(Path(__file__).parent / "regressions" / f"{case_hash}.json")
 
 
 def children_of(pid: int) -> list[int]:

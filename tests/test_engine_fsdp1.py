@@ -8,7 +8,7 @@ import pytest
 from hypothesis import example, given
 
 from properties import cases, sharded_equals_reference
-from tests.conftest import lm_case, mlp_case
+from tests.conftest import lm_case, mlp_case, regression
 from verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from verify.checks.ownership import check_map, expected_params, expected_ties
 from verify.engines.fsdp1 import fsdp1_engine
@@ -99,7 +99,11 @@ NESTED_TIED_FP32 = Case(
 ).with_(**{"model.tie_embeddings": True})
 
 
+# Regression: FSDP1 reduce-scatters each unit's padded flat gradient, so gloo's ring segments
+# (and the order each element is summed in) differ from FSDP2's rows; without a calibration run
+# in that order this world-size-3 case was a 1.01x false alarm (tests/regressions/README.md).
 @example(NESTED_TIED_FP32)
+@example(regression("c403031b9726"))
 @given(cases(engine="fsdp1", **{"precision.output_dtype": None}).filter(_outside_known_gap))
 def test_fsdp1_property_sharded_equals_reference(case):
     """The property suite's generated cases (nested wrap plans, frozen and tied weights, dropout,

@@ -3,11 +3,11 @@ and bf16); every broken engine fails and Hypothesis shrinks it to a small case w
 divergence; a crashing rank is a reported property failure, not a runner crash."""
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from properties import PROPERTIES, PropertyFailed, cases, sharded_equals_reference
 from properties.search import search
-from tests.conftest import mlp_case
+from tests.conftest import mlp_case, regression
 from verify.case import Case
 
 CI = settings(max_examples=8, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
@@ -29,7 +29,13 @@ PINNED = {
 }
 
 
+# Sweep false alarms: FSDP2 computes a clip's global norm from the ranks' shard norms; a norm of
+# the full gradients is 2 ulp off, and Adam on data of scale 100 amplified that to 5-1.3e4x the
+# tolerance (reference/trainer.py: _norm_from_shards). See tests/regressions/README.md.
 @CI
+@example(case=regression("93549fd8c8ee"))
+@example(case=regression("45e3ccf24a90"))
+@example(case=regression("81fa87bc2fbf"))
 @given(cases(world_sizes=(2, 3), precisions=("fp32",)))
 def test_correct_fsdp2_equals_the_reference_on_generated_fp32_cases(fsdp_property, case):
     assert fsdp_property(case).ok
