@@ -7,7 +7,9 @@ smallest ratio on a caught bug next to it.
 
     python bench/sweep.py --cases 1000 --out sweep-out [--seed 0] [--zoo zoo.json]
 
-Exit 0 if no false alarm, 1 otherwise (a rank failure counts as an alarm too).
+Exit 0 if no false alarm, 1 otherwise (a rank failure counts as an alarm too). Each case's row is
+appended to OUT/rows.jsonl as soon as it finishes, so a sweep cut short (a nightly job's time
+limit) keeps what it measured; `--report-from OUT/rows.jsonl` prints the report of such a run.
 """
 
 from __future__ import annotations
@@ -39,12 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=Path("sweep-out"), help="directory for the report and false alarms")
     p.add_argument("--zoo", type=Path, help="a `fsdp-verify selftest --json` file to compare ratios with")
     p.add_argument("--timeout", type=float, default=120.0)
+    p.add_argument("--report-from", type=Path, help="report on the rows.jsonl of an earlier (maybe cut-short) sweep")
     return p.parse_args(argv)
 
 
 def sweep(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     alarms_dir = args.out / "false_alarms"
+    stream = (args.out / "rows.jsonl").open("w")
     t0 = time.perf_counter()
 
     @hypothesis_seed(args.seed)
@@ -83,10 +87,19 @@ def sweep(args: argparse.Namespace) -> dict:
                 _save(alarms_dir, case, verdict.to_dict())
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
+        stream.write(json.dumps(row) + "\n")
+        stream.flush()
         print(_progress(len(rows), args.cases, row), file=sys.stderr, flush=True)
 
-    one()
+    with stream:
+        one()
     return {"seconds": time.perf_counter() - t0, "rows": rows}
+
+
+def load_rows(path: Path) -> dict:
+    """The result of a sweep from its rows.jsonl; the time is the sum of the cases' times."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return {"seconds": sum(r["seconds"] for r in rows), "rows": rows}
 
 
 def _save(directory: Path, case, verdict: dict) -> None:
@@ -143,6 +156,10 @@ def report(result: dict, zoo: Path | None) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.report_from is not None:
+        result = load_rows(args.report_from)
+        print(report(result, args.zoo))
+        return 0 if all(r["ok"] for r in result["rows"]) else 1
     args.out.mkdir(parents=True, exist_ok=True)
     result = sweep(args)
     text = report(result, args.zoo)

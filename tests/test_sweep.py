@@ -25,6 +25,22 @@ def test_small_sweep_on_the_correct_engine_has_no_false_alarm(tmp_path, capsys):
     assert len(rows) == 4 and all(r["ok"] and r["world_size"] == 2 for r in rows)
     assert all(0 <= r["worst_ratio"] <= 1 for r in rows)
     assert not (tmp_path / "false_alarms").exists()
+    streamed = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
+    assert [r["case"] for r in streamed] == [r["case"] for r in rows]
+
+
+def test_a_cut_short_sweep_is_reported_from_its_streamed_rows(tmp_path, capsys):
+    rows = tmp_path / "rows.jsonl"
+    good = {"case": "a", "world_size": 2, "model": "mlp", "precision": "fp32", "ok": True, "calibrated": False}
+    good |= {"worst_ratio": 0.5, "worst_at": [1, "grads", "w"], "worst_mode": "bound", "seconds": 1.0}
+    bad = {"case": "b", "world_size": 3, "model": "mlp", "precision": "bf16", "ok": False}
+    bad |= {"alarm": "rank failure", "detail": "rank 1 hung", "seconds": 2.0}
+    rows.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
+    code = _load().main(["--report-from", str(rows)])
+    text = capsys.readouterr().out
+    assert code == 1, text
+    assert "2 cases in 3 s" in text and "false alarms: 1" in text and "b (rank failure): rank 1 hung" in text
+    assert "max 0.5" in text
 
 
 def test_a_broken_engine_raises_alarms_and_leaves_replayable_cases(tmp_path, capsys):

@@ -11,6 +11,7 @@ import contextlib
 import ctypes
 import datetime
 import faulthandler
+import gc
 import mmap
 import os
 import signal
@@ -18,6 +19,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 
 import torch
@@ -93,12 +95,39 @@ def _die_with_parent() -> None:
     threading.Thread(target=watch, daemon=True).start()
 
 
+@contextlib.contextmanager
+def groups_released() -> Iterator[None]:
+    """Destroys the process groups made while a case ran. FSDP2 builds a new DeviceMesh, so new
+    groups, in every `fully_shard` call with an int `reshard_after_forward`; a gloo group holds
+    threads and sockets until its last reference goes, and a worker runs thousands of cases (a
+    nightly sweep's world-size-4 ranks had grown to 1,500 threads each, most CPU time then went
+    to the kernel). DTensor's sharding caches hold the case's meshes too: they are cleared, which
+    also keeps a later mesh that compares equal from meeting a destroyed group there. Cases that
+    make no group (the common ones) pay nothing."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
+        for group in made:
+            with contextlib.suppress(Exception):  # a group a crashed case left mid-collective
+                dist.destroy_process_group(group)
+        if made:
+            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+            clear_redistribute_planner_cache()
+            gc.collect()  # the FSDP state that holds the groups sits in reference cycles
+
+
 def run_case(
     case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
 ) -> bytes | None:
     case = Case.from_json(case_json)
     ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=board)
-    trace = run_sharded(case, ctx)
+    with groups_released():
+        trace = run_sharded(case, ctx)
     return trace.to_bytes() if trace is not None else None
 
 

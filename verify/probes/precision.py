@@ -37,7 +37,6 @@ from verify.probes import Probe
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
 _REDUCE_SCATTERS = ("reduce_scatter_single", "reduce_scatter_tensor")
-_recorder: PrecisionProbe | None = None
 
 
 def _install_collective_wrappers() -> None:
@@ -79,22 +78,35 @@ def owning_unit(plan: tuple[str, ...], param_fqn: str) -> str:
     return max(inside, key=len, default="")
 
 
+class DtypeLog:
+    """The dtypes seen, by step, stage and name. Tensor hooks hold this log and nothing else: a
+    hook on a parameter that autograd's C++ side keeps alive must not reach back to the model, or
+    the cycle outlives the case, and with it the FSDP state and its process groups' threads."""
+
+    def __init__(self) -> None:
+        self.step = 0
+        self.steps: dict[int, dict[str, dict[str, set[str]]]] = {}
+
+    def seen(self, stage: str, name: str, dtype: torch.dtype) -> None:
+        stages = self.steps.setdefault(self.step, {})
+        stages.setdefault(stage, {}).setdefault(name, set()).add(_dtype_name(dtype))
+
+
+_recorder: DtypeLog | None = None
+
+
 class PrecisionProbe(Probe):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         global _recorder
-        _recorder = None  # a previous case that crashed may have left its probe behind
-        self.step = 0
-        self.steps: dict[int, dict[str, dict[str, set[str]]]] = {}
+        _recorder = None  # a previous case that crashed may have left its log behind
+        self.log = DtypeLog()
+        self.seen = self.log.seen
         self.optimizer: torch.optim.Optimizer | None = None
         self.view: EngineView | None = None
         self.hooked: set[int] = set()
         if self.trace is not None:
             _install_collective_wrappers()
-
-    def seen(self, stage: str, name: str, dtype: torch.dtype) -> None:
-        stages = self.steps.setdefault(self.step, {})
-        stages.setdefault(stage, {}).setdefault(name, set()).add(_dtype_name(dtype))
 
     # ---- hooks of the loop ----------------------------------------------------------------------
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
@@ -119,8 +131,8 @@ class PrecisionProbe(Probe):
 
     def before_forward(self, step: int, microbatch: int) -> None:
         global _recorder
-        self.step = step
-        _recorder = self if self.trace is not None else None
+        self.log.step = step
+        _recorder = self.log if self.trace is not None else None
 
     def after_backward(self, step: int, microbatch: int) -> None:
         global _recorder
@@ -146,11 +158,11 @@ class PrecisionProbe(Probe):
         _recorder = None
         steps = {
             str(step): {stage: {n: sorted(d) for n, d in sorted(names.items())} for stage, names in stages.items()}
-            for step, stages in sorted(self.steps.items())
+            for step, stages in sorted(self.log.steps.items())
         }
         self.meta("precision", {"steps": steps})
 
-    # ---- module and tensor hooks (rank 0 only) ----------------------------------------------------
+    # ---- module hooks (rank 0 only) ----------------------------------------------------
     def _pre_forward(self, model: nn.Module, unit: str, names: list[str]):
         def hook(_module: nn.Module, args: tuple, kwargs: dict) -> None:
             for name in names:
@@ -158,10 +170,10 @@ class PrecisionProbe(Probe):
                 p = getattr(model.get_submodule(owner), attr)  # a plain tensor in flat-buffer engines
                 self.seen("forward_params", name, p.dtype)
                 if p.requires_grad and not p.is_leaf:  # a fresh view of a flat buffer every forward
-                    p.register_hook(self._after_view_grad(name, p.dtype))
+                    p.register_hook(_after_view_grad(self.log, name, p.dtype))
                 elif p.requires_grad and id(p) not in self.hooked:
                     self.hooked.add(id(p))
-                    p.register_post_accumulate_grad_hook(self._after_grad(name))
+                    p.register_post_accumulate_grad_hook(_after_grad(self.log, name))
             for t in _floats((args, kwargs)):
                 self.seen("forward_inputs", unit or "<root>", t.dtype)
 
@@ -174,17 +186,20 @@ class PrecisionProbe(Probe):
 
         return hook
 
-    def _after_view_grad(self, name: str, dtype: torch.dtype):
-        def hook(grad: torch.Tensor) -> None:
-            self.seen("backward_params", name, dtype)
-            self.seen("backward_grads", name, grad.dtype)
 
-        return hook
+# ---- tensor hooks (rank 0 only): they hold the log, never the probe (see DtypeLog) ---------------
+def _after_view_grad(log: DtypeLog, name: str, dtype: torch.dtype):
+    def hook(grad: torch.Tensor) -> None:
+        log.seen("backward_params", name, dtype)
+        log.seen("backward_grads", name, grad.dtype)
 
-    def _after_grad(self, name: str):
-        def hook(p: torch.Tensor) -> None:
-            self.seen("backward_params", name, p.dtype)
-            if p.grad is not None:
-                self.seen("backward_grads", name, p.grad.dtype)
+    return hook
 
-        return hook
+
+def _after_grad(log: DtypeLog, name: str):
+    def hook(p: torch.Tensor) -> None:
+        log.seen("backward_params", name, p.dtype)
+        if p.grad is not None:
+            log.seen("backward_grads", name, p.grad.dtype)
+
+    return hook
