@@ -10,11 +10,12 @@ All findings sit at step 0, phase "ownership", which the first divergence search
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
 
-from verify.case import Case, _owner
+from verify.case import Case, ModelSpec, _owner
 from verify.comparators import Finding
 from verify.models import _construct
 from verify.ownership import OwnershipMap
@@ -28,20 +29,26 @@ def _fail(name: str, kind: str, message: str) -> Finding:
 
 
 def expected_ties(case: Case) -> list[list[str]]:
-    """Names sharing one tensor in the unsharded model (from a meta-device build: no memory)."""
-    with torch.device("meta"):
-        model = _construct(case.model)
-    by_tensor: dict[int, list[str]] = {}
-    for name, p in model.named_parameters(remove_duplicate=False):
-        by_tensor.setdefault(id(p), []).append(name)
-    return [names for names in by_tensor.values() if len(names) > 1]
+    """Names sharing one tensor in the unsharded model."""
+    return [list(names) for names in _structure(case.model)[1]]
 
 
 def expected_params(case: Case) -> list[str]:
     """The parameters the reference trains, tied weights once under their first name."""
+    return list(_structure(case.model)[0])
+
+
+@functools.lru_cache(maxsize=64)
+def _structure(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
+    """(parameter names, groups of tied names) of a model spec, from one meta-device build (no
+    memory), kept per spec: building even on meta costs a medium Transformer tens of ms a case."""
     with torch.device("meta"):
-        model = _construct(case.model)
-    return [name for name, _ in model.named_parameters()]
+        model = _construct(spec)
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    params = tuple(name for name, _ in model.named_parameters())
+    return params, tuple(tuple(names) for names in by_tensor.values() if len(names) > 1)
 
 
 def check_ownership(case: Case, ref: Trace, got: Trace) -> list[Finding]:
