@@ -9,6 +9,7 @@ from properties.strategies import (
     PinError,
     cases,
     data_specs,
+    fsdp1_modelled,
     models,
     optim_specs,
     precision_specs,
@@ -59,6 +60,22 @@ def _names(spec):
 @given(cases(world_sizes=(3,), precisions=("bf16",), model_kinds=("transformer",)))
 def test_world_sizes_precisions_and_model_kinds_restrict_the_draw(case):
     assert case.world_size == 3 and case.precision.param_dtype == "bfloat16" and case.model.kind == "transformer"
+
+
+@FAST
+@given(cases(engine="fsdp1", precisions=("bf16",)))
+def test_fsdp1_cases_are_only_what_fsdp1_expresses_and_the_reference_models(case):
+    assert case.engine == "fsdp1" and case.precision.output_dtype is None and fsdp1_modelled(case)
+
+
+def test_fsdp1_modelled_names_the_two_known_gaps():
+    bf16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+    base = Case(model=ModelSpec(kind="mlp"), world_size=2, engine="fsdp1", precision=bf16)
+    assert fsdp1_modelled(base) and fsdp1_modelled(base.with_(microbatches=2))
+    assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))  # no-sync in bf16
+    no_shard = base.with_(world_size=1, microbatches=2, **{"precision.reduce_dtype": "bfloat16"})
+    assert not fsdp1_modelled(no_shard)  # NO_SHARD accumulates in a bf16 reduce_dtype
+    assert fsdp1_modelled(no_shard.with_(microbatches=1))
 
 
 @settings(max_examples=60, deadline=None, database=None)

@@ -22,6 +22,8 @@ FSDP1 like this:
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -54,13 +56,16 @@ def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modu
         use_orig_params=True,
         device_id=next(model.parameters()).device,
     )
-    for fqn in spec.wrap:
-        if fqn == "":
-            model = FSDP1Root(model, **options)
-        else:
-            parent, _, name = fqn.rpartition(".")
-            owner = model.get_submodule(parent)
-            setattr(owner, name, FSDP(owner.get_submodule(name), **options))
+    with warnings.catch_warnings():
+        # Expected at world size 1, once per unit: README "FSDP1" documents what NO_SHARD changes.
+        warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        for fqn in spec.wrap:
+            if fqn == "":
+                model = FSDP1Root(model, **options)
+            else:
+                parent, _, name = fqn.rpartition(".")
+                owner = model.get_submodule(parent)
+                setattr(owner, name, FSDP(owner.get_submodule(name), **options))
     if not isinstance(model, FSDP):  # the plan always ends with the root; be explicit anyway
         raise ValueError(f"wrap: the fsdp1 engine needs the root '' last, got {spec.wrap!r}")
     return model
