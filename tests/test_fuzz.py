@@ -24,6 +24,36 @@ def test_fuzz_passes_on_the_correct_engine_and_writes_the_report(tmp_path, capsy
     page = (out / "report.html").read_text()
     assert "<svg" in page and "PASS" in page
     assert not list(out.glob("case-*.json"))
+    assert report["closest_pass"] is None and not list(out.glob("closest-pass-*"))  # fp32, world size 2: bit-exact
+
+
+def test_fuzz_keeps_the_closest_pass_in_full_to_replay(tmp_path, capsys):
+    out = tmp_path / "fuzz"
+    args = ["fuzz", "--max-examples", "3", "--world-sizes", "3", "--precisions", "bf16", "--profile", "ci"]
+    code = main(args + ["--no-progress", "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.out + captured.err
+    report = json.loads((out / "report.json").read_text())
+    closest = report["closest_pass"]  # bf16 over 3 ranks rounds: some record moves
+    assert closest["ok"] and 0 < closest["worst_ratio"] == max(r["worst_ratio"] for r in report["cases"])
+    saved = out / f"closest-pass-{closest['case_hash']}.json"
+    assert Case.load(saved) == Case.from_dict(closest["case"])
+    assert f"replay: fsdp-verify repro {saved}" in captured.out
+    assert f"closest-pass-{closest['case_hash']}.json" in (out / "report.html").read_text()
+
+
+def test_closest_pass_is_the_passing_case_nearest_its_tolerance():
+    from types import SimpleNamespace
+
+    from verify.report import closest_pass
+
+    def example(ok, ratio):
+        worst = SimpleNamespace(ratio=ratio)
+        return SimpleNamespace(ok=ok, verdict=SimpleNamespace(worst=lambda: worst))
+
+    examples = [example(True, 0.2), example(False, 5.0), example(True, 0.7), example(True, 0.0)]
+    assert closest_pass(examples) is examples[2]
+    assert closest_pass([example(True, 0.0)]) is None  # all bit-exact: no near miss to keep
 
 
 def test_fuzz_finds_shrinks_and_writes_the_case_of_a_broken_engine(tmp_path, capsys):

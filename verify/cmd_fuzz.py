@@ -45,7 +45,7 @@ def run(args: argparse.Namespace) -> int:
     from properties.strategies import PinError, cases
     from verify.engines import EngineLoadError, resolve_engine
     from verify.pool import get_pool
-    from verify.report import write_report
+    from verify.report import closest_pass, write_report
     from verify.repro import replay_command
 
     if args.property not in PROPERTIES:
@@ -100,6 +100,12 @@ def run(args: argparse.Namespace) -> int:
     json_path, html_path = write_report(result, args.out, meta)
     passed = sum(e.ok for e in result.examples)
     print(f"{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s. Report: {html_path}")
+    near = closest_pass(result.examples)
+    if near is not None:
+        path = near.case.save(Path(args.out) / f"closest-pass-{near.case.hash}.json")
+        worst = near.verdict.worst()
+        print(f"Closest pass: {worst.ratio:.3g}x its tolerance at step {worst.step}, {worst.phase}, {worst.name!r};")
+        print(f"  replay: {replay_command(path)}")
     if result.failure is None:
         return EXIT_OK
     f = result.failure

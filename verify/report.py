@@ -39,8 +39,20 @@ def case_row(example) -> dict[str, Any]:
     }
 
 
+def closest_pass(examples: Sequence[Any]) -> Any | None:
+    """The passing example that came closest to its tolerance (highest worst ratio, above 0):
+    the near miss a nightly run should keep in full, to replay and understand before it fails."""
+    scored = [(e.verdict.worst().ratio, i) for i, e in enumerate(examples) if e.ok and e.verdict and e.verdict.worst()]
+    ratio, i = max(scored, default=(0.0, -1))
+    return examples[i] if ratio > 0 else None
+
+
 def build_report(result: SearchResult, meta: dict[str, Any]) -> dict[str, Any]:
     rows = [case_row(e) for e in result.examples]
+    near = closest_pass(result.examples)
+    closest = None
+    if near is not None:
+        closest = {**case_row(near), "case": near.case.to_dict()}
     failure = None
     if result.failure is not None:
         f = result.failure
@@ -65,6 +77,7 @@ def build_report(result: SearchResult, meta: dict[str, Any]) -> dict[str, Any]:
         "by_model": _counts(rows, "model"),
         "worst_ratio": max((r["worst_ratio"] for r in rows if r["ok"] and r["worst_ratio"] is not None), default=None),
         "failure": failure,
+        "closest_pass": closest,
         "cases": rows,
     }
 
@@ -138,6 +151,14 @@ def render_html(report: dict[str, Any]) -> str:
             f"<p>Replay: <code>{e(failure['replay'] or '')}</code></p>"
             f"<pre>{e(json.dumps(failure['case'], indent=2, sort_keys=True))}</pre>"
         )
+    closest = report.get("closest_pass")
+    closest_html = "<p>Every passing case agreed bit for bit.</p>"
+    if closest is not None:
+        closest_html = (
+            f"<p>Case {e(closest['case_hash'])} came to {_ratio(closest['worst_ratio'])}x its tolerance at "
+            f"{e(closest['worst_where'] or '')} (file <code>closest-pass-{e(closest['case_hash'])}.json</code>).</p>"
+            f"<pre>{e(json.dumps(closest['case'], indent=2, sort_keys=True))}</pre>"
+        )
     counts = ", ".join(f"{k}: {v}" for k, v in report["by_precision"].items())
     worlds = ", ".join(f"{k}: {v}" for k, v in report["by_world_size"].items())
     return f"""<!DOCTYPE html>
@@ -154,6 +175,8 @@ By precision: {e(counts)}. By world size: {e(worlds)}.</p>
 {svg_histogram(histogram(ratios))}
 <h2>Failures</h2>
 {failure_html}
+<h2>Closest pass</h2>
+{closest_html}
 <h2>Cases</h2>
 <table><tr><th>case</th><th>result</th><th>model</th><th>world</th><th>precision</th><th>steps</th>
 <th>worst ratio</th><th>where</th><th>seconds</th></tr>{rows}</table>
