@@ -7,7 +7,8 @@ smallest ratio on a caught bug next to it.
 
     python bench/sweep.py --cases 1000 --out sweep-out [--seed 0] [--zoo zoo.json]
 
-Exit 0 if no false alarm, 1 otherwise (a rank failure counts as an alarm too). Each case's row is
+Exit 0 if no false alarm, 1 otherwise (a rank failure counts as an alarm too). The passing case
+that came closest to its tolerance is kept as OUT/closest_pass.case.json. Each case's row is
 appended to OUT/rows.jsonl as soon as it finishes, so a sweep cut short (a nightly job's time
 limit) keeps what it measured; `--report-from OUT/rows.jsonl` prints the report of such a run.
 """
@@ -49,6 +50,7 @@ def sweep(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     alarms_dir = args.out / "false_alarms"
     stream = (args.out / "rows.jsonl").open("w")
+    closest = [0.0]  # the highest worst ratio of a passing case so far
     t0 = time.perf_counter()
 
     @hypothesis_seed(args.seed)
@@ -85,6 +87,9 @@ def sweep(args: argparse.Namespace) -> dict:
             if not verdict.ok:
                 row.update(alarm="divergence", detail=verdict.summary())
                 _save(alarms_dir, case, verdict.to_dict())
+            elif row["worst_ratio"] > closest[0]:  # the near miss, kept to replay
+                closest[0] = row["worst_ratio"]
+                case.save(args.out / "closest_pass.case.json")
         row["seconds"] = time.perf_counter() - start
         rows.append(row)
         stream.write(json.dumps(row) + "\n")
