@@ -64,6 +64,15 @@ def test_skipped_collective_ends_in_a_named_failure(pool):
     _recovers(pool)
 
 
+def test_a_peers_collective_error_is_blamed_on_the_rank_that_died(pool):
+    """Rank 1 drops its connections, so rank 0's collective fails and reports first, then dies:
+    the dead rank is the root cause (this once flaked in CI as "rank 0 error")."""
+    failure = _fail(pool, "rank1_drops_its_connections_then_dies")
+    assert (failure.kind, failure.rank) == ("crash", 1), str(failure)
+    assert failure.phase.startswith("step 1 forward")
+    _recovers(pool)
+
+
 def test_closing_the_pool_leaves_no_process(no_leftover_children):
     with RankPool(2) as p:
         p.start()

@@ -163,6 +163,9 @@ class RankPool:
                         raise self._crash(rank, what) from None
                     if message[0] == "error":
                         _, phase, detail, tb = message
+                        dead = self._dead_peer(pending - {rank}) if "torch/distributed" in tb else None
+                        if dead is not None:  # the root cause: the error was its peers' collective failing
+                            raise self._crash(dead, what) from None
                         raise RankFailure("error", rank, phase, f"{detail}\n{tb}", self._phases())
                     replies[rank] = message[1]
                     pending.discard(rank)
@@ -170,6 +173,19 @@ class RankPool:
             self.close()  # the process group is unusable after a failure; start afresh next case
             raise
         return replies
+
+    def _dead_peer(self, ranks: set[int], grace_s: float = 2.0) -> int | None:
+        """A rank among `ranks` whose process has exited, waiting up to `grace_s` for one. A rank
+        that failed inside a collective is often the victim of a peer that just died (gloo:
+        "Connection closed by peer"); its error can reach us before the dead rank's pipe closes."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r in sorted(ranks):
+                if self._procs[r].poll() is not None:
+                    return r
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
 
     def _crash(self, rank: int, what: str) -> RankFailure:
         proc = self._procs[rank]

@@ -2,6 +2,7 @@
 which also exercises the `path/to/file.py:NAME` engine contract)."""
 
 import os
+import socket
 import time
 
 import torch
@@ -40,4 +41,23 @@ def rank1_skips_a_collective(model, mesh, spec):
     """Rank 0 runs an extra all-reduce the other rank never joins."""
     if dist.get_rank() == 0:
         model.register_forward_pre_hook(lambda *_: dist.all_reduce(torch.ones(1)))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_drops_its_connections_then_dies(model, mesh, spec):
+    """Rank 1 shuts its sockets (its peers' collectives fail at once, "Connection closed by
+    peer") and exits a second later: the peers' errors reach the pool before rank 1's death."""
+    if dist.get_rank() == 1:
+
+        def drop_then_die(*_):
+            for fd in os.listdir("/proc/self/fd"):
+                try:
+                    if os.readlink(f"/proc/self/fd/{fd}").startswith("socket:"):
+                        socket.socket(fileno=os.dup(int(fd))).shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass
+            time.sleep(1.0)
+            os._exit(7)
+
+        model.register_forward_pre_hook(drop_then_die)
     return fully_shard_engine(model, mesh, spec)
