@@ -50,7 +50,7 @@ def sweep(args: argparse.Namespace) -> dict:
     rows: list[dict] = []
     alarms_dir = args.out / "false_alarms"
     stream = (args.out / "rows.jsonl").open("w")
-    closest = [0.0]  # the highest worst ratio of a passing case so far
+    closest_ratio = 0.0  # the highest worst ratio of a passing case so far
     t0 = time.perf_counter()
 
     @hypothesis_seed(args.seed)
@@ -63,6 +63,7 @@ def sweep(args: argparse.Namespace) -> dict:
     )
     @given(cases(engine=args.engine, world_sizes=tuple(args.world_sizes), precisions=tuple(args.precisions)))
     def one(case) -> None:
+        nonlocal closest_ratio
         row = {
             "case": case.hash,
             "world_size": case.world_size,
@@ -87,8 +88,8 @@ def sweep(args: argparse.Namespace) -> dict:
             if not verdict.ok:
                 row.update(alarm="divergence", detail=verdict.summary())
                 _save(alarms_dir, case, verdict.to_dict())
-            elif row["worst_ratio"] > closest[0]:  # the near miss, kept to replay
-                closest[0] = row["worst_ratio"]
+            elif row["worst_ratio"] > closest_ratio:  # the near miss, kept to replay
+                closest_ratio = row["worst_ratio"]
                 case.save(args.out / "closest_pass.case.json")
         row["seconds"] = time.perf_counter() - start
         rows.append(row)

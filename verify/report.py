@@ -42,9 +42,12 @@ def case_row(example) -> dict[str, Any]:
 def closest_pass(examples: Sequence[Any]) -> Any | None:
     """The passing example that came closest to its tolerance (highest worst ratio, above 0):
     the near miss a nightly run should keep in full, to replay and understand before it fails."""
-    scored = [(e.verdict.worst().ratio, i) for i, e in enumerate(examples) if e.ok and e.verdict and e.verdict.worst()]
-    ratio, i = max(scored, default=(0.0, -1))
-    return examples[i] if ratio > 0 else None
+    closest, closest_ratio = None, 0.0
+    for e in examples:
+        worst = e.verdict.worst() if e.ok and e.verdict is not None else None
+        if worst is not None and worst.ratio > closest_ratio:
+            closest, closest_ratio = e, worst.ratio
+    return closest
 
 
 def build_report(result: SearchResult, meta: dict[str, Any]) -> dict[str, Any]:

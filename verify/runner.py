@@ -35,13 +35,14 @@ def rank_like_threads() -> Iterator[None]:
 
 def calibration_runs(case: Case) -> list[Trace]:
     """Numerically equivalent reference runs: the ranks' gradients summed in rank order, in
-    reverse order (with a clip's norm from the full gradients, summed in reverse) and in ring order along each unit's
-    flattened gradient (a FlatParameter engine's reduce-scatter segments), and the emulation without FSDP2's
-    identity node on unit inputs (FSDP1 and most home-grown engines have none; autograd then adds
-    the residual stream's gradient contributions in another grouping: measured bit-exact against
-    FSDP1, 16 fp32 ulp away from FSDP2 on a tiny tied Transformer). These are the freedoms a
-    correct engine has. The global batch in one piece is not: its per-rank bf16 roundings differ
-    from any sharded run's, and calibrating on them hid a reduction silently done in bf16."""
+    reverse order (with a clip's norm from the full gradients, summed in reverse), and in ring
+    order along each unit's flattened gradient (a FlatParameter engine's reduce-scatter
+    segments); and the emulation without FSDP2's identity node on unit inputs (FSDP1 and most
+    home-grown engines have none; autograd then adds the residual stream's gradient
+    contributions in another grouping: measured bit-exact against FSDP1, 16 fp32 ulp away from
+    FSDP2 on a tiny tied Transformer). These are the freedoms a correct engine has. The global
+    batch in one piece is not: its per-rank bf16 roundings differ from any sharded run's, and
+    calibrating on them hid a reduction silently done in bf16."""
     with rank_like_threads():
         return [
             train_reference(case, order="rank"),

@@ -23,10 +23,12 @@ Three modes, in the order DESIGN.md prefers them:
   unit's flattened gradient as a FlatParameter engine's reduce-scatter adds them; and without
   FSDP2's identity autograd node on unit inputs, which regroups the gradient sum of the residual
   stream; not the global batch in one piece, whose bf16 roundings no sharded run shows) and each
-  record may deviate NOISE_MULTIPLE times
-  the largest deviation seen between those runs and the emulating reference, and never less than
-  the bound. Calibration costs four more reference runs, so it runs only when some record
-  exceeds its bound.
+  record may deviate NOISE_MULTIPLE times the largest deviation seen between those runs and the
+  emulating reference, and never less than the bound. Each run added here can only raise that
+  limit, so each is a freedom measured on a correct engine (the flat order and the missing node:
+  FSDP1 false alarms at 1.01x and 16 ulp), never a loosening to pass; the bug zoo still catches
+  every bug at 17.6x or more. Calibration costs four more reference runs, so it runs only when
+  some record exceeds its bound.
 
 Every finding says which mode held it, the limit, and the ratio of its deviation to that limit.
 """
