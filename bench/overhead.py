@@ -3,7 +3,7 @@
 bare     = a plain single-process training loop (the reference without records)
          + the sharded training loop without any gathering or recording
 verified = the recording reference (reference/trainer.py) + the recording sharded loop
-           (verify/sharded.py) + comparing the traces
+           (verify/sharded/loop.py) + comparing the traces
 Measured in the same two rank processes, one after the other, after a warm-up.
 Target: verified / bare <= 1.3.
 
@@ -23,15 +23,16 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from reference import train_reference
-from verify.case import Case, DataSpec, ModelSpec
-from verify.data import global_batch, microbatch_slices
-from verify.engines import ShardSpec, resolve_engine
-from verify.models import build_model, loss_fn
-from verify.optim import make_optimizer
-from verify.runner import judge
-from verify.sharded import RankContext, run_sharded
-from verify.worker import MeshCache
+from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.engines import ShardSpec, resolve_engine
+from fsdp_verify.models import build_model
+from fsdp_verify.reference import train_reference
+from fsdp_verify.runner import judge
+from fsdp_verify.sharded.loop import RankContext, run_sharded
+from fsdp_verify.sharded.worker import MeshCache
+from fsdp_verify.training.data import global_batch, microbatch_slices
+from fsdp_verify.training.loss import loss_fn
+from fsdp_verify.training.optim import make_optimizer
 
 MEDIUM = Case(
     model=ModelSpec(kind="transformer", vocab_size=512, dim=128, n_layers=4, n_heads=4, ffn_hidden=344, seq_len=64),

@@ -18,9 +18,9 @@ import time
 import torch
 import torch.distributed as dist
 
-from verify.case import Case, DataSpec, ModelSpec
-from verify.pool import RankPool
-from verify.runner import check_case
+from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankPool
 
 CASE = Case(model=ModelSpec(kind="mlp", widths=(16, 33, 17, 8)), world_size=2, steps=3, data=DataSpec(batch_size=8))
 
@@ -55,8 +55,8 @@ def bench_threaded(n: int) -> list[float]:
     """PyTorch's test harness process group: ranks are threads of this process."""
     from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
-    from verify.sharded import RankContext, run_sharded
-    from verify.worker import MeshCache
+    from fsdp_verify.sharded.loop import RankContext, run_sharded
+    from fsdp_verify.sharded.worker import MeshCache
 
     torch._C._distributed_c10d._set_thread_isolation_mode(True)
     _install_threaded_pg()

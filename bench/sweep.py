@@ -27,9 +27,9 @@ from pathlib import Path
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from properties.strategies import cases
-from verify.pool import RankFailure, get_pool
-from verify.runner import check_case
+from fsdp_verify.properties.strategies import cases
+from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankFailure, get_pool
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -68,7 +68,7 @@ def sweep(args: argparse.Namespace) -> dict:
             "case": case.hash,
             "world_size": case.world_size,
             "model": case.model.kind,
-            "precision": "bf16" if case.precision.param_dtype == "bfloat16" else "fp32",
+            "precision": case.precision.param_dtype or "fp32",
         }
         start = time.perf_counter()
         try:

@@ -1,21 +1,31 @@
-"""Hypothesis strategies that generate Cases, and the named properties a Case must satisfy."""
+"""Hypothesis strategies that generate Cases (`strategies`), the named properties a Case must
+satisfy (`properties`, `rerun`), running them outside pytest (`search`) and the shared Hypothesis
+profiles (`profiles`).
 
-from properties.properties import PROPERTIES, PropertyFailed, sharded_equals_reference
-from properties.strategies import cases, data_specs, models, optim_specs, precision_specs, wrap_plans
+Names are imported on first use, so `fsdp_verify.properties.profiles` (which the pytest plugin
+reads while pytest parses its options) costs no torch import.
+"""
 
-__all__ = [
-    "PROPERTIES",
-    "PropertyFailed",
-    "sharded_equals_reference",
-    "cases",
-    "models",
-    "wrap_plans",
-    "precision_specs",
-    "optim_specs",
-    "data_specs",
-]
+from __future__ import annotations
 
-# Properties that live in their own modules register here, so PROPERTIES lists them all.
-from properties.rerun import rerun_property  # noqa: E402
+import importlib
 
-PROPERTIES.setdefault("rerun-is-bitwise-identical", rerun_property)
+_EXPORTS = {
+    "PROPERTIES": "fsdp_verify.properties.properties",
+    "sharded_equals_reference": "fsdp_verify.properties.properties",
+    "PropertyFailed": "fsdp_verify.properties.failure",
+    "rerun_property": "fsdp_verify.properties.rerun",
+    "cases": "fsdp_verify.properties.strategies",
+    "models": "fsdp_verify.properties.strategies",
+    "wrap_plans": "fsdp_verify.properties.strategies",
+    "precision_specs": "fsdp_verify.properties.strategies",
+    "optim_specs": "fsdp_verify.properties.strategies",
+    "data_specs": "fsdp_verify.properties.strategies",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(_EXPORTS[name]), name)

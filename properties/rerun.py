@@ -12,11 +12,12 @@ import json
 
 import torch
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.pool import RankFailure, RankPool, get_pool
-from verify.trace import Trace, sort_key
-from verify.verdict import Verdict
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.properties.failure import PropertyFailed
+from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
+from fsdp_verify.trace import Trace, sort_key
+from fsdp_verify.verdict import Verdict
 
 COMPARATOR = "RerunDeterminism"
 
@@ -72,8 +73,6 @@ def rerun_is_bitwise_identical(case: Case, pool: RankPool | None = None) -> list
 def rerun_property(case: Case, *, pool: RankPool | None = None, **_options) -> Verdict:
     """The named property: a Verdict over every record when the reruns agree, else
     PropertyFailed naming the first record that differs."""
-    from properties.properties import PropertyFailed
-
     pool = pool or get_pool(case.world_size)
     try:
         first, second = pool.run(case), pool.run(case)

@@ -15,10 +15,10 @@ import hypothesis
 from hypothesis import given, settings
 from hypothesis.strategies import SearchStrategy
 
-from properties.properties import PropertyFailed
-from verify.case import Case
-from verify.profiles import default_profile, register_profiles
-from verify.verdict import Verdict
+from fsdp_verify.case import Case
+from fsdp_verify.properties.failure import PropertyFailed
+from fsdp_verify.properties.profiles import default_profile, register_profiles
+from fsdp_verify.verdict import Verdict
 
 register_profiles()
 

@@ -24,10 +24,11 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
-from verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
-from verify.models import _construct
+from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.dtypes import PRECISION_POLICIES, canonical
+from fsdp_verify.models import _construct
 
-PRECISIONS = ("fp32", "bf16")
+PRECISIONS = PRECISION_POLICIES
 MAX_WIDTH = 40
 LEARNING_RATES = (1e-3, 1e-2, 1e-1)
 # A tiny model's gradient norm is O(0.1..1); these clip on every step.
@@ -154,7 +155,7 @@ def _runs_in(name: str, spec: ModelSpec, precision: PrecisionSpec | None) -> boo
       dropouts, wo, w2, the embeddings and the output layer feed the residual stream or the loss
       (dtype-tolerant); q/k/v, w1/w3 and the norms feed matmuls directly.
     """
-    if precision is None or precision.param_dtype in (None, "float32"):
+    if precision is None or precision.param_dtype in (None, "fp32"):
         return True
     leaf = name.rsplit(".", 1)[-1]
     if spec.kind == "mlp":
@@ -177,10 +178,18 @@ def wrap_plans(
 
 
 # ---- precision, optimizer, data -----------------------------------------------------------------
+def _policy_name(name: str) -> str:
+    """`bfloat16` -> `bf16`, as everywhere (fsdp_verify.dtypes); an unknown name stays as it is."""
+    try:
+        return canonical(name)
+    except ValueError:
+        return name
+
+
 def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> SearchStrategy[PrecisionSpec]:
     """ "fp32": PrecisionSpec(); "bf16": bf16 params, fp32 or bf16 reduction, any output dtype,
     cast_forward_inputs on or off."""
-    precisions = tuple(precisions)
+    precisions = tuple(_policy_name(p) for p in precisions)
     bad = [p for p in precisions if p not in PRECISIONS]
     if bad or not precisions:
         raise PinError(f"precisions: expected a non-empty subset of {PRECISIONS}, got {precisions!r}")
@@ -195,9 +204,9 @@ def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> Sear
             }
         else:
             defaults = {
-                "param_dtype": st.just("bfloat16"),
-                "reduce_dtype": st.sampled_from(("float32", "bfloat16")),
-                "output_dtype": st.sampled_from((None, "float32", "bfloat16")),
+                "param_dtype": st.just("bf16"),
+                "reduce_dtype": st.sampled_from(("fp32", "bf16")),
+                "output_dtype": st.sampled_from((None, "fp32", "bf16")),
                 "cast_forward_inputs": st.sampled_from((True, False)),
             }
         return st.builds(PrecisionSpec, **{k: _pinned(pins, k, v) for k, v in defaults.items()})
@@ -303,7 +312,8 @@ def cases(
     value (fixed) or a strategy (drawn from it); every other field is drawn. For "fsdp1", only
     cases FSDP1 can express and the reference models (`fsdp1_modelled`)."""
     _check_pins(pins)
-    world_sizes, precisions, model_kinds = tuple(world_sizes), tuple(precisions), tuple(model_kinds)
+    world_sizes, model_kinds = tuple(world_sizes), tuple(model_kinds)
+    precisions = tuple(_policy_name(p) for p in precisions)
     if not world_sizes or not all(isinstance(w, int) and w >= 1 for w in world_sizes):
         raise PinError(f"world_sizes: expected positive integers, got {world_sizes!r}")
     bad = [k for k in model_kinds if k not in ("mlp", "transformer")]
@@ -322,7 +332,7 @@ def fsdp1_modelled(case: Case) -> bool:
     fp32 reduce_dtype (FSDP1 accumulates in param_dtype), and a world size 1 case (FSDP1 switches
     to NO_SHARD) that accumulates micro-batches through a low-precision reduce_dtype."""
     p = case.precision
-    low_reduce = (p.reduce_dtype or p.param_dtype) not in (None, "float32")
+    low_reduce = (p.reduce_dtype or p.param_dtype) not in (None, "fp32")
     if case.world_size == 1 and case.microbatches > 1 and low_reduce:
         return False
-    return case.sync_every_microbatch or p.param_dtype in (None, "float32") or p.reduce_dtype in (None, p.param_dtype)
+    return case.sync_every_microbatch or p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype)

@@ -1,5 +1,5 @@
 """The single-device reference trainer: the ground truth a sharded run is compared against."""
 
-from reference.trainer import train_reference
+from fsdp_verify.reference.trainer import train_reference
 
 __all__ = ["train_reference"]

@@ -16,13 +16,15 @@ from torch import nn
 from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from verify.case import Case
-from verify.data import global_batch, microbatch_slices
-from verify.models import build_model, loss_fn
-from verify.optim import make_optimizer, optimizer_state
-from verify.precision import cast_floats, to_dtype
-from verify.rng import dropout_seed, rng_fingerprint
-from verify.trace import Trace
+from fsdp_verify.case import Case
+from fsdp_verify.dtypes import to_torch
+from fsdp_verify.models import build_model
+from fsdp_verify.trace import Trace
+from fsdp_verify.training.casts import cast_floats
+from fsdp_verify.training.data import global_batch, microbatch_slices
+from fsdp_verify.training.loss import loss_fn
+from fsdp_verify.training.optim import make_optimizer, optimizer_state
+from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
 
 
 def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_input_node: bool = True) -> Trace:
@@ -41,8 +43,8 @@ def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_
     _record_params(trace, 0, params, initial=True)
     _record_buffers(trace, 0, model)
 
-    param_dtype = to_dtype(case.precision.param_dtype) or torch.float32
-    reduce_dtype = to_dtype(case.precision.reduce_dtype) or param_dtype
+    param_dtype = to_torch(case.precision.param_dtype) or torch.float32
+    reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
     # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
     rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
     for step in range(1, case.steps + 1):
@@ -242,7 +244,7 @@ def _install_precision_hooks(model: nn.Module, case: Case, unit_input_node: bool
     """FSDP2 casts floating inputs of every shard unit to `param_dtype` (cast_forward_inputs) and
     its outputs to `output_dtype`; the same casts, on the same modules."""
     policy = case.precision
-    param_dtype, output_dtype = to_dtype(policy.param_dtype), to_dtype(policy.output_dtype)
+    param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
     units_with_params = {_owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters()}
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)

@@ -1,5 +1,5 @@
 """The `git bisect run` contract, worked end to end: a throwaway repository whose engine breaks at
-one commit, and `git bisect run python -m verify repro case.json --engine engine.py:shard` names
+one commit, and `git bisect run python -m fsdp_verify repro case.json --engine engine.py:shard` names
 that commit. Every bisect step is a fresh process, as it is for a user (a cold pool start each)."""
 
 import shutil
@@ -13,7 +13,7 @@ from tests.conftest import mlp_case
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 
 GOOD_ENGINE = '''"""Our sharding engine: FSDP2 per the wrap plan."""
-from verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
 
 
 def shard(model, mesh, spec):
@@ -24,7 +24,7 @@ def shard(model, mesh, spec):
 BROKEN_ENGINE = '''"""Our sharding engine: FSDP2 per the wrap plan."""
 from torch.distributed.fsdp import FSDPModule
 
-from verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
 
 
 def shard(model, mesh, spec):
@@ -67,7 +67,18 @@ def test_git_bisect_run_names_the_commit_that_broke_the_engine(tmp_path):
 
     git(repo, "bisect", "start", "HEAD", good)
     r = subprocess.run(
-        ["git", "bisect", "run", sys.executable, "-m", "verify", "repro", "case.json", "--engine", "engine.py:shard"],
+        [
+            "git",
+            "bisect",
+            "run",
+            sys.executable,
+            "-m",
+            "fsdp_verify",
+            "repro",
+            "case.json",
+            "--engine",
+            "engine.py:shard",
+        ],
         cwd=repo,
         capture_output=True,
         text=True,

@@ -2,7 +2,7 @@ import json
 
 import pytest
 
-from verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
 
 
 def test_default_case_round_trips_through_json():
@@ -59,6 +59,19 @@ def test_invalid_json_is_a_case_error():
 
 
 def test_case_file_is_plain_json(tmp_path):
-    path = Case(precision=PrecisionSpec("bfloat16", "float32")).save(tmp_path / "c.json")
-    assert json.loads(path.read_text())["precision"]["param_dtype"] == "bfloat16"
-    assert Case.load(path).precision.param_dtype == "bfloat16"
+    path = Case(precision=PrecisionSpec("bf16", "fp32")).save(tmp_path / "c.json")
+    assert json.loads(path.read_text())["precision"]["param_dtype"] == "bf16"
+    assert Case.load(path).precision.param_dtype == "bf16"
+
+
+@pytest.mark.parametrize("bf16", ["bf16", "bfloat16", "torch.bfloat16", "BF16"])
+def test_every_dtype_spelling_is_stored_as_its_short_name(bf16):
+    """One spelling printed and stored, every spelling accepted (older case files said bfloat16)."""
+    spec = PrecisionSpec(param_dtype=bf16, reduce_dtype="float32", output_dtype="fp16")
+    assert (spec.param_dtype, spec.reduce_dtype, spec.output_dtype) == ("bf16", "fp32", "fp16")
+    assert Case(precision=spec).hash == Case(precision=PrecisionSpec("bf16", "fp32", "fp16")).hash
+
+
+def test_an_unknown_dtype_names_the_field_and_the_spellings():
+    with pytest.raises(CaseError, match=r"precision.param_dtype: expected null or fp32/float32, bf16/bfloat16"):
+        Case(precision=PrecisionSpec(param_dtype="bf17"))

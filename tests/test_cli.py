@@ -8,7 +8,7 @@ import pytest
 
 
 def fsdp_verify(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "verify", *args], capture_output=True, text=True, timeout=timeout)
+    return subprocess.run([sys.executable, "-m", "fsdp_verify", *args], capture_output=True, text=True, timeout=timeout)
 
 
 def test_check_default_case_passes_and_writes_json(tmp_path):
@@ -21,12 +21,39 @@ def test_check_default_case_passes_and_writes_json(tmp_path):
     verdict = json.loads(out.read_text())
     assert verdict["ok"] is True and verdict["first_divergence"] is None
     assert verdict["case"]["model"]["kind"] == "transformer" and verdict["case"]["world_size"] == 2
+    # A passing check shows what it checked: ownership, precision contract and RNG say "ok".
+    header, step0 = (line.split() for line in r.stdout.splitlines()[:2])
+    row = dict(zip(header, step0))
+    assert (row["ownership"], row["precision"], row["rng"]) == ("ok", "ok", "ok"), r.stdout
+    checks = {f["comparator"]: f["message"] for f in verdict["findings"] if f["kind"] == "check"}
+    assert {"OwnershipCheck", "PrecisionContract", "RngCheck"} <= set(checks), checks
+
+
+@pytest.mark.parametrize("spelling", [("bf16", "fp32"), ("bfloat16", "float32")], ids=["short", "long"])
+def test_check_takes_every_dtype_spelling_and_prints_the_short_one(tmp_path, spelling):
+    """`check --param-dtype bf16` works as `fuzz --precisions bf16` does; both print `bf16`."""
+    out = tmp_path / "verdict.json"
+    args = ["--model", "mlp", "--steps", "1", "--param-dtype", spelling[0], "--reduce-dtype", spelling[1]]
+    r = fsdp_verify("check", *args, "--json", str(out))
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "param bf16, reduce fp32" in r.stdout and "bfloat16" not in r.stdout
+    precision = json.loads(out.read_text())["case"]["precision"]
+    assert (precision["param_dtype"], precision["reduce_dtype"]) == ("bf16", "fp32")
 
 
 def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
     out = tmp_path / "verdict.json"
     page = tmp_path / "verdict.html"
-    args = ["--model", "mlp", "--engine", "verify.mutants:grads_divided_twice", "--json", str(out), "--html", str(page)]
+    args = [
+        "--model",
+        "mlp",
+        "--engine",
+        "fsdp_verify.zoo.mutants:grads_divided_twice",
+        "--json",
+        str(out),
+        "--html",
+        str(page),
+    ]
     r = fsdp_verify("check", *args)
     assert r.returncode == 1, r.stdout + r.stderr
     assert "DIVERGED" in page.read_text() and "FAIL" in page.read_text()
@@ -41,8 +68,9 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
         (["--world-size", "0"], "world_size"),
         (["--batch-size", "7", "--world-size", "2"], "data.batch_size"),
         (["--engine", "no_such_module:engine"], "cannot import"),
-        (["--engine", "verify.mutants:no_such_engine"], "no callable"),
+        (["--engine", "fsdp_verify.zoo.mutants:no_such_engine"], "no callable"),
         (["--steps", "many"], "invalid int value"),
+        (["--param-dtype", "bf17"], "--param-dtype: expected a dtype (fp32/float32, bf16/bfloat16"),
     ],
 )
 def test_bad_input_exits_2_and_names_the_field(args, message):

@@ -8,8 +8,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from properties.strategies import CLIP_NORMS, cases
-from reference import train_reference
+from fsdp_verify.properties.strategies import CLIP_NORMS, cases
+from fsdp_verify.reference import train_reference
 from tests.conftest import mlp_case
 
 # Four ranks' shards of one gradient, with seed 001's local norms sqrt(5), 5, sqrt(61), sqrt(113).
@@ -54,7 +54,7 @@ def test_correct_fsdp2_returns_the_reference_global_norm_on_four_ranks(fsdp_chec
 
 
 def test_clipping_with_the_local_norm_is_caught_by_the_grad_norm_comparator(fsdp_check):
-    verdict = fsdp_check(mlp_case(4, clip_norm=1e-3, engine="verify.mutants:clip_with_local_norm"))
+    verdict = fsdp_check(mlp_case(4, clip_norm=1e-3, engine="fsdp_verify.zoo.mutants:clip_with_local_norm"))
     first = verdict.first_divergence
     assert (first.step, first.phase, first.comparator) == (1, "grad_norm", "GradNormComparator"), verdict.summary()
     assert first.ratio > 100

@@ -2,7 +2,14 @@
 
 import pytest
 
-from verify.devices import DeviceError, devices_for_pool, pool_env, slice_devices, visible_devices, worker_index
+from fsdp_verify.sharded.devices import (
+    DeviceError,
+    devices_for_pool,
+    pool_env,
+    slice_devices,
+    visible_devices,
+    worker_index,
+)
 
 
 @pytest.mark.parametrize(("n_devices", "n_workers"), [(8, 1), (8, 2), (8, 3), (7, 4), (4, 4), (5, 2)])

@@ -7,16 +7,16 @@ import sys
 import pytest
 from hypothesis import given
 
-from properties import cases, sharded_equals_reference
+from fsdp_verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
+from fsdp_verify.engines.flat.api import unmanaged_params
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.models import MLP
+from fsdp_verify.properties import cases, sharded_equals_reference
+from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import TINY_LM, lm_case, mlp_case
-from verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
-from verify.checks.ownership import check_map, expected_params, expected_ties
-from verify.engines.flat.api import unmanaged_params
-from verify.models import MLP
-from verify.ownership import OwnershipMap
-from verify.pool import get_pool
 
-BF16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -90,7 +90,7 @@ def test_parent_unit_skips_parameters_of_wrapped_descendants():
 
 
 def test_double_ownership_is_caught_at_step_0_naming_both_units(fsdp_check):
-    verdict = fsdp_check(mlp_case(2, engine="verify.mutants:flat_nested_double_ownership"))
+    verdict = fsdp_check(mlp_case(2, engine="fsdp_verify.zoo.mutants:flat_nested_double_ownership"))
     assert not verdict.ok
     first = verdict.first_divergence
     assert (first.step, first.phase) == (0, "ownership"), verdict.summary()
@@ -101,7 +101,7 @@ def test_double_ownership_is_caught_at_step_0_naming_both_units(fsdp_check):
 
 
 def test_meta_init_that_consumes_rng_is_caught_at_step_0_init(fsdp_check):
-    verdict = fsdp_check(lm_case(2, engine="verify.mutants:flat_meta_init_consumes_rng"))
+    verdict = fsdp_check(lm_case(2, engine="fsdp_verify.zoo.mutants:flat_meta_init_consumes_rng"))
     assert not verdict.ok
     first = verdict.first_divergence
     assert (first.step, first.phase) == (0, "init"), verdict.summary()
@@ -109,7 +109,7 @@ def test_meta_init_that_consumes_rng_is_caught_at_step_0_init(fsdp_check):
 
 def test_cli_check_engine_flat_exits_0():
     r = subprocess.run(
-        [sys.executable, "-m", "verify", "check", "--engine", "flat"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "fsdp_verify", "check", "--engine", "flat"], capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: flat" in r.stdout

@@ -7,16 +7,16 @@ import sys
 import pytest
 from hypothesis import example, given
 
-from properties import cases, sharded_equals_reference
+from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
+from fsdp_verify.engines.fsdp1 import fsdp1_engine
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.properties import cases, sharded_equals_reference
+from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import lm_case, mlp_case, regression
-from verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
-from verify.checks.ownership import check_map, expected_params, expected_ties
-from verify.engines.fsdp1 import fsdp1_engine
-from verify.engines.spec import ShardSpec
-from verify.ownership import OwnershipMap
-from verify.pool import get_pool
 
-BF16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -65,7 +65,7 @@ def test_fsdp1_no_sync_bf16_accumulates_like_the_reference(fsdp_check):
     "the sharded path (each micro-batch's reduced gradient added in fp32).",
 )
 def test_fsdp1_world_size_1_no_shard_bf16_reduce_accumulates_like_the_reference(fsdp_check):
-    precision = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="bfloat16")
+    precision = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
     case = lm_case(1, engine="fsdp1", precision=precision, microbatches=2, wrap=("",))
     verdict = fsdp_check(case, calibrate=False)
     assert verdict.ok, verdict.summary()
@@ -97,7 +97,7 @@ NESTED_TIED_FP32 = Case(
 def test_fsdp1_property_sharded_equals_reference(case):
     """The property suite's generated cases (nested wrap plans, frozen and tied weights, dropout,
     meta init, micro-batches, clipping), minus what FSDP1 cannot express (output_dtype) and the two
-    known gaps above (`properties.strategies.fsdp1_modelled`)."""
+    known gaps above (`fsdp_verify.properties.strategies.fsdp1_modelled`)."""
     sharded_equals_reference(case, pool=get_pool(case.world_size))
 
 
@@ -120,14 +120,14 @@ def test_fsdp1_ownership_from_flat_parameter_metadata():
 
 
 def test_fsdp1_refuses_output_dtype_naming_the_field():
-    case = mlp_case(2, engine="fsdp1", precision=PrecisionSpec(param_dtype="bfloat16", output_dtype="float32"))
+    case = mlp_case(2, engine="fsdp1", precision=PrecisionSpec(param_dtype="bf16", output_dtype="fp32"))
     with pytest.raises(ValueError, match="precision.output_dtype"):
         fsdp1_engine(None, None, ShardSpec.from_case(case))
 
 
 def test_cli_check_engine_fsdp1_exits_0():
     r = subprocess.run(
-        [sys.executable, "-m", "verify", "check", "--engine", "fsdp1"], capture_output=True, text=True, timeout=600
+        [sys.executable, "-m", "fsdp_verify", "check", "--engine", "fsdp1"], capture_output=True, text=True, timeout=600
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: fsdp1" in r.stdout

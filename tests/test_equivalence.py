@@ -2,10 +2,10 @@
 
 import pytest
 
+from fsdp_verify.case import Case, DataSpec, PrecisionSpec
 from tests.conftest import TINY_LM, lm_case, mlp_case
-from verify.case import Case, DataSpec, PrecisionSpec
 
-BF16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
 
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
@@ -50,7 +50,7 @@ def test_unit_inside_a_block_without_input_casting(fsdp_check):
     case = mlp_case(
         2,
         wrap=("layers.0.linear", ""),
-        precision=PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32", cast_forward_inputs=False),
+        precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32", cast_forward_inputs=False),
     )
     verdict = fsdp_check(case)
     assert verdict.ok, verdict.summary()

@@ -5,9 +5,9 @@ import os
 
 import pytest
 
+from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankFailure, RankPool
 from tests.conftest import children_of, mlp_case
-from verify.pool import RankFailure, RankPool
-from verify.runner import check_case
 
 FAULTY = "tests/engines/faulty.py"
 

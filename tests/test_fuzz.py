@@ -3,9 +3,11 @@ file and the report."""
 
 import json
 
-from verify.case import Case
-from verify.cli import main
-from verify.report import histogram, svg_histogram
+import pytest
+
+from fsdp_verify.case import Case
+from fsdp_verify.commands.cli import main
+from fsdp_verify.reports.search_report import histogram, svg_histogram
 
 
 def test_fuzz_passes_on_the_correct_engine_and_writes_the_report(tmp_path, capsys):
@@ -45,7 +47,7 @@ def test_fuzz_keeps_the_closest_pass_in_full_to_replay(tmp_path, capsys):
 def test_closest_pass_is_the_passing_case_nearest_its_tolerance():
     from types import SimpleNamespace
 
-    from verify.report import closest_pass
+    from fsdp_verify.reports.search_report import closest_pass
 
     def example(ok, ratio):
         worst = SimpleNamespace(ratio=ratio)
@@ -58,7 +60,15 @@ def test_closest_pass_is_the_passing_case_nearest_its_tolerance():
 
 def test_fuzz_finds_shrinks_and_writes_the_case_of_a_broken_engine(tmp_path, capsys):
     out = tmp_path / "fuzz"
-    args = ["fuzz", "--engine", "verify.mutants:rank1_different_init", "--max-examples", "3", "--world-sizes", "2"]
+    args = [
+        "fuzz",
+        "--engine",
+        "fsdp_verify.zoo.mutants:rank1_different_init",
+        "--max-examples",
+        "3",
+        "--world-sizes",
+        "2",
+    ]
     args += ["--models", "mlp", "--precisions", "fp32", "--profile", "ci", "--no-progress", "--out", str(out)]
     # Pinned: fields this bug does not depend on, so the CI-sized shrink stays short.
     pins = ("seed=0", "data_seed=1", "init=eager", "clip_norm=null", "optim.name=sgd", "model.dropout=0.0")
@@ -69,7 +79,7 @@ def test_fuzz_finds_shrinks_and_writes_the_case_of_a_broken_engine(tmp_path, cap
     assert code == 1, captured.out + captured.err
     (path,) = out.glob("case-*.json")
     case = Case.load(path)
-    assert case.world_size == 2 and case.engine == "verify.mutants:rank1_different_init"
+    assert case.world_size == 2 and case.engine == "fsdp_verify.zoo.mutants:rank1_different_init"
     assert f"Replay: fsdp-verify repro {path}" in captured.out
     assert "First divergence: step 0, initial parameters" in captured.out
     assert case.seed == 0 and case.optim.name == "sgd" and case.model.frozen == ()  # the pins held
@@ -83,7 +93,9 @@ def test_fuzz_rejects_bad_input_with_exit_code_2(tmp_path, capsys):
     assert main(["fuzz", "--max-examples", "0", "--out", str(tmp_path)]) == 2
     assert "--max-examples" in capsys.readouterr().err
     assert main(["fuzz", "--engine", "no/such/file.py:nothing", "--out", str(tmp_path)]) == 2
-    assert main(["fuzz", "--world-sizes", "0", "--out", str(tmp_path)]) == 2
+    with pytest.raises(SystemExit) as usage:  # argparse rejects it while parsing: exit 2 all the same
+        main(["fuzz", "--world-sizes", "0", "--out", str(tmp_path)])
+    assert usage.value.code == 2 and "--world-sizes" in capsys.readouterr().err
     assert main(["fuzz", "--property", "no-such-property", "--out", str(tmp_path)]) == 2
     capsys.readouterr()
     assert main(["fuzz", "--pin", "optim.nmae=sgd", "--out", str(tmp_path)]) == 2

@@ -8,10 +8,10 @@ from tests.conftest import mlp_case
 @pytest.mark.parametrize(
     ("engine", "phase", "hint"),
     [
-        ("verify.mutants:grads_divided_twice", "grads", "divided by the world size once too often"),
-        ("verify.mutants:grad_sync_off_for_one_unit", "grads", ""),
-        ("verify.mutants:rank1_different_init", "init", "initialised differently"),
-        ("verify.mutants:inputs_cast_to_bf16", "logits", ""),
+        ("fsdp_verify.zoo.mutants:grads_divided_twice", "grads", "divided by the world size once too often"),
+        ("fsdp_verify.zoo.mutants:grad_sync_off_for_one_unit", "grads", ""),
+        ("fsdp_verify.zoo.mutants:rank1_different_init", "init", "initialised differently"),
+        ("fsdp_verify.zoo.mutants:inputs_cast_to_bf16", "logits", ""),
     ],
 )
 def test_mutant_is_caught_at_the_right_first_divergence(fsdp_check, engine, phase, hint):

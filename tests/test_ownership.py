@@ -6,14 +6,14 @@ import json
 import pytest
 import torch
 
-import verify.mutants
+import fsdp_verify.zoo.mutants
+from fsdp_verify.case import _owner
+from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
+from fsdp_verify.commands.cli import main
+from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
+from fsdp_verify.models import _construct
+from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import lm_case, mlp_case
-from verify.case import _owner
-from verify.checks.ownership import check_map, expected_params, expected_ties
-from verify.cli import main
-from verify.models import _construct
-from verify.ownership import OwnershipMap, ParamOwnership
-from verify.pool import get_pool
 
 ENGINES = "tests/engines/shared_state.py"
 
@@ -107,7 +107,7 @@ def test_a_tied_weight_owned_separately_is_named_with_its_twin():
 # ---- broken engines, end to end -----------------------------------------------------------------
 def test_tie_broken_by_sharding_is_caught_by_ownership(fsdp_check):
     verdict = fsdp_check(
-        lm_case(2, engine="verify.mutants:tie_broken_by_sharding").with_(**{"model.tie_embeddings": True})
+        lm_case(2, engine="fsdp_verify.zoo.mutants:tie_broken_by_sharding").with_(**{"model.tie_embeddings": True})
     )
     first = verdict.first_divergence
     assert (first.step, first.phase, first.comparator) == (0, "ownership", "OwnershipCheck"), verdict.summary()
@@ -119,7 +119,7 @@ def test_tie_broken_by_sharding_is_caught_by_ownership(fsdp_check):
 
 
 def test_stale_optimizer_params_are_caught_by_ownership(fsdp_check):
-    verdict = fsdp_check(mlp_case(2, engine="verify.mutants:stale_optimizer_params"))
+    verdict = fsdp_check(mlp_case(2, engine="fsdp_verify.zoo.mutants:stale_optimizer_params"))
     first = verdict.first_divergence
     assert (first.step, first.phase, first.kind) == (0, "ownership", "optimizer"), verdict.summary()
     stale = {f.name for f in ownership_failures(verdict) if f.kind == "optimizer"}
@@ -141,10 +141,11 @@ def test_parameters_outside_every_unit_are_unmanaged(fsdp_check):
 
 
 @pytest.mark.skipif(
-    not hasattr(verify.mutants, "flat_nested_double_ownership"), reason="the FlatParameter engine has not landed"
+    not hasattr(fsdp_verify.zoo.mutants, "flat_nested_double_ownership"),
+    reason="the FlatParameter engine has not landed",
 )
 def test_flat_parameter_nested_double_ownership_is_caught(fsdp_check):
-    verdict = fsdp_check(mlp_case(2, engine="verify.mutants:flat_nested_double_ownership"))
+    verdict = fsdp_check(mlp_case(2, engine="fsdp_verify.zoo.mutants:flat_nested_double_ownership"))
     first = verdict.first_divergence
     assert (first.step, first.phase) == (0, "ownership"), verdict.summary()
     assert "owned by 2 units: 'layers.0' and ''" in first.message

@@ -4,7 +4,7 @@ is process-wide), with our options, under pytest-xdist."""
 import json
 import os
 
-from verify.case import Case
+from fsdp_verify.case import Case
 
 pytest_plugins = ("pytester",)
 
@@ -23,7 +23,7 @@ def test_profile_and_options():
 def test_engine_equals_reference(fsdp_cases, fsdp_property, fsdp_world_sizes, data):
     assert fsdp_world_sizes == (2,)
     case = data.draw(fsdp_cases(model_kinds=("mlp",), precisions=("fp32",), **PINS))
-    assert case.engine == "verify.mutants:rank1_different_init"
+    assert case.engine == "fsdp_verify.zoo.mutants:rank1_different_init"
     fsdp_property(case)
 """
 
@@ -35,7 +35,7 @@ def test_a_failing_property_prints_and_writes_the_shrunk_case(pytester, monkeypa
         "-p",
         "no:cacheprovider",
         "--fsdp-engine",
-        "verify.mutants:rank1_different_init",
+        "fsdp_verify.zoo.mutants:rank1_different_init",
         "--fsdp-world-sizes",
         "2",
         "--fsdp-max-examples",
@@ -46,7 +46,7 @@ def test_a_failing_property_prints_and_writes_the_shrunk_case(pytester, monkeypa
     result.assert_outcomes(passed=1, failed=1)
     (path,) = (pytester.path / "repros").glob("case-*.json")
     case = Case.load(path)
-    assert case.world_size == 2 and case.engine == "verify.mutants:rank1_different_init"
+    assert case.world_size == 2 and case.engine == "fsdp_verify.zoo.mutants:rank1_different_init"
     out = result.stdout.str()
     assert "fsdp-verify: minimal failing case" in out
     assert "First divergence: step 0, initial parameters" in out
@@ -57,7 +57,7 @@ def test_a_failing_property_prints_and_writes_the_shrunk_case(pytester, monkeypa
 XDIST_TEST = """
 import json, os
 import pytest
-from verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, DataSpec, ModelSpec
 
 @pytest.mark.parametrize("seed", range(4))
 def test_case_on_this_workers_pool(fsdp_check, fsdp_pool, seed):
@@ -91,6 +91,19 @@ def test_bad_plugin_options_are_usage_errors(pytester):
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--fsdp-world-sizes", "two")
     assert result.ret == 4
     assert "--fsdp-world-sizes" in result.stderr.str()
+
+
+def test_plugin_options_take_the_commands_spellings(pytester):
+    """`--fsdp-world-sizes` and `--fsdp-precisions` parse as `fuzz --world-sizes/--precisions` do:
+    comma- or space-separated, long dtype names accepted, short names seen."""
+    pytester.makepyfile(
+        test_inner="def test_options(fsdp_world_sizes, request):\n"
+        "    assert fsdp_world_sizes == (2, 4)\n"
+        "    assert request.config.getoption('--fsdp-precisions') == ('fp32', 'bf16')\n"
+    )
+    args = ["-p", "no:cacheprovider", "--fsdp-world-sizes", "2 4", "--fsdp-precisions", "float32,bfloat16"]
+    result = pytester.runpytest_subprocess(*args)
+    assert result.ret == 0, result.stdout.str() + result.stderr.str()
 
 
 def test_hypothesis_profile_option_selects_our_profiles(pytester):

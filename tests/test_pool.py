@@ -4,8 +4,8 @@ threads, behind for the thousands of cases after it."""
 
 import os
 
+from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import mlp_case
-from verify.pool import get_pool
 
 
 def _threads(pids: list[int]) -> list[int]:

@@ -5,10 +5,10 @@ divergence; a crashing rank is a reported property failure, not a runner crash."
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from properties import PROPERTIES, PropertyFailed, cases, sharded_equals_reference
-from properties.search import search
+from fsdp_verify.case import Case
+from fsdp_verify.properties import PROPERTIES, PropertyFailed, cases, sharded_equals_reference
+from fsdp_verify.properties.search import search
 from tests.conftest import mlp_case, regression
-from verify.case import Case
 
 CI = settings(max_examples=8, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 
@@ -58,7 +58,11 @@ def test_correct_fsdp2_equals_the_reference_on_generated_bf16_cases(fsdp_propert
 )
 def test_each_mutant_fails_and_shrinks_to_a_small_case(tmp_path, mutant, step, phase):
     strategy = cases(
-        engine=f"verify.mutants:{mutant}", world_sizes=(2,), model_kinds=("mlp",), precisions=("fp32",), **PINNED
+        engine=f"fsdp_verify.zoo.mutants:{mutant}",
+        world_sizes=(2,),
+        model_kinds=("mlp",),
+        precisions=("fp32",),
+        **PINNED,
     )
     result = search(sharded_equals_reference, strategy, profile="ci", max_examples=3)
     failure = result.failure

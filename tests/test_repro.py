@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_verify.commands.cli import main
 from tests.conftest import mlp_case
-from verify.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -24,7 +24,7 @@ def test_repro_exits_0_when_the_engine_agrees(tmp_path, capsys):
 def test_repro_exits_1_when_it_diverges_and_engine_override_wins(tmp_path, capsys):
     path = mlp_case(2, steps=1).save(tmp_path / "case.json")  # the file names the correct engine
     verdict = tmp_path / "verdict.json"
-    code = main(["repro", str(path), "--engine", "verify.mutants:grads_divided_twice", "--json", str(verdict)])
+    code = main(["repro", str(path), "--engine", "fsdp_verify.zoo.mutants:grads_divided_twice", "--json", str(verdict)])
     assert code == 1
     assert "still diverges" in capsys.readouterr().out
     assert json.loads(verdict.read_text())["first_divergence"]["phase"] == "grads"
@@ -78,18 +78,25 @@ def test_repro_exits_125_when_the_case_cannot_run_here(tmp_path, capsys, make_ar
 def test_repro_exits_125_when_the_toolkit_itself_does_not_import(tmp_path):
     """A revision where the toolkit is broken (here: a module the CLI imports raises) is skipped,
     not blamed on the engine. A copy of the toolkit with one module broken stands in for it."""
-    for package in ("verify", "reference"):
-        shutil.copytree(ROOT / package, tmp_path / package, ignore=shutil.ignore_patterns("__pycache__"))
-    broken = tmp_path / "verify" / "cmd_check.py"
+    # The checkout as installed: verify/ is fsdp_verify, reference/ and properties/ inside it.
+    copy = tmp_path / "fsdp_verify"
+    shutil.copytree(ROOT / "verify", copy, ignore=shutil.ignore_patterns("__pycache__"))
+    for package in ("reference", "properties"):
+        shutil.copytree(ROOT / package, copy / package, ignore=shutil.ignore_patterns("__pycache__"))
+    broken = copy / "commands" / "check.py"
     broken.write_text(broken.read_text() + '\nraise ImportError("broken at this revision")\n')
     path = mlp_case(2).save(tmp_path / "case.json")
     r = subprocess.run(
-        [sys.executable, "-m", "verify", "repro", str(path)], cwd=tmp_path, capture_output=True, text=True, timeout=300
+        [sys.executable, "-m", "fsdp_verify", "repro", str(path)],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert r.returncode == 125, r.stdout + r.stderr
-    assert "broken at this revision" in r.stderr and str(tmp_path / "verify") in r.stderr  # the copy ran
+    assert "broken at this revision" in r.stderr and str(copy) in r.stderr  # the copy ran
     r = subprocess.run(
-        [sys.executable, "-m", "verify", "repro", str(path), "--no-such-flag"],
+        [sys.executable, "-m", "fsdp_verify", "repro", str(path), "--no-such-flag"],
         cwd=ROOT,
         capture_output=True,
         text=True,

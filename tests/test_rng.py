@@ -4,14 +4,14 @@ for bit, meta-device init equal to eager init, and reruns identical to the bit."
 import pytest
 import torch
 
-from properties import PROPERTIES
-from properties.rerun import rerun_is_bitwise_identical
-from reference import train_reference
+from fsdp_verify.case import Case
+from fsdp_verify.checks.rng import check_rng
+from fsdp_verify.properties import PROPERTIES
+from fsdp_verify.properties.rerun import rerun_is_bitwise_identical
+from fsdp_verify.reference import train_reference
+from fsdp_verify.sharded.pool import get_pool
+from fsdp_verify.trace import Trace
 from tests.conftest import lm_case, mlp_case
-from verify.case import Case
-from verify.checks.rng import check_rng
-from verify.pool import get_pool
-from verify.trace import Trace
 
 ENGINES = "tests/engines/shared_state.py"
 
@@ -25,7 +25,8 @@ def test_dropout_case_matches_bit_for_bit_and_ranks_draw_their_own_streams(fsdp_
     verdict = fsdp_check(case)
     assert verdict.ok, verdict.summary()
     rng = [f for f in verdict.findings if f.comparator == "RngCheck"]
-    assert rng == []  # no mismatch, no device warning on CPU
+    assert [f.kind for f in rng] == ["check"]  # one pass saying what was checked; no device warning on CPU
+    assert f"{2 * case.steps} generator fingerprints" in rng[0].message
     logits = [f for f in verdict.findings if f.phase == "logits"]
     assert logits and all(f.ratio == 0 for f in logits)  # exact: each rank's mask reproduced
     ref = train_reference(case)
@@ -35,7 +36,7 @@ def test_dropout_case_matches_bit_for_bit_and_ranks_draw_their_own_streams(fsdp_
 
 
 def test_same_dropout_mask_on_every_rank_is_caught_by_the_rng_check(fsdp_check):
-    verdict = fsdp_check(with_dropout(mlp_case(2, engine="verify.mutants:same_dropout_mask_on_every_rank")))
+    verdict = fsdp_check(with_dropout(mlp_case(2, engine="fsdp_verify.zoo.mutants:same_dropout_mask_on_every_rank")))
     first = verdict.first_divergence
     assert (first.step, first.phase, first.comparator) == (1, "rng", "RngCheck"), verdict.summary()
     assert first.name == "after_forward.0" and "same dropout mask" in first.message
@@ -61,7 +62,7 @@ def test_meta_init_equals_eager_init_param_by_param():
 
 
 def test_meta_build_that_consumes_rng_is_caught_at_init(fsdp_check):
-    verdict = fsdp_check(lm_case(2, engine="verify.mutants:meta_init_consumes_rng", init="meta"))
+    verdict = fsdp_check(lm_case(2, engine="fsdp_verify.zoo.mutants:meta_init_consumes_rng", init="meta"))
     first = verdict.first_divergence
     assert (first.step, first.phase, first.comparator) == (0, "init", "InitParamsComparator"), verdict.summary()
 

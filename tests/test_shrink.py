@@ -5,10 +5,10 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.commands.cli import main
+from fsdp_verify.repro.shrink import REDUCTIONS, Signature, _layers, _valid, run_once
 from tests.conftest import MLP, TINY_LM, mlp_case
-from verify.case import Case, DataSpec, PrecisionSpec
-from verify.cli import main
-from verify.shrink import REDUCTIONS, Signature, _layers, _valid, run_once
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -20,9 +20,9 @@ def big_failing_case() -> Case:
         steps=3,
         microbatches=2,
         clip_norm=1.0,
-        precision=PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32"),
+        precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32"),
         data=DataSpec(batch_size=16),
-        engine="verify.mutants:grads_divided_twice",
+        engine="fsdp_verify.zoo.mutants:grads_divided_twice",
     )
 
 
@@ -85,7 +85,7 @@ def test_every_candidate_is_a_valid_smaller_case():
         data=DataSpec(batch_size=16),
         init="meta",
         reshard_after_forward=False,
-        precision=PrecisionSpec(param_dtype="bfloat16", reduce_dtype="bfloat16", output_dtype="float32"),
+        precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16", output_dtype="fp32"),
     )
     rich_mlp = mlp_case(3, steps=3, data=DataSpec(batch_size=12, kind="cancellation"), wrap=("layers.2", ""))
     for case in (rich_lm, rich_mlp):

@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from properties.strategies import (
+from fsdp_verify.case import Case, ModelSpec, PrecisionSpec, _owner
+from fsdp_verify.properties.strategies import (
     PinError,
     cases,
     data_specs,
@@ -16,7 +17,6 @@ from properties.strategies import (
     reshard_values,
     wrap_plans,
 )
-from verify.case import Case, ModelSpec, PrecisionSpec, _owner
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -43,7 +43,7 @@ def test_every_case_is_valid_and_tiny(case):
     if not isinstance(rsf, bool):  # FSDP2: an int must be a non-trivial divisor of the shard size
         assert 1 < rsf < case.world_size and case.world_size % rsf == 0
     p = case.precision
-    assert p == PrecisionSpec() or (p.param_dtype == "bfloat16" and p.reduce_dtype in ("float32", "bfloat16"))
+    assert p == PrecisionSpec() or (p.param_dtype == "bf16" and p.reduce_dtype in ("fp32", "bf16"))
     if case.clip_norm is not None:
         assert case.clip_norm <= 1e-2  # small enough to clip a tiny model's gradients
     trainable = [n for n in _names(m) if not any(n == f or n.startswith(f + ".") for f in m.frozen)]
@@ -51,7 +51,7 @@ def test_every_case_is_valid_and_tiny(case):
 
 
 def _names(spec):
-    from properties.strategies import _param_names
+    from fsdp_verify.properties.strategies import _param_names
 
     return _param_names(spec)
 
@@ -59,7 +59,7 @@ def _names(spec):
 @FAST
 @given(cases(world_sizes=(3,), precisions=("bf16",), model_kinds=("transformer",)))
 def test_world_sizes_precisions_and_model_kinds_restrict_the_draw(case):
-    assert case.world_size == 3 and case.precision.param_dtype == "bfloat16" and case.model.kind == "transformer"
+    assert case.world_size == 3 and case.precision.param_dtype == "bf16" and case.model.kind == "transformer"
 
 
 @FAST
@@ -69,11 +69,11 @@ def test_fsdp1_cases_are_only_what_fsdp1_expresses_and_the_reference_models(case
 
 
 def test_fsdp1_modelled_names_the_two_known_gaps():
-    bf16 = PrecisionSpec(param_dtype="bfloat16", reduce_dtype="float32")
+    bf16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
     base = Case(model=ModelSpec(kind="mlp"), world_size=2, engine="fsdp1", precision=bf16)
     assert fsdp1_modelled(base) and fsdp1_modelled(base.with_(microbatches=2))
     assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))  # no-sync in bf16
-    no_shard = base.with_(world_size=1, microbatches=2, **{"precision.reduce_dtype": "bfloat16"})
+    no_shard = base.with_(world_size=1, microbatches=2, **{"precision.reduce_dtype": "bf16"})
     assert not fsdp1_modelled(no_shard)  # NO_SHARD accumulates in a bf16 reduce_dtype
     assert fsdp1_modelled(no_shard.with_(microbatches=1))
 
@@ -81,14 +81,14 @@ def test_fsdp1_modelled_names_the_two_known_gaps():
 @settings(max_examples=60, deadline=None, database=None)
 @given(
     cases(
-        engine="verify.mutants:grads_divided_twice",
+        engine="fsdp_verify.zoo.mutants:grads_divided_twice",
         steps=1,
         clip_norm=st.sampled_from((0.5, 0.25)),
         **{"optim.name": "sgd", "optim.lr": 0.5, "model.dropout": 0.0, "data.kind": "cancellation"},
     )
 )
 def test_pins_fix_values_or_draw_from_a_strategy_including_dotted_names(case):
-    assert case.engine == "verify.mutants:grads_divided_twice" and case.steps == 1
+    assert case.engine == "fsdp_verify.zoo.mutants:grads_divided_twice" and case.steps == 1
     assert case.clip_norm in (0.5, 0.25)
     assert case.optim.name == "sgd" and case.optim.lr == 0.5
     assert case.model.dropout == 0.0 and case.model.kind == "mlp"  # cancellation data: MLPs only
@@ -116,12 +116,12 @@ def test_unknown_pins_and_options_are_named():
 @given(st.data())
 def test_the_pieces_compose_into_a_case(data):
     model = data.draw(models(("mlp", "transformer")))
-    precision = data.draw(precision_specs(("bf16",), reduce_dtype="bfloat16"))
+    precision = data.draw(precision_specs(("bf16",), reduce_dtype="bf16"))
     plan = data.draw(wrap_plans(model, precision=precision))
     optim = data.draw(optim_specs(name="adamw"))
     spec = data.draw(data_specs(2, model.kind))
     case = Case(model=model, wrap=plan, world_size=2, precision=precision, optim=optim, data=spec)  # valid
-    assert case.wrap_plan[-1] == "" and precision.reduce_dtype == "bfloat16"
+    assert case.wrap_plan[-1] == "" and precision.reduce_dtype == "bf16"
     assert optim.name == "adamw" and optim.weight_decay > 0
 
 
@@ -131,7 +131,7 @@ def test_without_input_casting_no_mlp_linear_is_its_own_unit(data):
     """MLPBlock casts its input to its Linear's weight dtype, which a separately wrapped Linear
     only has after its own pre-forward: such plans cannot run without cast_forward_inputs."""
     model = data.draw(models(("mlp",)))
-    plan = data.draw(wrap_plans(model, precision=PrecisionSpec("bfloat16", cast_forward_inputs=False)))
+    plan = data.draw(wrap_plans(model, precision=PrecisionSpec("bf16", cast_forward_inputs=False)))
     assert not any(unit.endswith(".linear") for unit in plan)
 
 

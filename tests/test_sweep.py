@@ -34,7 +34,7 @@ def test_the_closest_pass_is_kept_to_replay(tmp_path, capsys):
     rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
     closest = max(rows, key=lambda r: r["worst_ratio"])
     assert closest["worst_ratio"] > 0  # bf16 over 3 ranks rounds: some record moves
-    from verify.case import Case
+    from fsdp_verify.case import Case
 
     assert Case.load(tmp_path / "closest_pass.case.json").hash == closest["case"]
     streamed = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
@@ -57,13 +57,22 @@ def test_a_cut_short_sweep_is_reported_from_its_streamed_rows(tmp_path, capsys):
 
 def test_a_broken_engine_raises_alarms_and_leaves_replayable_cases(tmp_path, capsys):
     code = _load().main(
-        ["--cases", "2", "--world-sizes", "2", "--engine", "verify.mutants:grads_divided_twice", "--out", str(tmp_path)]
+        [
+            "--cases",
+            "2",
+            "--world-sizes",
+            "2",
+            "--engine",
+            "fsdp_verify.zoo.mutants:grads_divided_twice",
+            "--out",
+            str(tmp_path),
+        ]
     )
     text = capsys.readouterr().out
     assert code == 1, text
     assert "false alarms: 2" in text
     saved = sorted((tmp_path / "false_alarms").glob("*.case.json"))
     assert len(saved) == 2
-    from verify.case import Case
+    from fsdp_verify.case import Case
 
-    assert Case.load(saved[0]).engine == "verify.mutants:grads_divided_twice"
+    assert Case.load(saved[0]).engine == "fsdp_verify.zoo.mutants:grads_divided_twice"

@@ -1,6 +1,6 @@
 import torch
 
-from verify.trace import Trace
+from fsdp_verify.trace import Trace
 
 
 def test_trace_round_trip_without_pickle(tmp_path):

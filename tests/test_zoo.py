@@ -7,9 +7,9 @@ from dataclasses import replace
 
 import pytest
 
-from verify.cli import main
-from verify.cmd_selftest import hunt
-from verify.zoo import BY_NAME, ZOO
+from fsdp_verify.commands.cli import main
+from fsdp_verify.commands.selftest import hunt
+from fsdp_verify.zoo.catalog import BY_NAME, ZOO
 
 BUDGET = 20  # generated cases per bug
 
@@ -37,11 +37,11 @@ def test_every_bug_of_the_issue_is_in_the_zoo():
         "frozen_params_move",
     }
     assert required <= set(BY_NAME)
-    assert all(bug.engine == f"verify.mutants:{bug.name}" for bug in ZOO)
+    assert all(bug.engine == f"fsdp_verify.zoo.mutants:{bug.name}" for bug in ZOO)
 
 
 def test_a_bug_whose_mutant_does_not_exist_is_reported_missing_not_passed():
-    ghost = replace(BY_NAME["grads_divided_twice"], name="ghost", engine="verify.mutants:no_such_mutant")
+    ghost = replace(BY_NAME["grads_divided_twice"], name="ghost", engine="fsdp_verify.zoo.mutants:no_such_mutant")
     result = hunt(ghost, 3, world_sizes=(2,))
     assert (result.status, result.examples) == ("missing", 0)
     assert "no_such_mutant" in result.detail

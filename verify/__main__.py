@@ -1,4 +1,4 @@
-"""`python -m verify` and the `fsdp-verify` console script.
+"""`python -m fsdp_verify` and the `fsdp-verify` console script.
 
 For `repro` (run by `git bisect run`), a toolkit that does not even import or parse at this
 revision means "cannot test here": exit 125 (skip), never 1 or 2 ("bad")."""
@@ -9,7 +9,7 @@ import sys
 def entry() -> int:
     repro = sys.argv[1:2] == ["repro"]
     try:
-        from verify.cli import main
+        from fsdp_verify.commands.cli import main
 
         return main()
     except SystemExit as e:

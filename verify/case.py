@@ -8,6 +8,7 @@ Validation happens on construction and names the offending field and what was ex
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -15,99 +16,47 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-DTYPES = ("float32", "bfloat16", "float16")
+from fsdp_verify import dtypes
+from fsdp_verify.models import ModelSpec, default_wrap_plan, module_names
+from fsdp_verify.validation import CaseError, check, is_int, is_number
+
 OPTIMIZERS = ("sgd", "adam", "adamw")
-MODEL_KINDS = ("mlp", "transformer")
 DATA_KINDS = ("normal", "cancellation")
 INIT_MODES = ("eager", "meta")
 
 
-class CaseError(ValueError):
-    """A Case field holds a value the toolkit cannot run; the message names the field."""
-
-    def __init__(self, field_path: str, expected: str, got: Any):
-        self.field_path = field_path
-        super().__init__(f"{field_path}: expected {expected}, got {got!r}")
-
-
-def _check(ok: bool, field_path: str, expected: str, got: Any) -> None:
-    if not ok:
-        raise CaseError(field_path, expected, got)
-
-
-def _num(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
-def _int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-@dataclass(frozen=True)
-class ModelSpec:
-    """Built-in model. `mlp` uses `widths` (input, hidden..., output); `transformer` the rest."""
-
-    kind: str = "transformer"
-    widths: tuple[int, ...] = (16, 33, 17, 8)
-    vocab_size: int = 61
-    dim: int = 32
-    n_layers: int = 2
-    n_heads: int = 4
-    ffn_hidden: int = 44
-    seq_len: int = 8
-    tie_embeddings: bool = False
-    dropout: float = 0.0
-    frozen: tuple[str, ...] = ()  # parameter-name prefixes with requires_grad=False
-
-    def validate(self, prefix: str = "model") -> None:
-        _check(self.kind in MODEL_KINDS, f"{prefix}.kind", f"one of {MODEL_KINDS}", self.kind)
-        if self.kind == "mlp":
-            _check(
-                len(self.widths) >= 2 and all(_int(w) and w >= 1 for w in self.widths),
-                f"{prefix}.widths",
-                "at least two positive integers (input, ..., output)",
-                self.widths,
-            )
-        else:
-            for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "seq_len"):
-                value = getattr(self, name)
-                _check(_int(value) and value >= 1, f"{prefix}.{name}", "a positive integer", value)
-            _check(self.dim % self.n_heads == 0, f"{prefix}.dim", f"a multiple of n_heads={self.n_heads}", self.dim)
-            _check(
-                (self.dim // self.n_heads) % 2 == 0,
-                f"{prefix}.dim",
-                "an even head dimension (RoPE rotates pairs)",
-                self.dim,
-            )
-        _check(
-            _num(self.dropout) and 0.0 <= self.dropout < 1.0,
-            f"{prefix}.dropout",
-            "a probability in [0, 1)",
-            self.dropout,
-        )
-
-    @property
-    def n_blocks(self) -> int:
-        return len(self.widths) - 1 if self.kind == "mlp" else self.n_layers
-
-
 @dataclass(frozen=True)
 class PrecisionSpec:
-    """FSDP2 MixedPrecisionPolicy fields by dtype name; None means "as the parameter" (fp32)."""
+    """FSDP2 MixedPrecisionPolicy fields by dtype name; None means "as the parameter" (fp32).
+    Any spelling `fsdp_verify.dtypes` accepts is stored as its short name (`bfloat16` -> `bf16`)."""
 
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     output_dtype: str | None = None
     cast_forward_inputs: bool = True
 
+    DTYPE_FIELDS = ("param_dtype", "reduce_dtype", "output_dtype")
+
+    def __post_init__(self) -> None:
+        for name in self.DTYPE_FIELDS:
+            with contextlib.suppress(ValueError):  # an unknown name stays; validate() names the field
+                object.__setattr__(self, name, dtypes.canonical_or_none(getattr(self, name)))
+
     def validate(self, prefix: str = "precision") -> None:
-        for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        for name in self.DTYPE_FIELDS:
             value = getattr(self, name)
-            _check(value is None or value in DTYPES, f"{prefix}.{name}", f"null or one of {DTYPES}", value)
+            check(value is None or value in dtypes.NAMES, f"{prefix}.{name}", f"null or {dtypes.ACCEPTED}", value)
 
     @property
     def is_full_precision(self) -> bool:
-        return all(d in (None, "float32") for d in (self.param_dtype, self.reduce_dtype, self.output_dtype))
+        return all(d in (None, "fp32") for d in (self.param_dtype, self.reduce_dtype, self.output_dtype))
+
+    def describe(self) -> str:
+        """`fp32`, or e.g. `param bf16, reduce fp32`: the fields that are set, short names."""
+        if self.is_full_precision:
+            return "fp32"
+        parts = [f"{n.removesuffix('_dtype')} {getattr(self, n)}" for n in self.DTYPE_FIELDS if getattr(self, n)]
+        return ", ".join(parts)
 
 
 @dataclass(frozen=True)
@@ -120,22 +69,27 @@ class OptimSpec:
     eps: float = 1e-8
 
     def validate(self, prefix: str = "optim") -> None:
-        _check(self.name in OPTIMIZERS, f"{prefix}.name", f"one of {OPTIMIZERS}", self.name)
-        _check(_num(self.lr) and self.lr > 0, f"{prefix}.lr", "a positive learning rate", self.lr)
-        _check(_num(self.momentum) and 0 <= self.momentum < 1, f"{prefix}.momentum", "a value in [0, 1)", self.momentum)
-        _check(
-            _num(self.weight_decay) and self.weight_decay >= 0,
+        check(self.name in OPTIMIZERS, f"{prefix}.name", f"one of {OPTIMIZERS}", self.name)
+        check(is_number(self.lr) and self.lr > 0, f"{prefix}.lr", "a positive learning rate", self.lr)
+        check(
+            is_number(self.momentum) and 0 <= self.momentum < 1,
+            f"{prefix}.momentum",
+            "a value in [0, 1)",
+            self.momentum,
+        )
+        check(
+            is_number(self.weight_decay) and self.weight_decay >= 0,
             f"{prefix}.weight_decay",
             "a non-negative value",
             self.weight_decay,
         )
-        _check(
-            len(self.betas) == 2 and all(_num(b) and 0 <= b < 1 for b in self.betas),
+        check(
+            len(self.betas) == 2 and all(is_number(b) and 0 <= b < 1 for b in self.betas),
             f"{prefix}.betas",
             "two values in [0, 1)",
             self.betas,
         )
-        _check(_num(self.eps) and self.eps > 0, f"{prefix}.eps", "a positive value", self.eps)
+        check(is_number(self.eps) and self.eps > 0, f"{prefix}.eps", "a positive value", self.eps)
 
 
 @dataclass(frozen=True)
@@ -148,14 +102,14 @@ class DataSpec:
     scale: float = 1.0
 
     def validate(self, prefix: str = "data") -> None:
-        _check(
-            _int(self.batch_size) and self.batch_size >= 1,
+        check(
+            is_int(self.batch_size) and self.batch_size >= 1,
             f"{prefix}.batch_size",
             "a positive integer",
             self.batch_size,
         )
-        _check(self.kind in DATA_KINDS, f"{prefix}.kind", f"one of {DATA_KINDS}", self.kind)
-        _check(_num(self.scale) and self.scale > 0, f"{prefix}.scale", "a positive value", self.scale)
+        check(self.kind in DATA_KINDS, f"{prefix}.kind", f"one of {DATA_KINDS}", self.kind)
+        check(is_number(self.scale) and self.scale > 0, f"{prefix}.scale", "a positive value", self.scale)
 
 
 @dataclass(frozen=True)
@@ -190,10 +144,10 @@ class Case:
         self.precision.validate()
         self.optim.validate()
         self.data.validate()
-        _check(_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
+        check(is_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
         mesh = self.mesh
-        _check(
-            len(mesh) in (1, 2) and all(_int(d) and d >= 1 for d in mesh),
+        check(
+            len(mesh) in (1, 2) and all(is_int(d) and d >= 1 for d in mesh),
             "mesh_shape",
             "(shard,) or (replicate, shard) of positive integers",
             self.mesh_shape,
@@ -201,53 +155,56 @@ class Case:
         prod = 1
         for d in mesh:
             prod *= d
-        _check(
+        check(
             prod == self.world_size,
             "mesh_shape",
             f"dimensions whose product is world_size={self.world_size}",
             self.mesh_shape,
         )
-        _check(_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
-        _check(
-            _int(self.microbatches) and self.microbatches >= 1, "microbatches", "a positive integer", self.microbatches
+        check(is_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
+        check(
+            is_int(self.microbatches) and self.microbatches >= 1,
+            "microbatches",
+            "a positive integer",
+            self.microbatches,
         )
         per = self.world_size * self.microbatches
-        _check(
+        check(
             self.data.batch_size % per == 0,
             "data.batch_size",
             f"a multiple of world_size * microbatches = {self.world_size} * {self.microbatches} = {per}",
             self.data.batch_size,
         )
-        _check(
-            self.clip_norm is None or (_num(self.clip_norm) and self.clip_norm > 0),
+        check(
+            self.clip_norm is None or (is_number(self.clip_norm) and self.clip_norm > 0),
             "clip_norm",
             "null or a positive max norm",
             self.clip_norm,
         )
         for name in ("seed", "data_seed"):
-            _check(
-                _int(getattr(self, name)) and getattr(self, name) >= 0,
+            check(
+                is_int(getattr(self, name)) and getattr(self, name) >= 0,
                 name,
                 "a non-negative integer",
                 getattr(self, name),
             )
-        _check(self.init in INIT_MODES, "init", f"one of {INIT_MODES}", self.init)
-        _check(
+        check(self.init in INIT_MODES, "init", f"one of {INIT_MODES}", self.init)
+        check(
             isinstance(self.engine, str) and bool(self.engine),
             "engine",
             "'fsdp2', 'pkg.module:NAME' or 'file.py:NAME'",
             self.engine,
         )
         rsf = self.reshard_after_forward
-        _check(
-            isinstance(rsf, bool) or (_int(rsf) and rsf >= 1),
+        check(
+            isinstance(rsf, bool) or (is_int(rsf) and rsf >= 1),
             "reshard_after_forward",
             "true, false or a positive int",
             rsf,
         )
         self._validate_wrap()
         if self.data.kind == "cancellation":
-            _check(
+            check(
                 self.model.kind == "mlp",
                 "data.kind",
                 "'normal' for a transformer (token ids cannot cancel)",
@@ -255,22 +212,20 @@ class Case:
             )
 
     def _validate_wrap(self) -> None:
-        from verify.models import module_names
-
         plan = self.wrap_plan
         names = module_names(self.model)
         for fqn in plan:
-            _check(fqn in names, "wrap", f"module names of the model (e.g. {sorted(names)[:6]})", fqn)
-        _check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
-        _check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
+            check(fqn in names, "wrap", f"module names of the model (e.g. {sorted(names)[:6]})", fqn)
+        check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
+        check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         for i, fqn in enumerate(plan):
             for later in plan[i + 1 :]:
-                _check(
+                check(
                     not _is_ancestor(fqn, later), "wrap", f"children before parents ({later!r} is inside {fqn!r})", plan
                 )
         if self.model.kind == "transformer" and self.model.tie_embeddings:
             a, b = _owner(plan, "tok_embeddings"), _owner(plan, "output")
-            _check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
+            check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -279,8 +234,6 @@ class Case:
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
-        from verify.models import default_wrap_plan
-
         return tuple(self.wrap) if self.wrap is not None else default_wrap_plan(self.model)
 
     @property

@@ -4,7 +4,7 @@ repro files for failing properties.
 
 Under pytest-xdist every worker is its own process and so gets its own pools (FileStore
 rendezvous in a private temp dir: no ports or files shared between workers) and, on a GPU runner,
-its own disjoint slice of the GPUs (verify/devices.py). Repro files are named by the Case's hash,
+its own disjoint slice of the GPUs (verify/sharded/devices.py). Repro files are named by the Case's hash,
 so two workers never write one file with different contents.
 
     from hypothesis import given, strategies as st
@@ -25,23 +25,24 @@ REPRO_SECTION = "fsdp-verify: minimal failing case"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from verify.profiles import register_profiles
+    from fsdp_verify.commands.options import ENGINE_HELP
+    from fsdp_verify.properties.profiles import register_profiles
 
     register_profiles()  # before any plugin's pytest_configure loads --hypothesis-profile
     group = parser.getgroup("fsdp-verify")
-    group.addoption("--fsdp-engine", default="fsdp2", help="engine under test (fsdp2 | pkg.module:NAME | file.py:NAME)")
+    group.addoption("--fsdp-engine", default="fsdp2", help=f"engine under test ({ENGINE_HELP})")
     group.addoption("--fsdp-timeout", type=float, default=120.0, help="seconds before a rank counts as hung")
     group.addoption(
         "--fsdp-world-sizes",
         type=_world_sizes,
         default=(1, 2, 3, 4),
-        help="world sizes generated cases use, comma separated (default 1,2,3,4)",
+        help="world sizes generated cases use, comma- or space-separated (default 1,2,3,4)",
     )
     group.addoption(
         "--fsdp-precisions",
         type=_precisions,
         default=("fp32", "bf16"),
-        help="precision policies generated cases use: fp32,bf16 (default both)",
+        help="precision policies generated cases use: fp32,bf16 (float32, bfloat16 accepted; default both)",
     )
     group.addoption(
         "--fsdp-max-examples",
@@ -57,24 +58,15 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def _world_sizes(text: str) -> tuple[int, ...]:
-    import argparse
+    from fsdp_verify.commands.options import world_sizes
 
-    try:
-        sizes = tuple(int(s) for s in text.split(",") if s.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}") from None
-    if not sizes or any(s < 1 for s in sizes):
-        raise argparse.ArgumentTypeError(f"expected comma-separated positive integers, got {text!r}")
-    return sizes
+    return tuple(world_sizes(text))
 
 
 def _precisions(text: str) -> tuple[str, ...]:
-    import argparse
+    from fsdp_verify.commands.options import precisions
 
-    names = tuple(s.strip() for s in text.split(",") if s.strip())
-    if not names or any(n not in ("fp32", "bf16") for n in names):
-        raise argparse.ArgumentTypeError(f"expected a comma-separated subset of fp32,bf16, got {text!r}")
-    return names
+    return tuple(precisions(text))
 
 
 @pytest.hookimpl(trylast=True)  # after Hypothesis's own plugin has loaded --hypothesis-profile
@@ -83,7 +75,7 @@ def pytest_configure(config: pytest.Config) -> None:
     `ci` when the CI variable is set, else `dev`; then apply --fsdp-max-examples."""
     from hypothesis import settings
 
-    from verify.profiles import default_profile
+    from fsdp_verify.properties.profiles import default_profile
 
     if not config.getoption("hypothesis_profile", None):
         settings.load_profile(default_profile())
@@ -115,7 +107,7 @@ def fsdp_repro_dir(request: pytest.FixtureRequest) -> Path:
 @pytest.fixture(scope="session")
 def fsdp_pool(request: pytest.FixtureRequest):
     """`fsdp_pool(world_size) -> RankPool`: this process's warm pool (one per xdist worker)."""
-    from verify.pool import get_pool
+    from fsdp_verify.sharded.pool import get_pool
 
     timeout = request.config.getoption("--fsdp-timeout")
     return lambda world_size: get_pool(world_size, timeout)
@@ -125,7 +117,7 @@ def fsdp_pool(request: pytest.FixtureRequest):
 def fsdp_check(request: pytest.FixtureRequest, fsdp_pool):
     """`fsdp_check(case) -> Verdict`, run on this process's warm pool for the case's world size.
     Session-scoped, so it can be used inside Hypothesis tests."""
-    from verify.runner import check_case
+    from fsdp_verify.runner import check_case
 
     timeout = request.config.getoption("--fsdp-timeout")
 
@@ -140,7 +132,7 @@ def fsdp_check(request: pytest.FixtureRequest, fsdp_pool):
 def fsdp_property(request: pytest.FixtureRequest, fsdp_pool):
     """`fsdp_property(case, name="sharded-equals-reference") -> Verdict`; raises PropertyFailed
     (the plugin then writes the shrunk Case file and prints its replay command)."""
-    from properties.properties import PROPERTIES
+    from fsdp_verify.properties.properties import PROPERTIES
 
     timeout = request.config.getoption("--fsdp-timeout")
 
@@ -155,9 +147,9 @@ def fsdp_property(request: pytest.FixtureRequest, fsdp_pool):
 
 @pytest.fixture(scope="session")
 def fsdp_cases(request: pytest.FixtureRequest) -> Callable:
-    """`fsdp_cases(**pins) -> SearchStrategy[Case]`: `properties.strategies.cases` with the engine,
+    """`fsdp_cases(**pins) -> SearchStrategy[Case]`: `fsdp_verify.properties.strategies.cases` with the engine,
     world sizes and precisions from the command line as defaults."""
-    from properties.strategies import cases
+    from fsdp_verify.properties.strategies import cases
 
     config = request.config
     defaults = {
@@ -181,7 +173,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     replay command, and add a section with the Case, its first divergence and that command."""
     failures = []
     if call.when == "call" and call.excinfo is not None:
-        from properties.search import property_failures
+        from fsdp_verify.properties.search import property_failures
 
         failures = property_failures(call.excinfo.value)
         for failure in failures:
@@ -189,7 +181,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 failure.write_repro(_repro_dir(item.config))
     outcome = yield
     if failures:
-        from verify.repro import replay_command
+        from fsdp_verify.repro.files import replay_command
 
         report = outcome.get_result()
         for failure in failures:

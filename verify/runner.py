@@ -4,26 +4,24 @@ run the sharded side, then the comparators, then the verdict."""
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
 
 import torch
-import torch.distributed as dist
 
-from reference import train_reference
-from verify.case import Case
-from verify.checks import run_checks
-from verify.comparators import compare_traces
-from verify.localize import hint
-from verify.pool import RankPool, get_pool
-from verify.trace import Trace
-from verify.verdict import Verdict
+from fsdp_verify.case import Case
+from fsdp_verify.checks import run_checks
+from fsdp_verify.compare.comparators import compare_traces
+from fsdp_verify.hints import hint
+from fsdp_verify.reference import train_reference
+from fsdp_verify.sharded.pool import RankPool, get_pool
+from fsdp_verify.trace import Trace
+from fsdp_verify.verdict import Verdict
 
 
 @contextlib.contextmanager
 def rank_like_threads() -> Iterator[None]:
-    """Run the reference with the thread count of a rank process (1, see verify/worker.py): a
+    """Run the reference with the thread count of a rank process (1, see verify/sharded/worker.py): a
     multi-threaded CPU kernel may split a sum over threads and so round differently."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -84,29 +82,3 @@ def check_case(
     verdict = judge(case, ref, got, calibrate)
     verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, "compare": time.perf_counter() - t2}
     return verdict
-
-
-# ---- in place, under torchrun --------------------------------------------------------------------
-def launched_by_torchrun() -> bool:
-    return "RANK" in os.environ and "WORLD_SIZE" in os.environ and "LOCAL_RANK" in os.environ
-
-
-def check_in_place(case: Case, calibrate: bool = True) -> tuple[Verdict | None, bool]:
-    """Every rank runs the sharded side in this very process (PyTorch's launcher started us);
-    rank 0 also runs the reference and judges. Returns (the verdict on rank 0, None elsewhere;
-    whether rank 0 found the runs equivalent) on every rank."""
-    from verify.sharded import RankContext, run_sharded
-    from verify.worker import MeshCache, device_for
-
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    if world != case.world_size:
-        raise ValueError(f"world_size: the case says {case.world_size}, torchrun started {world} ranks")
-    device, backend = device_for(int(os.environ["LOCAL_RANK"]))
-    if not dist.is_initialized():
-        dist.init_process_group(backend)
-    mesh = MeshCache(device.type).get(case.mesh)
-    got = run_sharded(case, RankContext(rank, world, device, mesh))
-    verdict = judge(case, train_reference(case), got, calibrate) if rank == 0 else None
-    code = torch.tensor([0 if verdict is None or verdict.ok else 1], device=device)
-    dist.broadcast(code, src=0)  # every rank exits with rank 0's verdict
-    return verdict, code.item() == 0

@@ -19,13 +19,16 @@ from safetensors.torch import save as st_save
 
 # Execution order within a step: the order the first divergence is searched in. Step 0 holds
 # "ownership" (who owns each parameter), "init" and "param_sums"; "buffers" are recorded at step 0
-# and after each step; "precision" holds the dtypes seen during a step's forward and backward.
+# and after each step; "precision" holds the dtypes seen during a step's forward and backward, and
+# at step 0 the dtype the sharded parameters are held in, which explains their values and so
+# comes before "init" (master weights held in bf16 are a precision finding, not "ranks
+# initialised differently").
 # "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
 PHASES = (
     "ownership",
+    "precision",
     "init",
     "buffers",
-    "precision",
     "rng",
     "logits",
     "loss",

@@ -7,9 +7,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.trace import PHASES, sort_key
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.trace import PHASES, sort_key
 
 PHASE_TITLES = {
     "ownership": "parameter ownership",
@@ -55,7 +55,8 @@ class Verdict:
     def summary(self) -> str:
         c = self.case
         what = (
-            f"{c.engine} vs the reference ({c.model.kind}, world size {c.world_size}, {c.steps} steps, case {c.hash})"
+            f"{c.engine} vs the reference ({c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
+            f" {c.steps} steps, case {c.hash})"
         )
         first = self.first_divergence
         if first is None:
@@ -91,13 +92,14 @@ class Verdict:
                 if not fs:
                     row.append("-")
                     continue
-                worst = max(f.ratio for f in fs)
-                bad = sum(1 for f in fs if not f.ok)
-                row.append(f"FAIL x{bad}" if bad else ("exact" if worst == 0 else f"{worst:.2g}"))
+                row.append(cell_text(fs))
             rows.append(row)
         widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)) for r in rows]
-        legend = "cells: worst deviation/tolerance ratio of the records in that step and phase (<1 passes)"
+        lines = ["  ".join(cell.ljust(w) for cell, w in zip(r, widths)).rstrip() for r in rows]
+        legend = (
+            "cells: worst deviation/tolerance ratio of the records in that step and phase (<1 passes);"
+            " ok: a check (ownership, precision contract, RNG) ran and passed; n/a: nothing for it to read"
+        )
         return "\n".join(lines + [legend])
 
     def to_dict(self) -> dict[str, Any]:
@@ -119,6 +121,21 @@ class Verdict:
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
         return path
+
+
+def cell_text(findings: list[Finding]) -> str:
+    """One table cell: FAIL xN, the worst ratio of its numeric records ("exact" at 0), or "ok" /
+    "n/a" for a cell holding only a check's verdict."""
+    bad = sum(1 for f in findings if not f.ok)
+    if bad:
+        return f"FAIL x{bad}"
+    numeric = [f.ratio for f in findings if f.kind == "deviation"]
+    if numeric:
+        worst = max(numeric)
+        return "exact" if worst == 0 else f"{worst:.2g}"
+    if any(f.kind == "check" for f in findings):
+        return "ok"
+    return "n/a" if any(f.kind == "skipped" for f in findings) else "-"
 
 
 def _where(f: Finding) -> str:

@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
 
 
 def rank1_activation_error(model, mesh, spec):

@@ -5,19 +5,12 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from verify.engines.fsdp2 import fully_shard_engine
-from verify.engines.spec import ShardSpec
-
-
-def master_weights_in_bf16(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    """`model.to(torch.bfloat16)` before sharding: the sharded master weights, their gradients and
-    the optimizer state all become bf16 (seed 001: master weights must stay fp32)."""
-    return fully_shard_engine(model.to(torch.bfloat16), mesh, spec)
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.spec import ShardSpec
 
 
 def output_dtype_ignored(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:

@@ -1,5 +1,5 @@
 """Broken engines for the ownership, RNG and shared-state checks' own tests (loaded by file path).
-The named mutants of the bug zoo live in verify/mutants.py; these are the extra ones the tests
+The named mutants of the bug zoo live in verify/zoo/mutants.py; these are the extra ones the tests
 need to prove each check can fail."""
 
 import dataclasses
@@ -7,8 +7,8 @@ import dataclasses
 import torch
 from torch.distributed.fsdp import fully_shard
 
-from verify.engines.fsdp2 import fully_shard_engine
-from verify.models.transformer import rope_frequencies
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.models.transformer import rope_frequencies
 
 _runs = 0
 

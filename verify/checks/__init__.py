@@ -1,36 +1,77 @@
 """Checks: judgements that are not one record against its twin (parameter ownership, the
-precision contract, RNG determinism). Each is `check(case, ref, got) -> list[Finding]`, reading
-what probes (verify/probes/) put into the traces. Add a module and list its function here."""
+precision contract, RNG determinism, state every rank must share). Each is `check(case, ref, got)
+-> list[Finding]`, reading what probes (verify/probes/) put into the traces.
+
+A check that finds nothing wrong still says what it verified: one passing Finding of kind
+"check" (or "skipped" when the run gave it nothing to read), so a passing verdict shows that
+ownership, precision and RNG were checked, not only that nothing complained. To add a check, write
+its module and list it in CHECKS with the phase it reports in and a one-line summary.
+"""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.trace import Trace
-
-Check = Callable[[Case, Trace, Trace], list[Finding]]
-
-CHECKS: list[Check] = []
-
-
-def _register_builtin() -> None:
-    from verify.checks.ownership import check_ownership
-    from verify.checks.rng import check_rng
-    from verify.checks.shared_state import check_buffers_across_ranks, check_frozen_params
-
-    CHECKS.extend([check_ownership, check_rng, check_buffers_across_ranks, check_frozen_params])
-    from verify.checks.precision import check_precision
-
-    CHECKS.append(check_precision)
+from fsdp_verify.case import Case
+from fsdp_verify.checks.ownership import check_ownership
+from fsdp_verify.checks.precision import check_precision, precision_summary
+from fsdp_verify.checks.rng import check_rng, rng_summary
+from fsdp_verify.checks.shared_state import check_buffers_across_ranks, check_frozen_params
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.trace import Trace
 
 
-_register_builtin()
+@dataclass(frozen=True)
+class Check:
+    name: str  # the comparator name its findings carry
+    phase: str
+    run: Callable[[Case, Trace, Trace], list[Finding]]
+    # What a pass means for this run, or None when the run recorded nothing for it to read.
+    summary: Callable[[Case, Trace, Trace], str | None] = lambda case, ref, got: None
+    # An optional check that had nothing to read says nothing (a model without buffers); the
+    # others say they were skipped, and the table shows "n/a".
+    optional: bool = False
+
+
+def _ownership_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    raw = got.meta.get("ownership")
+    if raw is None:
+        return None
+    n = len(raw.get("params", {}))
+    return f"{n} parameters, each owned once by the unit the wrap plan implies, its shards covering it"
+
+
+def _buffers_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    hashes = got.meta.get("buffer_hashes", {})
+    names = {n for per in hashes.values() for n in per}
+    return f"{len(names)} buffers equal on every rank" if names else None
+
+
+def _frozen_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    return f"parameters under {list(case.model.frozen)} got no gradient and never moved" if case.model.frozen else None
+
+
+CHECKS: list[Check] = [
+    Check("OwnershipCheck", "ownership", check_ownership, _ownership_summary),
+    Check("PrecisionContract", "precision", check_precision, precision_summary),
+    Check("RngCheck", "rng", check_rng, rng_summary),
+    Check("BufferRanksCheck", "buffers", check_buffers_across_ranks, _buffers_summary, optional=True),
+    Check("FrozenParamsCheck", "params", check_frozen_params, _frozen_summary, optional=True),
+]
 
 
 def run_checks(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     findings: list[Finding] = []
     for check in CHECKS:
-        findings.extend(check(case, ref, got))
+        found = check.run(case, ref, got)
+        findings.extend(found)
+        if any(not f.ok for f in found):
+            continue
+        summary = check.summary(case, ref, got)
+        if summary is None and check.optional:
+            continue
+        kind = "check" if summary is not None else "skipped"
+        message = summary if summary is not None else "nothing recorded for this check in this run"
+        findings.append(Finding(0, check.phase, f"<{check.name}>", True, kind, check.name, message))
     return findings

@@ -15,11 +15,11 @@ import math
 
 import torch
 
-from verify.case import Case, ModelSpec, _owner
-from verify.comparators import Finding
-from verify.models import _construct
-from verify.ownership import OwnershipMap
-from verify.trace import Trace
+from fsdp_verify.case import Case, ModelSpec, _owner
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.models import _construct
+from fsdp_verify.trace import Trace
 
 COMPARATOR = "OwnershipCheck"
 

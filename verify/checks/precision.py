@@ -19,9 +19,9 @@ it was seen, naming the parameter (or unit) and both dtypes.
 
 from __future__ import annotations
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.trace import Trace
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.trace import Trace
 
 COMPARATOR = "PrecisionContract"
 
@@ -29,15 +29,15 @@ COMPARATOR = "PrecisionContract"
 def expected_dtypes(case: Case) -> dict[str, str]:
     """Stage -> the dtype the policy demands there (stages absent here are not judged)."""
     p = case.precision
-    param = p.param_dtype or "float32"
+    param = p.param_dtype or "fp32"
     expected = {
-        "sharded": "float32",
+        "sharded": "fp32",
         "forward_params": param,
         "backward_params": param,
         "backward_grads": param,
         "reduce": p.reduce_dtype or param,
-        "grads": "float32",
-        "optim_state": "float32",
+        "grads": "fp32",
+        "optim_state": "fp32",
     }
     if p.cast_forward_inputs and p.param_dtype is not None:
         expected["forward_inputs"] = p.param_dtype
@@ -84,6 +84,15 @@ def check_precision(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     )
                     break
     return findings
+
+
+def precision_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    seen = got.meta.get("precision")
+    if seen is None:
+        return None
+    expected = expected_dtypes(case)
+    stages = sorted({s for stages in seen["steps"].values() for s in stages if s in expected})
+    return f"dtypes at {len(stages)} stages as the policy says ({case.precision.describe()}): {', '.join(stages)}"
 
 
 _STAGE_TEXT = {

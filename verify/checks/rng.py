@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.trace import Trace
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.trace import Trace
 
 COMPARATOR = "RngCheck"
 
@@ -36,6 +36,13 @@ def check_rng(case: Case, ref: Trace, got: Trace) -> list[Finding]:
             message += "; every rank holds the same state: ranks draw the same dropout mask"
         findings.append(Finding(step, phase, name, False, "mismatch", COMPARATOR, message))
     return findings
+
+
+def rng_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    n = sum(1 for (_, phase, _) in ref.records if phase == "rng")
+    if n == 0:
+        return None
+    return f"{n} generator fingerprints ({case.world_size} ranks each) equal to the reference's replay of each stream"
 
 
 def _device_warning(devices: list[str] | None) -> list[Finding]:

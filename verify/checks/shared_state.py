@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from verify.case import Case
-from verify.comparators import Finding
-from verify.trace import Trace
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.trace import Trace
 
 
 def check_buffers_across_ranks(case: Case, ref: Trace, got: Trace) -> list[Finding]:

@@ -16,14 +16,14 @@ from pathlib import Path
 
 from torch import nn
 
-from verify.engines.spec import ShardSpec
+from fsdp_verify.engines.spec import ShardSpec
 
 Engine = Callable[..., nn.Module]
 
 BUILTIN = {
-    "fsdp2": "verify.engines.fsdp2:fully_shard_engine",
-    "fsdp1": "verify.engines.fsdp1:fsdp1_engine",
-    "flat": "verify.engines.flat.engine:flat_engine",
+    "fsdp2": "fsdp_verify.engines.fsdp2:fully_shard_engine",
+    "fsdp1": "fsdp_verify.engines.fsdp1:fsdp1_engine",
+    "flat": "fsdp_verify.engines.flat.engine:flat_engine",
 }
 
 

@@ -31,8 +31,8 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
-from verify.engines.flat.view import FlatView, Holding
-from verify.engines.spec import ShardSpec
+from fsdp_verify.engines.flat.view import FlatView, Holding
+from fsdp_verify.engines.spec import ShardSpec
 
 
 def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:

@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from verify.engines.spec import ShardSpec
+from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:

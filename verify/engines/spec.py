@@ -6,8 +6,8 @@ from dataclasses import dataclass
 
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from verify.case import Case
-from verify.precision import mp_policy
+from fsdp_verify.case import Case, PrecisionSpec
+from fsdp_verify.dtypes import to_torch
 
 
 @dataclass(frozen=True)
@@ -24,7 +24,17 @@ class ShardSpec:
     def from_case(cls, case: Case) -> ShardSpec:
         return cls(
             wrap=case.wrap_plan,
-            mp_policy=mp_policy(case.precision),
+            mp_policy=policy_of(case.precision),
             reshard_after_forward=case.reshard_after_forward,
             case=case,
         )
+
+
+def policy_of(spec: PrecisionSpec) -> MixedPrecisionPolicy:
+    """The Case's precision as FSDP2's MixedPrecisionPolicy."""
+    return MixedPrecisionPolicy(
+        param_dtype=to_torch(spec.param_dtype),
+        reduce_dtype=to_torch(spec.reduce_dtype),
+        output_dtype=to_torch(spec.output_dtype),
+        cast_forward_inputs=spec.cast_forward_inputs,
+    )

@@ -12,8 +12,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verify.gather import gather_full, sum_full
-from verify.ownership import OwnershipMap
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.sharded.gather import gather_full, sum_full
 
 
 class EngineView:
@@ -51,8 +51,8 @@ class EngineView:
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a
-        collective). None if the engine cannot say. FSDP2's reading: verify/ownership_fsdp2.py."""
-        from verify.ownership_fsdp2 import fsdp2_ownership
+        collective). None if the engine cannot say. FSDP2's reading: verify/engines/fsdp2_ownership.py."""
+        from fsdp_verify.engines.fsdp2_ownership import fsdp2_ownership
 
         return fsdp2_ownership(self.module)
 

@@ -11,11 +11,11 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verify.case import ModelSpec
-from verify.models.mlp import MLP
-from verify.models.transformer import Transformer
+from fsdp_verify.models.mlp import MLP
+from fsdp_verify.models.spec import MODEL_KINDS, ModelSpec
+from fsdp_verify.models.transformer import Transformer
 
-__all__ = ["MLP", "Transformer", "build_model", "default_wrap_plan", "module_names", "loss_fn"]
+__all__ = ["MLP", "MODEL_KINDS", "ModelSpec", "Transformer", "build_model", "default_wrap_plan", "module_names"]
 
 
 def _construct(spec: ModelSpec) -> nn.Module:
@@ -66,10 +66,3 @@ def module_names(spec: ModelSpec) -> frozenset[str]:
 def default_wrap_plan(spec: ModelSpec) -> tuple[str, ...]:
     """Every block its own shard unit, then the root (torchtitan's plan)."""
     return tuple(f"layers.{i}" for i in range(spec.n_blocks)) + ("",)
-
-
-def loss_fn(spec: ModelSpec, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-    """Mean loss over the samples given, computed in fp32 whatever the output dtype."""
-    if spec.kind == "mlp":
-        return torch.nn.functional.mse_loss(output.float(), target.float())
-    return torch.nn.functional.cross_entropy(output.float().flatten(0, 1), target.flatten())

@@ -7,7 +7,7 @@ import math
 import torch
 from torch import nn
 
-from verify.models.layers import Linear
+from fsdp_verify.models.layers import Linear
 
 
 class MLPBlock(nn.Module):

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from verify.models.layers import Linear
+from fsdp_verify.models.layers import Linear
 
 
 class RMSNorm(nn.Module):

@@ -1,66 +1,17 @@
 """Probes: observers of a sharded run on one rank, which record what the loop itself does not
 (dtypes seen in forward, RNG fingerprints, buffers, the ownership map). Every rank builds the
 same probes and calls their hooks in the same order, so a hook may run collectives; records go
-into the trace, which only rank 0 keeps (`self.trace` is None elsewhere). Add a subclass in its
-own module and list it in PROBES."""
+into the trace, which only rank 0 keeps. To add one, subclass `base.Probe` in its own module and
+list it in PROBES."""
 
 from __future__ import annotations
 
-from typing import Any
+from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.buffers import BuffersProbe
+from fsdp_verify.probes.ownership import OwnershipProbe
+from fsdp_verify.probes.precision import PrecisionProbe
+from fsdp_verify.probes.rng import RngProbe
 
-import torch
-from torch import nn
+PROBES: list[type[Probe]] = [OwnershipProbe, RngProbe, BuffersProbe, PrecisionProbe]
 
-from verify.case import Case
-from verify.engines.view import EngineView
-from verify.trace import Trace
-
-
-class Probe:
-    def __init__(self, case: Case, rank: int, world_size: int, trace: Trace | None):
-        self.case, self.rank, self.world_size, self.trace = case, rank, world_size, trace
-
-    def add(self, step: int, phase: str, name: str, value: torch.Tensor) -> None:
-        if self.trace is not None:
-            self.trace.add(step, phase, name, value)
-
-    def meta(self, key: str, value: Any) -> None:
-        if self.trace is not None:
-            self.trace.meta[key] = value
-
-    def after_build(self, model: nn.Module) -> None:
-        """The model as built, before the engine sees it."""
-
-    def after_shard(self, model: nn.Module, view: EngineView) -> None:
-        """The engine's module and view, before the first step."""
-
-    def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
-        """The optimizer the loop built from `view.parameters()`, before the first step."""
-
-    def before_forward(self, step: int, microbatch: int) -> None: ...
-
-    def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None: ...
-
-    def after_backward(self, step: int, microbatch: int) -> None: ...
-
-    def after_step(self, step: int) -> None:
-        """After the optimizer step (params and state already recorded)."""
-
-    def finish(self) -> None: ...
-
-
-PROBES: list[type[Probe]] = []
-
-
-def _register_builtin() -> None:
-    from verify.probes.buffers import BuffersProbe
-    from verify.probes.ownership import OwnershipProbe
-    from verify.probes.rng import RngProbe
-
-    PROBES.extend([OwnershipProbe, RngProbe, BuffersProbe])
-    from verify.probes.precision import PrecisionProbe
-
-    PROBES.append(PrecisionProbe)
-
-
-_register_builtin()
+__all__ = ["PROBES", "Probe"]

@@ -10,9 +10,9 @@ import hashlib
 import torch
 from torch import nn
 
-from verify.engines.view import EngineView
-from verify.probes import Probe
-from verify.probes.ownership import gather_objects
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.ownership import gather_objects
 
 
 def tensor_hash(t: torch.Tensor) -> str:

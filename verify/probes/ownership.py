@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.engines.view import EngineView
-from verify.probes import Probe
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.probes.base import Probe
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -31,8 +31,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.engines.view import EngineView
-from verify.probes import Probe
+from fsdp_verify.dtypes import name_of
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.probes.base import Probe
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
@@ -68,7 +69,7 @@ def _floats(obj: Any) -> Iterator[torch.Tensor]:
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
+    return name_of(dtype)
 
 
 def owning_unit(plan: tuple[str, ...], param_fqn: str) -> str:

@@ -10,10 +10,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from verify.engines.view import EngineView
-from verify.probes import Probe
-from verify.probes.ownership import gather_objects
-from verify.rng import rng_fingerprint
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.ownership import gather_objects
+from fsdp_verify.training.rng import rng_fingerprint
 
 
 class RngProbe(Probe):

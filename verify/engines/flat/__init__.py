@@ -11,13 +11,13 @@ worked example for anyone writing their own FSDP. One concern per file, read in 
 * view.py: FlatView, how the toolkit reads any flat-buffer engine (FSDP1's too).
 * engine.py: `flat_engine(model, mesh, spec)`, the engine function, and its view.
 
-Known bugs of such engines live in verify/mutants.py: `flat_nested_double_ownership` (seed 004's
+Known bugs of such engines live in verify/zoo/mutants.py: `flat_nested_double_ownership` (seed 004's
 `parameters(recurse=True)` on the root) and `flat_meta_init_consumes_rng`.
 """
 
-from verify.engines.flat.api import fully_shard, shard_all, units
-from verify.engines.flat.engine import flat_engine
-from verify.engines.flat.flat_param import FlatParameter
-from verify.engines.flat.meta_init import construct_on_meta, materialize
+from fsdp_verify.engines.flat.api import fully_shard, shard_all, units
+from fsdp_verify.engines.flat.engine import flat_engine
+from fsdp_verify.engines.flat.flat_param import FlatParameter
+from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
 
 __all__ = ["FlatParameter", "construct_on_meta", "flat_engine", "fully_shard", "materialize", "shard_all", "units"]

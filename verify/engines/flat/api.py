@@ -23,8 +23,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-from verify.engines.flat.flat_param import Slot
-from verify.engines.flat.unit import FlatUnit
+from fsdp_verify.engines.flat.flat_param import Slot
+from fsdp_verify.engines.flat.unit import FlatUnit
 
 Collect = Callable[[nn.Module], Iterator[tuple[str, nn.Module, str, nn.Parameter]]]
 

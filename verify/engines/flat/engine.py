@@ -6,10 +6,10 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
-from verify.engines.flat.meta_init import construct_on_meta, materialize
-from verify.engines.flat.view import FlatView, Holding
-from verify.engines.spec import ShardSpec
+from fsdp_verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
+from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
+from fsdp_verify.engines.flat.view import FlatView, Holding
+from fsdp_verify.engines.spec import ShardSpec
 
 
 def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> nn.Module:
@@ -17,7 +17,7 @@ def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Co
     it, as a trainer too big for one device would (the built model only gives the device and
     which weights are frozen)."""
     if spec.case is not None and spec.case.init == "meta":
-        from verify.models import _construct
+        from fsdp_verify.models import _construct
 
         device = next(model.parameters()).device
         frozen = {name for name, p in model.named_parameters() if not p.requires_grad}
@@ -44,7 +44,7 @@ def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: 
 
 
 def _init_from_seed(seed: int):
-    """The models' own init, from an explicit CPU generator, as `verify.models.build_model`."""
+    """The models' own init, from an explicit CPU generator, as `fsdp_verify.models.build_model`."""
     import torch
 
     def init(model: nn.Module) -> None:

@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from verify.gather import _all_gather_single
+from fsdp_verify.sharded.gather import _all_gather_single
 
 
 @dataclass

@@ -19,7 +19,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from verify.engines.flat.api import shard_all, units
+from fsdp_verify.engines.flat.api import shard_all, units
 
 
 def construct_on_meta(construct: Callable[[], nn.Module]) -> nn.Module:

@@ -20,7 +20,7 @@ from torch import nn
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from verify.engines.flat.flat_param import FlatParameter, Slot
+from fsdp_verify.engines.flat.flat_param import FlatParameter, Slot
 
 
 def _set_tensor(module: nn.Module, attr: str, tensor: torch.Tensor) -> None:

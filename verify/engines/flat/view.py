@@ -22,9 +22,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from verify.engines.view import EngineView
-from verify.gather import _all_gather_single
-from verify.ownership import OwnershipMap, ParamOwnership
+from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.sharded.gather import _all_gather_single
 
 
 @dataclass

@@ -1,0 +1,59 @@
+"""`fsdp-verify`: the command line. Each subcommand lives in its own module exposing
+`add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
+
+Exit codes (all subcommands): 0 equivalent / passed, 1 divergence found, 2 bad input or usage,
+3 infrastructure failure (a rank crashed or hung), 125 (repro only) cannot run at this revision.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+from fsdp_verify.commands.options import EXIT_BAD_INPUT
+
+# (name, module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
+SUBCOMMANDS: list[tuple[str, str, str]] = [
+    ("check", "fsdp_verify.commands.check", "run one case on the reference and the engine, report where they part"),
+    (
+        "ownership",
+        "fsdp_verify.commands.ownership",
+        "print which shard unit owns each parameter and check it is a partition",
+    ),
+    ("shrink", "fsdp_verify.commands.shrink", "reduce a failing case to a minimal one that fails the same way"),
+    ("repro", "fsdp_verify.commands.repro", "replay a repro file; exit 0 / 1 / 125 for `git bisect run`"),
+    ("selftest", "fsdp_verify.commands.selftest", "run the bug zoo: every injected bug must be caught (exit 1 if not)"),
+    (
+        "fuzz",
+        "fsdp_verify.commands.fuzz",
+        "generate cases, check a property on each; shrink a failure to a minimal repro",
+    ),
+]
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # usage errors exit 2, as bad input does
+        self.print_usage(sys.stderr)
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        raise SystemExit(EXIT_BAD_INPUT)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fsdp-verify", description="Differential testing of sharded data-parallel training.")
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    for name, module, help_text in SUBCOMMANDS:
+        p = sub.add_parser(name, help=help_text, description=help_text)
+        mod = importlib.import_module(module)
+        mod.add_arguments(p)
+        p.set_defaults(_run=mod.run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    return args._run(args)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

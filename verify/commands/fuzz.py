@@ -1,0 +1,155 @@
+"""`fsdp-verify fuzz`: the property search outside pytest, for nightly jobs and for people who
+don't live in pytest. Generates Cases with Hypothesis, checks a named property on each, and on a
+failure shrinks it, writes the shrunk Case file into --out and exits 1 (0 when all pass). Always
+writes report.json and report.html into --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from fsdp_verify.commands.options import (
+    ENGINE_HELP,
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_OK,
+    add_precisions,
+    add_timeout,
+    add_world_sizes,
+)
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
+    p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
+    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
+    add_precisions(p)
+    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
+    )
+    p.add_argument(
+        "--profile",
+        choices=("ci", "nightly", "dev"),
+        default=None,
+        help="Hypothesis profile (default: ci if the CI variable is set, else dev)",
+    )
+    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, to rerun one search exactly")
+    add_timeout(p)
+    p.add_argument("--out", type=Path, required=True, help="directory for the report and the shrunk Case file")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.properties.properties import PROPERTIES
+    from fsdp_verify.properties.search import search
+    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.reports.search_report import closest_pass, write_report
+    from fsdp_verify.repro.files import replay_command
+    from fsdp_verify.sharded.pool import get_pool
+
+    if args.property not in PROPERTIES:
+        return _bad(f"--property: expected one of {sorted(PROPERTIES)}, got {args.property!r}")
+    if args.max_examples is not None and args.max_examples < 1:
+        return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
+    if any(w < 1 for w in args.world_sizes):
+        return _bad(f"--world-sizes: expected positive integers, got {args.world_sizes}")
+    try:
+        resolve_engine(args.engine)  # fail fast, before any rank starts
+        strategy = cases(
+            engine=args.engine,
+            world_sizes=args.world_sizes,
+            precisions=args.precisions,
+            model_kinds=args.models,
+            **_pins(args.pin),
+        )
+    except (EngineLoadError, PinError, OSError) as e:
+        return _bad(str(e))
+
+    prop = PROPERTIES[args.property]
+    bar = _progress(args)
+    failures_seen = 0
+
+    def check(case):
+        return prop(case, pool=get_pool(case.world_size, args.timeout), timeout_s=args.timeout)
+
+    def on_example(example) -> None:
+        nonlocal failures_seen
+        failures_seen += not example.ok
+        if bar is not None:
+            bar.update(1)
+            bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
+
+    result = search(
+        check, strategy, profile=args.profile, max_examples=args.max_examples, seed=args.seed, on_example=on_example
+    )
+    if bar is not None:
+        bar.close()
+    if result.failure is not None:
+        result.failure.write_repro(args.out)
+    meta = {
+        "engine": args.engine,
+        "property": args.property,
+        "profile": args.profile,
+        "max_examples": args.max_examples,
+        "world_sizes": args.world_sizes,
+        "precisions": args.precisions,
+        "models": args.models,
+        "seed": args.seed,
+    }
+    json_path, html_path = write_report(result, args.out, meta)
+    passed = sum(e.ok for e in result.examples)
+    print(f"{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s. Report: {html_path}")
+    near = closest_pass(result.examples)
+    if near is not None:
+        path = near.case.save(Path(args.out) / f"closest-pass-{near.case.hash}.json")
+        worst = near.verdict.worst()
+        print(f"Closest pass: {worst.ratio:.3g}x its tolerance at step {worst.step}, {worst.phase}, {worst.name!r};")
+        print(f"  replay: {replay_command(path)}")
+    if result.failure is None:
+        return EXIT_OK
+    f = result.failure
+    print(f.summary())
+    print(f"First divergence: {f.first_divergence}")
+    print(f"Shrunk case written to {f.repro_path}")
+    print(f"Replay: {replay_command(f.repro_path)}")
+    return EXIT_DIVERGED
+
+
+def _pins(items: list[str]) -> dict[str, object]:
+    """`FIELD=JSON` pairs; a value that is not JSON is taken as a string (`optim.name=sgd`).
+    JSON lists become tuples, as Case fields hold them."""
+    from fsdp_verify.properties.strategies import PinError
+
+    pins: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise PinError(f"--pin: expected FIELD=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        pins[key] = tuple(value) if isinstance(value, list) else value
+    return pins
+
+
+def _progress(args: argparse.Namespace):
+    if args.no_progress:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=args.max_examples, desc="fuzz", unit="case", file=sys.stderr, dynamic_ncols=True)
+
+
+def _bad(message: str) -> int:
+    print(f"fsdp-verify: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT

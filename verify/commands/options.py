@@ -1,0 +1,140 @@
+"""What several commands share, with one spelling everywhere (the pytest plugin's options use the
+same parsers): exit codes, dtypes (`fp32`/`float32`, `bf16`/`bfloat16`, `fp16`/`float16`), lists of
+world sizes or precisions (`1 2 3`, `1,2,3` or both), engines, and the options that build a Case.
+Free of torch, so the pytest plugin can use it while pytest parses its command line."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from fsdp_verify import dtypes
+
+if TYPE_CHECKING:
+    from fsdp_verify.case import Case
+
+EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
+ENGINE_HELP = "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME"
+PRECISION_POLICIES = dtypes.PRECISION_POLICIES
+
+
+# ---- value parsers (argparse `type=`; also used by the pytest plugin) ---------------------------
+def dtype(text: str) -> str:
+    try:
+        return dtypes.canonical(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def _items(text: str) -> list[str]:
+    return [s for s in text.replace(",", " ").split() if s]
+
+
+def world_sizes(text: str) -> list[int]:
+    """`2`, `2,4` or `2 4` -> [2, 4]."""
+    try:
+        sizes = [int(s) for s in _items(text)]
+    except ValueError:
+        sizes = []
+    if not sizes or any(s < 1 for s in sizes):
+        raise argparse.ArgumentTypeError(f"expected positive integers (e.g. 1,2,4 or 1 2 4), got {text!r}")
+    return sizes
+
+
+def precisions(text: str) -> list[str]:
+    """`fp32,bf16`, `float32 bfloat16`, ... -> ["fp32", "bf16"] (the printed names)."""
+    names = []
+    for item in _items(text):
+        name = dtype(item)
+        if name not in PRECISION_POLICIES:
+            raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {item!r}")
+        names.append(name)
+    if not names:
+        raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {text!r}")
+    return names
+
+
+class ListOption(argparse.Action):
+    """A list option that takes space- or comma-separated values, or both, and replaces its
+    default (argparse's own "extend" would add to it)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        setattr(namespace, self.dest, list(dict.fromkeys(v for value in values for v in value)))
+
+
+def add_world_sizes(p: argparse.ArgumentParser, default: list[int] | None, help_text: str) -> None:
+    p.add_argument(
+        "--world-sizes", type=world_sizes, nargs="+", action=ListOption, default=default, metavar="N", help=help_text
+    )
+
+
+def add_precisions(p: argparse.ArgumentParser, default: list[str] | None = None) -> None:
+    p.add_argument(
+        "--precisions",
+        type=precisions,
+        nargs="+",
+        action=ListOption,
+        default=default or list(PRECISION_POLICIES),
+        metavar="P",
+        help="precision policies to draw: fp32 (full) and/or bf16 (bf16 params, fp32 or bf16 reduction);"
+        " float32/bfloat16 accepted too (default: both)",
+    )
+
+
+def add_timeout(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may go without finishing (default 120)")
+
+
+# ---- a Case from the command line -------------------------------------------------------------
+def add_case_arguments(p: argparse.ArgumentParser) -> None:
+    """The Case overrides people change most; shared by every command that builds a case."""
+    p.add_argument("--case", type=Path, help="a Case JSON file (default: the built-in default case)")
+    p.add_argument("--engine", help=ENGINE_HELP)
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--steps", type=int)
+    p.add_argument("--model", choices=("mlp", "transformer"))
+    p.add_argument("--param-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
+    p.add_argument("--reduce-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
+    p.add_argument("--output-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
+    p.add_argument("--seed", type=int, help="the case's seed (initial values and dropout masks)")
+    p.add_argument("--data-seed", type=int, help="the seed of the generated batches")
+    p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
+
+
+def case_from_args(args: argparse.Namespace) -> Case:
+    """The built-in default or --case, with the command-line overrides applied. Raises CaseError."""
+    from fsdp_verify.case import Case
+    from fsdp_verify.models import ModelSpec
+
+    case = Case.load(args.case) if args.case else Case()
+    changes: dict = {}
+    if args.engine:
+        changes["engine"] = args.engine
+    if args.world_size is not None:
+        changes["world_size"] = args.world_size
+        changes["mesh_shape"] = None
+    for name in ("steps", "seed", "data_seed"):
+        if getattr(args, name) is not None:
+            changes[name] = getattr(args, name)
+    if args.model and args.model != case.model.kind:
+        changes["model"] = ModelSpec(kind=args.model)
+        changes["wrap"] = None
+    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
+        if getattr(args, name):
+            changes[f"precision.{name}"] = getattr(args, name)
+    world = changes.get("world_size", case.world_size)
+    if args.batch_size is not None:
+        changes["data.batch_size"] = args.batch_size
+    elif not args.case and world is not None and isinstance(world, int) and world > 0:
+        per = world * case.microbatches
+        changes["data.batch_size"] = -(-case.data.batch_size // per) * per
+    return case.with_(**changes) if changes else case
+
+
+def load_case(path: Path, engine: str | None) -> Case:
+    """A case file with an optional engine override. Raises CaseError or OSError."""
+    from fsdp_verify.case import Case
+
+    case = Case.load(path)
+    return case.with_(engine=engine) if engine else case

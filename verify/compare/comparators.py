@@ -1,0 +1,248 @@
+"""Comparators: one per kind of record, each returning Findings with the measured deviation, the
+tolerance it was held to and why. See `verify/compare/tolerance.py` for how tolerances are derived."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.compare.tolerance import (
+    EXACT,
+    EXACT_MATCH,
+    Deviation,
+    Tolerance,
+    bound_tolerance,
+    calibrated_tolerance,
+    measure,
+    unit_roundoff,
+)
+from fsdp_verify.trace import PHASES, Key, Trace, sort_key
+
+Calibration = Callable[[], list[Trace]]
+
+
+class Comparator:
+    """Compares the records of one phase. Subclasses choose the tolerance."""
+
+    phase: str = ""
+    calibratable = True  # may fall back to a calibrated tolerance when the bound is exceeded
+
+    def tolerance(self, key: Key, ref: torch.Tensor, ctx: CompareContext) -> Tolerance:
+        return bound_tolerance(ref.dtype)
+
+    def compare(self, key: Key, ref: torch.Tensor, got: torch.Tensor, ctx: CompareContext) -> Finding:
+        step, phase, name = key
+        base = dict(step=step, phase=phase, name=name, comparator=type(self).__name__)
+        if tuple(ref.shape) != tuple(got.shape):
+            return Finding(
+                ok=False, kind="shape", message=f"shape {tuple(got.shape)}, expected {tuple(ref.shape)}", **base
+            )
+        if ref.dtype == got.dtype and torch.equal(ref, got):  # the common case: nothing to measure
+            return self._finding(base, True, EXACT_MATCH, self.tolerance(key, ref, ctx))
+        if got.is_floating_point() and not torch.isfinite(got).all() and torch.isfinite(ref).all():
+            return Finding(
+                ok=False, kind="nonfinite", message="non-finite values where the reference is finite", **base
+            )
+        dev = measure(ref, got)
+        tol = self.tolerance(key, ref, ctx)
+        ok = dev.normwise <= tol.limit
+        if not ok and self.calibratable and ctx.calibrate is not None:
+            tol = calibrated_tolerance(ref.dtype, ctx.noise(key))
+            ok = dev.normwise <= tol.limit
+        return self._finding(base, ok, dev, tol)
+
+    @staticmethod
+    def _finding(base: dict, ok: bool, dev: Deviation, tol: Tolerance) -> Finding:
+        return Finding(
+            ok=ok,
+            kind="deviation",
+            max_abs=dev.max_abs,
+            normwise=dev.normwise,
+            max_rel=dev.max_rel,
+            max_ulp=dev.max_ulp,
+            tolerance=tol.limit,
+            mode=tol.mode,
+            why=tol.why,
+            **base,
+        )
+
+
+class InitParamsComparator(Comparator):
+    """Initial parameters after sharding, gathered: bit-identical (a rank that initialised
+    differently, or a shard that holds the wrong slice, shows here)."""
+
+    phase = "init"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+
+class BuffersComparator(Comparator):
+    """Buffers (RoPE frequencies, norm statistics) on rank 0, at step 0 and after each step:
+    bit-identical, as both sides compute them by the same code from the same inputs."""
+
+    phase = "buffers"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+
+class LogitsComparator(Comparator):
+    phase = "logits"
+
+
+class LossComparator(Comparator):
+    phase = "loss"
+
+
+class GradsComparator(Comparator):
+    """Full gradients after reduction, before clipping."""
+
+    phase = "grads"
+
+
+class GradNormComparator(Comparator):
+    """The total norm clipping returned: must be the global one (seed 001: 14.283, not 10.63)."""
+
+    phase = "grad_norm"
+
+
+class ParamsComparator(Comparator):
+    """Parameters after the optimizer step."""
+
+    phase = "params"
+
+
+class OptimStateComparator(Comparator):
+    phase = "optim_state"
+
+
+class ParamSumsComparator(Comparator):
+    """float64 sums from the local shards. A sum of n values may move by the sum of their
+    allowed moves: n * (the parameter's tolerance) * max|p|, plus float64 reassociation
+    (n * 2**-53 * sum|p|, generous for a pairwise sum). `__total__` sums that over every parameter
+    the module exposes, so a parameter held twice doubles it (seed 004, finding 4)."""
+
+    phase = "param_sums"
+
+    calibratable = False
+
+    def compare(self, key, ref, got, ctx):
+        step, phase, name = key
+        base = dict(step=step, phase=phase, name=name, comparator=type(self).__name__)
+        params_phase = "init" if step == 0 else "params"
+        names = ctx.names(step, params_phase)
+        if name != "__total__":
+            names = [name] if name in names else []
+        allowed = 0.0
+        for n in names:
+            p = ctx.ref.records[(step, params_phase, n)].double()
+            moves = ctx.limit_of((step, params_phase, n)) * p.abs().max().item()
+            allowed += p.numel() * moves + p.numel() * unit_roundoff(torch.float64) * p.abs().sum().item()
+        dev = measure(ref, got)
+        scale = abs(ref.item())
+        # Relative to the sum when it is not zero, absolute otherwise.
+        normwise, limit = (dev.max_abs / scale, allowed / scale) if scale > 0 else (dev.max_abs, allowed)
+        dev = Deviation(dev.max_abs, normwise, dev.max_rel, dev.max_ulp, dev.scale)
+        tol = Tolerance("bound", limit, "n x the parameters' own tolerance + float64 reassociation")
+        return self._finding(base, normwise <= limit, dev, tol)
+
+
+COMPARATORS: dict[str, Comparator] = {
+    c.phase: c()
+    for c in (
+        InitParamsComparator,
+        BuffersComparator,
+        LogitsComparator,
+        LossComparator,
+        GradsComparator,
+        GradNormComparator,
+        ParamsComparator,
+        ParamSumsComparator,
+        OptimStateComparator,
+    )
+}
+assert set(COMPARATORS) <= set(PHASES)
+
+
+class CompareContext:
+    """What comparators may consult: the reference trace, the limits already decided, and
+    (lazily) the calibration noise of each record."""
+
+    def __init__(self, ref: Trace, calibrate: Calibration | None):
+        self.ref = ref
+        self.calibrate = calibrate
+        self._noise: dict[tuple[int, str], float] | None = None
+        self._names: dict[tuple[int, str], list[str]] | None = None
+        self.limits: dict[Key, float] = {}
+
+    def noise(self, key: Key) -> float:
+        """Calibration noise of a record, pooled over its step and phase: every record of one
+        phase at one step went through the same perturbations (reassociated sums a step earlier,
+        then bf16 rounding flips), so the largest deviation any of them showed in a calibration
+        run is a sample of what each may show; one record's own two samples are too few (a
+        reversed order can happen to round the same way). The loss is a function of the logits,
+        so it is pooled with them."""
+        if self._noise is None:
+            self._noise = {}
+            for other in self.calibrate():
+                for k, ref in self.ref.records.items():
+                    if k in other.records and other.records[k].shape == ref.shape:
+                        pool = (k[0], "logits" if k[1] == "loss" else k[1])
+                        dev = measure(ref, other.records[k]).normwise
+                        self._noise[pool] = max(self._noise.get(pool, 0.0), dev)
+        step, phase, _ = key
+        return self._noise.get((step, "logits" if phase == "loss" else phase), 0.0)
+
+    def names(self, step: int, phase: str) -> list[str]:
+        """Record names of one step and phase of the reference, indexed once."""
+        if self._names is None:
+            self._names = {}
+            for s, p, n in self.ref.records:
+                self._names.setdefault((s, p), []).append(n)
+        return self._names.get((step, phase), [])
+
+    def limit_of(self, key: Key) -> float:
+        return self.limits.get(key, 0.0)
+
+
+def compare_traces(ref: Trace, got: Trace, calibrate: Calibration | None = None) -> list[Finding]:
+    """Every record of the reference against the sharded one, in execution order, plus records
+    the sharded side has and the reference does not."""
+    ctx = CompareContext(ref, calibrate)
+    findings: list[Finding] = []
+    for key in ref.keys_sorted():
+        step, phase, name = key
+        comparator = COMPARATORS.get(phase)
+        if comparator is None:
+            continue  # a record only a check reads
+        if key not in got.records:
+            findings.append(
+                Finding(
+                    step, phase, name, False, "missing", type(comparator).__name__, "the sharded run has no such record"
+                )
+            )
+            continue
+        finding = comparator.compare(key, ref.records[key], got.records[key], ctx)
+        ctx.limits[key] = finding.tolerance
+        findings.append(finding)
+    for key in sorted(set(got.records) - set(ref.records), key=sort_key):
+        step, phase, name = key
+        findings.append(
+            Finding(
+                step,
+                phase,
+                name,
+                False,
+                "unexpected",
+                type(COMPARATORS[phase]).__name__,
+                "the reference has no such record",
+            )
+        )
+    return findings

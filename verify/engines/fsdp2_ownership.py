@@ -1,0 +1,76 @@
+"""FSDP2's ownership map, read from the `fully_shard` state of every FSDPModule.
+
+Each FSDPModule holds param groups of FSDPParams; an FSDPParam knows the module and attribute it
+was registered on (plus any modules sharing it: tied weights), its original size and its padded
+local shard. The shard unit of a parameter is the FQN of the module `fully_shard` was called on.
+A parameter of the returned module that no FSDPParam holds is unmanaged (FSDP2 would leave it
+replicated and unsynchronised). Local sizes differ per rank, so reading the map is a collective.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
+
+
+def _param_groups(state) -> list:
+    groups = getattr(state, "_fsdp_param_groups", None)  # torch >= 2.10: several per module
+    if groups is None:
+        group = getattr(state, "_fsdp_param_group", None)
+        groups = [group] if group is not None else []
+    return list(groups)
+
+
+def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[int, ...], int, int]], list[str]]:
+    """This rank's view: {fqn: (units, shape, local numel, padding)} and unmanaged FQNs."""
+    module_fqn = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    held: dict[str, tuple[list[str], tuple[int, ...], int, int]] = {}
+    owned_ids: set[int] = set()
+    for unit_name, unit in root.named_modules():
+        if not isinstance(unit, FSDPModule):
+            continue
+        for group in _param_groups(unit._get_fsdp_state()):
+            for fp in group.fsdp_params:
+                info = fp._module_info
+                prefix = module_fqn.get(id(info.module), "?")
+                fqn = f"{prefix}.{info.param_name}" if prefix else info.param_name
+                local = fp.sharded_param.to_local().numel()
+                padding = math.prod(fp.padded_sharded_param_size) - local
+                units, shape, _, _ = held.get(fqn, ([], tuple(fp._orig_size), 0, 0))
+                held[fqn] = (units + [unit_name], shape, local, padding)
+                owned_ids.add(id(fp.sharded_param))
+    unmanaged = [n for n, p in root.named_parameters() if id(p) not in owned_ids]
+    return held, unmanaged
+
+
+def fsdp2_ownership(root: nn.Module) -> OwnershipMap | None:
+    """None when the module has no FSDP2 state at all (not an FSDP2 engine). Collective."""
+    has_fsdp = any(isinstance(m, FSDPModule) for m in root.modules())
+    held, unmanaged = _local_holdings(root) if has_fsdp else ({}, [])
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank: list = [None] * world
+    if world > 1:
+        dist.all_gather_object(per_rank, (has_fsdp, held))
+    else:
+        per_rank = [(has_fsdp, held)]
+    if not any(h for h, _ in per_rank):
+        return None
+    names = list(held)
+    for _, other in per_rank:
+        names += [n for n in other if n not in names]
+    params: dict[str, ParamOwnership] = {}
+    for name in names:
+        mine = next(other[name] for _, other in per_rank if name in other)
+        params[name] = ParamOwnership(
+            fqn=name,
+            units=tuple(mine[0]),
+            shape=mine[1],
+            local_numel=tuple(other[name][2] if name in other else 0 for _, other in per_rank),
+            padding=tuple(other[name][3] if name in other else 0 for _, other in per_rank),
+        )
+    return OwnershipMap(params=params, unmanaged=tuple(unmanaged))

@@ -1,0 +1,139 @@
+"""The sharded side of a comparison: the toolkit's training loop around an engine, on one rank.
+
+Runs identically in a pool worker and in place under torchrun. Every rank takes part in every
+gather; rank 0 alone keeps the Trace. `phase` is called before each stage so that a crash or hang
+can be reported by rank and phase.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_verify.case import Case
+from fsdp_verify.engines import ShardSpec, resolve_engine
+from fsdp_verify.engines.view import EngineView, view_of
+from fsdp_verify.models import build_model
+from fsdp_verify.probes import PROBES
+from fsdp_verify.trace import Trace
+from fsdp_verify.training.data import global_batch, microbatch_slices
+from fsdp_verify.training.loss import loss_fn
+from fsdp_verify.training.optim import make_optimizer, optimizer_state
+from fsdp_verify.training.rng import dropout_seed
+
+
+@dataclass
+class RankContext:
+    rank: int
+    world_size: int
+    device: torch.device
+    mesh: DeviceMesh
+    phase: Callable[[str], None] = lambda _p: None
+
+
+def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
+    trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
+    probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
+    ctx.phase("build model")
+    model = build_model(case.model, case.seed, case.init, device=ctx.device)
+    for probe in probes:
+        probe.after_build(model)
+    ctx.phase("shard (engine)")
+    engine = resolve_engine(case.engine)
+    sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
+    view = view_of(sharded)
+    params = view.parameters()
+    optimizer = make_optimizer(case.optim, params.values())
+    ctx.phase("probes after sharding")
+    for probe in probes:
+        probe.after_shard(sharded, view)
+    for probe in probes:
+        probe.after_optimizer(optimizer, view)
+
+    ctx.phase("step 0 gather initial params")
+    _record_params(trace, 0, view, initial=True)
+    torch.manual_seed(dropout_seed(case, ctx.rank))
+    dtypes: dict[str, str] = {}
+    for step in range(1, case.steps + 1):
+        inputs, targets = global_batch(case, step)
+        logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
+        slices = microbatch_slices(case, ctx.rank)
+        for m, index in enumerate(slices):
+            if not case.sync_every_microbatch:
+                view.set_requires_gradient_sync(m == len(slices) - 1)
+            ctx.phase(f"step {step} forward (micro-batch {m})")
+            for probe in probes:
+                probe.before_forward(step, m)
+            out = sharded(inputs[index].to(ctx.device))
+            for probe in probes:
+                probe.after_forward(step, m, out)
+            loss = loss_fn(case.model, out, targets[index].to(ctx.device)) / case.microbatches
+            ctx.phase(f"step {step} backward (micro-batch {m})")
+            loss.backward()
+            for probe in probes:
+                probe.after_backward(step, m)
+            logits.append(out.detach())
+            local_loss += loss.detach().float()
+        dtypes["logits"] = str(out.dtype)
+
+        ctx.phase(f"step {step} gather logits and loss")
+        _add(trace, step, "logits", "logits", _all_gather_rows(torch.cat(logits)))
+        dist.all_reduce(local_loss)
+        _add(trace, step, "loss", "loss", local_loss / ctx.world_size)
+
+        ctx.phase(f"step {step} gather gradients")
+        for name, whole in view.full_grads().items():
+            dtypes["grads"] = str(whole.dtype)
+            _add(trace, step, "grads", name, whole)
+        if case.clip_norm is not None:
+            ctx.phase(f"step {step} clip gradients")
+            _add(trace, step, "grad_norm", "total_norm", view.clip_grad_norm_(case.clip_norm))
+        ctx.phase(f"step {step} optimizer step")
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        ctx.phase(f"step {step} gather params and optimizer state")
+        _record_params(trace, step, view)
+        for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
+            _add(trace, step, "optim_state", key, whole)
+        ctx.phase(f"step {step} probes after the step")
+        for probe in probes:
+            probe.after_step(step)
+    for probe in probes:
+        probe.finish()
+    ctx.phase("done")
+    if trace is not None:
+        trace.meta["dtypes"] = dtypes
+    return trace
+
+
+def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Tensor) -> None:
+    if trace is not None:
+        trace.add(step, phase, name, value)
+
+
+def _record_params(trace: Trace | None, step: int, view: EngineView, initial: bool = False) -> None:
+    """Full params, and per-param sums computed from the local shards (sum of each shard, then
+    reduced): a second path that sees padding leaking into shards or a parameter held twice."""
+    sums = view.param_sums()
+    for name, whole in view.full_params().items():
+        _add(trace, step, "init" if initial else "params", name, whole)
+    for name, s in sums.items():
+        _add(trace, step, "param_sums", name, s)
+    total = torch.stack(list(sums.values())).sum() if sums else torch.zeros((), dtype=torch.float64)
+    _add(trace, step, "param_sums", "__total__", total)
+
+
+def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
+    """Concatenate every rank's rows in rank order (= global sample order). Sent as fp32, which
+    holds bf16 and fp16 values exactly, since not every backend reduces low-precision types."""
+    world = dist.get_world_size()
+    if world == 1:
+        return local
+    wide = local.to(torch.float32)
+    parts = [torch.empty_like(wide) for _ in range(world)]
+    dist.all_gather(parts, wide)
+    return torch.cat(parts).to(local.dtype)

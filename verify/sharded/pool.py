@@ -1,0 +1,260 @@
+"""A pool of `world_size` long-lived rank processes that run case after case.
+
+Starting torch costs seconds, a tiny case milliseconds, so workers stay alive. A case that
+crashes a rank, raises, or hangs past its timeout ends in a `RankFailure` naming the rank and the
+phase it was in; the pool then kills every worker (no process left behind) and starts afresh on
+the next case. Each pool rendezvous through a FileStore in its own temp dir: no fixed ports and no
+shared files, so pools of different pytest-xdist workers never meet.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
+from pathlib import Path
+
+from fsdp_verify.case import Case
+from fsdp_verify.sharded.devices import pool_env
+from fsdp_verify.sharded.worker import PhaseBoard
+from fsdp_verify.trace import Trace
+
+DEFAULT_TIMEOUT_S = 120.0
+
+
+@dataclass
+class RankFailure(Exception):
+    """A rank crashed, raised, or hung. `rank` is the one to blame, `phase` where it was."""
+
+    kind: str  # "crash" | "error" | "hang" | "start"
+    rank: int
+    phase: str
+    detail: str
+    phases: dict[int, str] = field(default_factory=dict)
+
+    def __str__(self) -> str:
+        others = ", ".join(f"rank {r}: {p!r}" for r, p in sorted(self.phases.items()) if r != self.rank)
+        tail = f" (others: {others})" if others else ""
+        return f"rank {self.rank} {self.kind} in phase {self.phase!r}: {self.detail}{tail}"
+
+
+class RankPool:
+    def __init__(self, world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S, start_timeout_s: float = 300.0):
+        self.world_size = world_size
+        self.timeout_s = timeout_s
+        self.start_timeout_s = start_timeout_s
+        self._procs: list[subprocess.Popen] = []
+        self._to: list[Connection] = []  # parent -> rank
+        self._from: list[Connection] = []  # rank -> parent; EOF when the rank dies
+        self._board: PhaseBoard | None = None
+        self._dir: Path | None = None
+        self.starts = 0  # how many times processes were spawned (1 = never recovered)
+
+    # ---- lifecycle ----------------------------------------------------------------------------
+    @property
+    def alive(self) -> bool:
+        return bool(self._procs) and all(p.poll() is None for p in self._procs)
+
+    def start(self) -> None:
+        """Spawn the ranks as `python -m fsdp_verify.sharded.worker` children talking over two pipes each: no
+        re-import of the caller's __main__, nothing inherited but the pipes."""
+        self.close()
+        self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-"))
+        self._board = PhaseBoard(str(self._dir / "phases"), self.world_size, create=True)
+        pg_timeout = max(self.timeout_s * 4, 60.0)  # the process group's own timeout acts after ours
+        env = {
+            **os.environ,
+            "PYTHONPATH": _import_path(),
+            **pool_env(
+                self.world_size
+            ),  # this xdist worker's own GPUs when CUDA is present (verify/sharded/devices.py)
+        }
+        for rank in range(self.world_size):
+            down_r, down_w = os.pipe()
+            up_r, up_w = os.pipe()
+            cmd = [sys.executable, "-m", "fsdp_verify.sharded.worker", str(rank), str(self.world_size), str(self._dir)]
+            cmd += [str(down_r), str(up_w), str(pg_timeout)]
+            proc = subprocess.Popen(cmd, pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+            os.close(down_r)
+            os.close(up_w)
+            self._procs.append(proc)
+            self._to.append(Connection(down_w, readable=False))
+            self._from.append(Connection(up_r, writable=False))
+        self.starts += 1
+        self._collect("start", self.start_timeout_s)
+
+    def close(self) -> None:
+        """Stop every worker: politely if idle, by SIGKILL otherwise. Leaves no process behind."""
+        for conn in self._to:
+            with contextlib.suppress(OSError, ValueError):
+                conn.send(("stop",))
+        deadline = time.monotonic() + 2.0
+        for p in self._procs:
+            try:
+                p.wait(max(0.01, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5.0)
+        for conn in self._to + self._from:
+            conn.close()
+        self._procs, self._to, self._from = [], [], []
+        if self._board is not None:
+            self._board.close()
+            self._board = None
+        if self._dir is not None:
+            shutil.rmtree(self._dir, ignore_errors=True)
+            self._dir = None
+
+    def __enter__(self) -> RankPool:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs]
+
+    # ---- running cases ------------------------------------------------------------------------
+    def submit(self, case: Case) -> None:
+        """Send a case to every rank; collect the result with `result()`. The caller may compute
+        (e.g. the reference run) in between."""
+        if case.world_size != self.world_size:
+            raise ValueError(f"case world_size={case.world_size} but the pool has {self.world_size} ranks")
+        if not self.alive:
+            self.start()
+        text = case.to_json()
+        for conn in self._to:
+            conn.send(("run", text))
+
+    def result(self, timeout_s: float | None = None) -> Trace:
+        replies = self._collect("run", timeout_s or self.timeout_s)
+        return Trace.from_bytes(replies[0])
+
+    def run(self, case: Case, timeout_s: float | None = None) -> Trace:
+        self.submit(case)
+        return self.result(timeout_s)
+
+    # ---- internals ----------------------------------------------------------------------------
+    def _phases(self) -> dict[int, str]:
+        return {r: self._board.read(r) for r in range(self.world_size)} if self._board else {}
+
+    def _collect(self, what: str, timeout_s: float) -> dict[int, object]:
+        """One reply from every rank, or a RankFailure (after which the pool is closed)."""
+        replies: dict[int, object] = {}
+        pending = set(range(self.world_size))
+        deadline = time.monotonic() + timeout_s
+        try:
+            while pending:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    raise self._hang(pending, timeout_s)
+                by_conn = {self._from[r]: r for r in pending}
+                for conn in wait(list(by_conn), timeout=remaining):
+                    rank = by_conn[conn]
+                    try:
+                        message = conn.recv()
+                    except (EOFError, OSError):
+                        raise self._crash(rank, what) from None
+                    if message[0] == "error":
+                        _, phase, detail, tb = message
+                        dead = self._dead_peer(pending - {rank}) if "torch/distributed" in tb else None
+                        if dead is not None:  # the root cause: the error was its peers' collective failing
+                            raise self._crash(dead, what) from None
+                        raise RankFailure("error", rank, phase, f"{detail}\n{tb}", self._phases())
+                    replies[rank] = message[1]
+                    pending.discard(rank)
+        except RankFailure:
+            self.close()  # the process group is unusable after a failure; start afresh next case
+            raise
+        return replies
+
+    def _dead_peer(self, ranks: set[int], grace_s: float = 2.0) -> int | None:
+        """A rank among `ranks` whose process has exited, waiting up to `grace_s` for one. A rank
+        that failed inside a collective is often the victim of a peer that just died (gloo:
+        "Connection closed by peer"); its error can reach us before the dead rank's pipe closes."""
+        deadline = time.monotonic() + grace_s
+        while True:
+            for r in sorted(ranks):
+                if self._procs[r].poll() is not None:
+                    return r
+            if time.monotonic() >= deadline:
+                return None
+            time.sleep(0.05)
+
+    def _crash(self, rank: int, what: str) -> RankFailure:
+        proc = self._procs[rank]
+        try:
+            code = proc.wait(2.0)
+        except subprocess.TimeoutExpired:
+            code = None
+        how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        return RankFailure(
+            "crash" if what == "run" else "start", rank, self._board.read(rank), f"process {how}", self._phases()
+        )
+
+    def _hang(self, pending: set[int], timeout_s: float) -> RankFailure:
+        """Which rank hung? Dump every pending rank's Python stack: a rank that is not inside a
+        torch.distributed call is the one holding the others up. Else blame ranks by phase."""
+        phases = self._phases()
+        stacks = self._dump_stacks(pending)
+        outside = [r for r in sorted(pending) if stacks.get(r) and "torch/distributed" not in stacks[r]]
+        culprit = outside[0] if outside else sorted(pending)[0]
+        if not outside and len({phases[r] for r in pending}) > 1:
+            # All wait in collectives but at different places: the odd one out skipped or added one.
+            counts: dict[str, list[int]] = {}
+            for r in sorted(pending):
+                counts.setdefault(phases[r], []).append(r)
+            culprit = min(counts.values(), key=len)[0]
+        where = stacks.get(culprit, "").strip().splitlines()
+        top = where[1].strip() if len(where) > 1 else "no stack"
+        detail = f"no progress for {timeout_s:.0f} s (hang); innermost frame: {top}"
+        return RankFailure("hang", culprit, phases[culprit], detail, phases)
+
+    def _dump_stacks(self, ranks: set[int]) -> dict[int, str]:
+        if self._dir is None:
+            return {}
+        for r in ranks:
+            if self._procs[r].poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(self._procs[r].pid, signal.SIGUSR1)
+        time.sleep(0.5)
+        out = {}
+        for r in ranks:
+            path = self._dir / f"stack-{r}.txt"
+            out[r] = path.read_text(errors="replace") if path.exists() else ""
+        return out
+
+
+# ---- one pool per world size per process (a pytest-xdist worker is a process) ---------------------
+_POOLS: dict[int, RankPool] = {}
+
+
+def get_pool(world_size: int, timeout_s: float = DEFAULT_TIMEOUT_S) -> RankPool:
+    pool = _POOLS.get(world_size)
+    if pool is None:
+        pool = _POOLS[world_size] = RankPool(world_size, timeout_s)
+    pool.timeout_s = timeout_s
+    return pool
+
+
+@atexit.register
+def close_all_pools() -> None:
+    for pool in _POOLS.values():
+        pool.close()
+    _POOLS.clear()
+
+
+def _import_path() -> str:
+    """This process's sys.path, so a rank imports exactly what we import: the installed toolkit
+    (`fsdp_verify`, wherever pip put it) and a user's engine or model module found through the
+    working directory or a path pytest added."""
+    entries = [p or os.getcwd() for p in sys.path]
+    return os.pathsep.join(dict.fromkeys(entries))

@@ -1,0 +1,178 @@
+"""One rank's process: joins the process group once, then runs case after case.
+
+Started by the pool (`worker_main`) or, under torchrun, used in place (`init_in_place`). The
+process group and device meshes live as long as the process, so a tiny case costs milliseconds
+instead of the seconds it takes to start torch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import datetime
+import faulthandler
+import gc
+import mmap
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Iterator
+from multiprocessing.connection import Connection
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+from fsdp_verify.case import Case
+from fsdp_verify.sharded.loop import RankContext, run_sharded
+
+PHASE_BYTES = 96  # per-rank slot in the shared phase board
+
+
+class PhaseBoard:
+    """A small shared file (mmap) where each rank writes the phase it is in, so the pool can say
+    where a rank was when it hung or died."""
+
+    def __init__(self, path: str, world_size: int, rank: int | None = None, create: bool = False):
+        size = world_size * PHASE_BYTES
+        if create:
+            with open(path, "wb") as f:
+                f.write(b"\0" * size)
+        self._file = open(path, "r+b")  # noqa: SIM115 (lives as long as the board)
+        self._map = mmap.mmap(self._file.fileno(), size)
+        self.world_size, self.rank = world_size, rank
+
+    def __call__(self, phase: str) -> None:
+        start = self.rank * PHASE_BYTES
+        self._map[start : start + PHASE_BYTES] = phase.encode()[: PHASE_BYTES - 1].ljust(PHASE_BYTES, b"\0")
+
+    def read(self, rank: int) -> str:
+        start = rank * PHASE_BYTES
+        return self._map[start : start + PHASE_BYTES].split(b"\0", 1)[0].decode(errors="replace")
+
+    def close(self) -> None:
+        self._map.close()
+        self._file.close()
+
+
+def device_for(local_rank: int) -> tuple[torch.device, str]:
+    """One GPU per rank with NCCL when CUDA is there; else CPU with gloo. (CUDA path: untested here.)"""
+    if torch.cuda.is_available() and os.environ.get("FSDP_VERIFY_DEVICE", "") != "cpu":
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank), "nccl"
+    return torch.device("cpu"), "gloo"
+
+
+class MeshCache:
+    """Device meshes by shape; a new 2-D mesh makes new process groups, so make each once."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+        self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
+
+    def get(self, shape: tuple[int, ...]) -> DeviceMesh:
+        if shape not in self._meshes:
+            names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._meshes[shape]
+
+
+def _die_with_parent() -> None:
+    """A worker must never outlive the process that started it."""
+    with contextlib.suppress(OSError, AttributeError):  # Linux: the kernel kills us with the parent
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    parent = os.getppid()
+
+    def watch() -> None:
+        while True:
+            time.sleep(1.0)
+            if os.getppid() != parent:
+                os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+@contextlib.contextmanager
+def groups_released() -> Iterator[None]:
+    """Destroys the process groups made while a case ran. FSDP2 builds a new DeviceMesh, so new
+    groups, in every `fully_shard` call with an int `reshard_after_forward`; a gloo group holds
+    threads and sockets until its last reference goes, and a worker runs thousands of cases (a
+    nightly sweep's world-size-4 ranks had grown to 1,500 threads each, most CPU time then went
+    to the kernel). DTensor's sharding caches hold the case's meshes too: they are cleared, which
+    also keeps a later mesh that compares equal from meeting a destroyed group there. Cases that
+    make no group (the common ones) pay nothing."""
+    before = set(dist.distributed_c10d._world.pg_map)
+    try:
+        yield
+    finally:
+        made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
+        for group in made:
+            with contextlib.suppress(Exception):  # a group a crashed case left mid-collective
+                dist.destroy_process_group(group)
+        if made:
+            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+            _clear_sharding_prop_cache()
+            clear_redistribute_planner_cache()
+            gc.collect()  # the FSDP state that holds the groups sits in reference cycles
+
+
+def run_case(
+    case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
+) -> bytes | None:
+    case = Case.from_json(case_json)
+    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=board)
+    with groups_released():
+        trace = run_sharded(case, ctx)
+    return trace.to_bytes() if trace is not None else None
+
+
+def worker_main(
+    rank: int, world_size: int, pool_dir: str, conn_in: Connection, conn_out: Connection, pg_timeout_s: float
+) -> None:
+    _die_with_parent()
+    torch.set_num_threads(1)  # world_size processes share the machine's cores
+    # On SIGUSR1 the pool asks for our Python stack, to tell a hung rank from one waiting on it.
+    stack_file = open(os.path.join(pool_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
+    faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    board = PhaseBoard(os.path.join(pool_dir, "phases"), world_size, rank)
+    board("joining process group")
+    device, backend = device_for(rank)
+    store = dist.FileStore(os.path.join(pool_dir, "store"), world_size)
+    dist.init_process_group(
+        backend, store=store, rank=rank, world_size=world_size, timeout=datetime.timedelta(seconds=pg_timeout_s)
+    )
+    meshes = MeshCache(device.type)
+    board("idle")
+    conn_out.send(("ready", None))
+    while True:
+        try:
+            message = conn_in.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] == "stop":
+            break
+        _, case_json = message
+        try:
+            blob = run_case(case_json, rank, world_size, device, meshes, board)
+            board("idle")
+            conn_out.send(("ok", blob))
+        except BaseException as e:  # report and stay alive; the pool decides whether to restart
+            conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
+    dist.destroy_process_group()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """`python -m fsdp_verify.sharded.worker RANK WORLD_SIZE POOL_DIR FD_IN FD_OUT PG_TIMEOUT`, started by the pool."""
+    rank, world_size, pool_dir, fd_in, fd_out, pg_timeout = (argv or sys.argv[1:])[:6]
+    conn_in = Connection(int(fd_in), writable=False)
+    conn_out = Connection(int(fd_out), readable=False)
+    worker_main(int(rank), int(world_size), pool_dir, conn_in, conn_out, float(pg_timeout))
+
+
+if __name__ == "__main__":
+    main()

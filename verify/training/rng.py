@@ -1,0 +1,22 @@
+"""Random streams: which seed drives what, identically on the reference and the sharded side."""
+
+from __future__ import annotations
+
+import hashlib
+
+import torch
+
+from fsdp_verify.case import Case
+
+
+def dropout_seed(case: Case, rank: int) -> int:
+    """Seed of data-parallel rank `rank`'s global generator (dropout masks). Distinct per rank:
+    ranks that share a dropout mask are a bug the toolkit must see."""
+    return (case.seed * 7919 + 104729 * (rank + 1)) % (2**63)
+
+
+def rng_fingerprint(state: torch.Tensor) -> int:
+    """A 63-bit hash of a generator state (`torch.get_rng_state()`), for the trace: two runs
+    that draw the same stream have the same fingerprints at the same points."""
+    digest = hashlib.sha256(state.contiguous().view(torch.uint8).numpy().tobytes()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1

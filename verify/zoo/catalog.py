@@ -1,0 +1,198 @@
+"""The bug zoo: injected bugs the toolkit must catch, each a small mutation of a correct FSDP2 run
+(verify/zoo/mutants.py) drawn from a real report or seed document. `fsdp-verify selftest` draws
+cases for each from its pinned strategy and counts how many it takes to catch it.
+
+Pins narrow `fsdp_verify.properties.strategies.cases` to the cases where the bug can show at all (sync only
+on the last micro-batch for a bug in that path, clipping on for a clipping bug, two ranks or more
+for a reduction bug), never to the cases where it happens to show. Even so, not every case can
+expose every bug (a rank that re-initialises but holds no element of any parameter, as when all
+widths are 1, changes nothing), which is why the self-test counts the cases it took. Most bugs
+are drawn on MLPs only, to keep an example cheap; the tied-weight bug needs the Transformer.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from hypothesis import strategies as st
+
+MULTI_RANK = (2, 3, 4)
+
+
+@dataclass(frozen=True)
+class ZooBug:
+    name: str
+    engine: str  # "fsdp_verify.zoo.mutants:NAME"
+    description: str
+    source: str  # the real report or seed it comes from
+    catchers: tuple[str, ...]  # phases (or check comparators) expected to catch it
+    world_sizes: tuple[int, ...] = MULTI_RANK
+    precisions: tuple[str, ...] = ("fp32", "bf16")
+    model_kinds: tuple[str, ...] = ("mlp",)
+    pins: dict[str, Any] = field(default_factory=dict)
+
+    def strategy(self, world_sizes: tuple[int, ...] | None = None):
+        """The pinned case strategy; `world_sizes` narrows the bug's own (e.g. to 2 in CI)."""
+        from fsdp_verify.properties.strategies import cases
+
+        sizes = tuple(w for w in self.world_sizes if world_sizes is None or w in world_sizes)
+        if not sizes:
+            raise ValueError(f"{self.name}: none of world sizes {world_sizes} can show it (needs {self.world_sizes})")
+        return cases(
+            engine=self.engine,
+            world_sizes=sizes,
+            precisions=self.precisions,
+            model_kinds=self.model_kinds,
+            **self.pins,
+        )
+
+
+def _mutant(name: str) -> str:
+    return f"fsdp_verify.zoo.mutants:{name}"
+
+
+_MICROBATCHES = st.integers(2, 3)
+# One case per example costs ~0.2-1 s; keep the zoo's cases at the cheap end.
+_CHEAP = {"steps": st.integers(1, 2)}
+
+ZOO: list[ZooBug] = [
+    ZooBug(
+        "grads_divided_twice",
+        _mutant("grads_divided_twice"),
+        "gradients averaged over ranks, then divided by the world size once more",
+        "a manual `/ world_size` on top of ReduceOp.AVG (DDP/FSDP migration reports)",
+        ("grads",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "grads_not_averaged",
+        _mutant("grads_not_averaged"),
+        "gradients summed over ranks, never divided by the world size",
+        "gradient divide factor 1 / SUM reduce op (FSDP2 set_gradient_divide_factor misuse)",
+        ("grads",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "reduce_in_bf16",
+        _mutant("reduce_in_bf16"),
+        "reduce_dtype dropped: gradients reduce-scattered in bf16 although the policy says fp32",
+        "seed 000: MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32); bf16 reductions lose"
+        " the small contributions (1e7 + 1 - 1e7 + 1)",
+        ("precision", "grads"),
+        precisions=("bf16",),
+        pins={**_CHEAP, "precision.reduce_dtype": "float32", "data.kind": "cancellation"},
+    ),
+    ZooBug(
+        "param_dtype_ignored",
+        _mutant("param_dtype_ignored"),
+        "param_dtype dropped: forward and backward run in fp32 although the policy says bf16",
+        "seed 000: unsharded params in param_dtype; a policy that never reaches fully_shard",
+        ("precision", "logits", "loss"),
+        world_sizes=(1, 2, 3, 4),
+        precisions=("bf16",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "master_weights_in_bf16",
+        _mutant("master_weights_in_bf16"),
+        "the model cast to bf16 before sharding: master weights, gradients and optimizer state in bf16",
+        "seed 000/001: sharded master weights stay fp32; `model.to(torch.bfloat16)` before fully_shard",
+        ("precision",),
+        world_sizes=(1, 2, 3, 4),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "microbatch_accumulation_overwrites",
+        _mutant("microbatch_accumulation_overwrites"),
+        "each micro-batch's gradient replaces the accumulated one instead of adding to it",
+        "`grad = new` for `grad += new` / zero_grad inside the accumulation loop (seed 000's"
+        " loss * dp_size / global_batch_size accumulation)",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "microbatches": _MICROBATCHES, "sync_every_microbatch": True},
+    ),
+    ZooBug(
+        "grad_sync_off_on_last_microbatch",
+        _mutant("grad_sync_off_on_last_microbatch"),
+        "accumulating without communication, gradient sync is never turned back on for the last"
+        " micro-batch: nothing is reduced",
+        "seed 000: local accumulation in bf16, reduce-scatter on the last micro-batch only"
+        " (`no_sync` wrapping the final backward)",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "microbatches": _MICROBATCHES, "sync_every_microbatch": False},
+    ),
+    ZooBug(
+        "clip_with_local_norm",
+        _mutant("clip_with_local_norm"),
+        "gradients clipped by each rank's local norm, not the global one",
+        "seed 001: local norms 2.236, 5, 7.81, 10.63; the global norm is 14.283, not 10.63",
+        ("grad_norm",),
+        pins={**_CHEAP, "clip_norm": st.sampled_from((1e-3, 1e-2))},
+    ),
+    ZooBug(
+        "rank1_different_init",
+        _mutant("rank1_different_init"),
+        "rank 1 initialises its parameters differently and nothing synchronises them",
+        "seed 004: CPU vs CUDA generators, trunc_normal_ draws, meta-device init consuming RNG",
+        ("init",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "tie_broken_by_sharding",
+        _mutant("tie_broken_by_sharding"),
+        "the output head tied to the embedding gets its own copy when sharding; they train apart",
+        "seed 003: shared params must sit in one FSDP unit; tied embeddings untied by re-registration",
+        ("ownership", "init", "params", "grads", "param_sums"),
+        model_kinds=("transformer",),
+        pins={**_CHEAP, "model.tie_embeddings": True, "model.frozen": ()},
+    ),
+    ZooBug(
+        "frozen_params_move",
+        _mutant("frozen_params_move"),
+        "frozen (requires_grad=False) parameters get gradients and the optimizer moves them",
+        "FSDP1 use_orig_params=False flat parameters mixing frozen and trainable weights",
+        ("grads", "params"),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "model.frozen": ("layers.0.linear.weight",)},
+    ),
+    ZooBug(
+        "grad_sync_off_for_one_unit",
+        _mutant("grad_sync_off_for_one_unit"),
+        "gradient sync left off for one shard unit (a `no_sync` that never ended)",
+        "FSDP no_sync / set_requires_gradient_sync misuse",
+        ("grads",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "inputs_cast_to_bf16",
+        _mutant("inputs_cast_to_bf16"),
+        "floating inputs rounded through bf16 although the policy is full precision",
+        "seed 000: autocast-style casts outside the policy",
+        ("logits",),
+        world_sizes=(1, 2, 3, 4),
+        precisions=("fp32",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "flat_nested_double_ownership",
+        _mutant("flat_nested_double_ownership"),
+        "the root's FlatParameter collects parameters(recurse=True): wrapped children's params held twice",
+        "seed 004, finding 4 (the parameter sum doubled after wrapping)",
+        ("ownership", "param_sums"),
+        world_sizes=(1, 2, 3, 4),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "flat_meta_init_consumes_rng",
+        _mutant("flat_meta_init_consumes_rng"),
+        "meta-device build that consumes random numbers before initialisation (RNG not restored)",
+        "seed 004, finding 3",
+        ("init",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "init": "meta"},
+    ),
+]
+
+BY_NAME = {bug.name: bug for bug in ZOO}

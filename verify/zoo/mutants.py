@@ -1,0 +1,251 @@
+"""Deliberately broken engines, written against the plug-in contract. Each is a small mutation
+of the correct FSDP2 engine modelled on a real bug report; the toolkit's own tests (and the
+self-test) require every one of them to be caught, by the right comparator, at the right place.
+Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+
+from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.engines.view import EngineView
+
+
+def _units(model: nn.Module) -> list[FSDPModule]:
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def grads_divided_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Averages over ranks, then divides by the world size once more (a manual `/ world_size`
+    on top of ReduceOp.AVG)."""
+    fully_shard_engine(model, mesh, spec)
+    world = mesh.size()
+    for unit in _units(model):
+        unit.set_all_reduce_hook(lambda t: t.div_(world))
+    return model
+
+
+def grad_sync_off_for_one_unit(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Leaves gradient sync off for the first wrapped module (a `no_sync` that never ended)."""
+    fully_shard_engine(model, mesh, spec)
+    model.get_submodule(spec.wrap[0]).set_requires_gradient_sync(False, recurse=False)
+    return model
+
+
+def rank1_different_init(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Rank 1 re-initialises before sharding and nothing syncs module states (no broadcast from
+    rank 0), so its shards hold other values."""
+    if dist.get_rank() == 1:
+        generator = torch.Generator().manual_seed(12345)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0.0, 0.02, generator=generator)
+    return fully_shard_engine(model, mesh, spec)
+
+
+def inputs_cast_to_bf16(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Casts floating inputs to bf16 (and back) although the policy is full precision."""
+
+    def cast(_module, args):
+        return tuple(a.to(torch.bfloat16).to(a.dtype) if torch.is_floating_point(a) else a for a in args)
+
+    model.register_forward_pre_hook(cast)
+    return fully_shard_engine(model, mesh, spec)
+
+
+def master_weights_in_bf16(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`model.to(torch.bfloat16)` before sharding: the sharded master weights, their gradients and
+    the optimizer state all become bf16 (seed 000/001: master weights must stay fp32)."""
+    return fully_shard_engine(model.to(torch.bfloat16), mesh, spec)
+
+
+def grads_not_averaged(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Sums gradients over ranks instead of averaging them (a gradient divide factor of 1, as
+    when a custom reduce op or loss scaling forgets the `/ world_size`). SUM reduction is forced
+    because gloo has no PREMUL_SUM."""
+    fully_shard_engine(model, mesh, spec)
+    for unit in _units(model):
+        unit.set_force_sum_reduction_for_comms(True)
+        unit.set_gradient_divide_factor(1.0)
+    return model
+
+
+def _with_policy(spec: ShardSpec, **changes) -> ShardSpec:
+    policy = spec.mp_policy
+    fields = {f: getattr(policy, f) for f in ("param_dtype", "reduce_dtype", "output_dtype", "cast_forward_inputs")}
+    return replace(spec, mp_policy=MixedPrecisionPolicy(**{**fields, **changes}))
+
+
+def reduce_in_bf16(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Drops `reduce_dtype` when building the policy, so gradients are reduce-scattered in
+    `param_dtype` (bf16) although the case asks for fp32 (seed 000: bf16 reductions lose the small
+    contributions that survive cancellation)."""
+    return fully_shard_engine(model, mesh, _with_policy(spec, reduce_dtype=None))
+
+
+def param_dtype_ignored(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Drops `param_dtype`: forward and backward run in fp32 although the case asks for bf16 (the
+    numbers can be close enough to pass; the precision contract is not)."""
+    return fully_shard_engine(model, mesh, _with_policy(spec, param_dtype=None))
+
+
+def microbatch_accumulation_overwrites(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Every micro-batch's forward drops the gradient accumulated so far (a `zero_grad` inside
+    the accumulation loop; `grad = new` for `grad += new`): only the last micro-batch counts."""
+    fully_shard_engine(model, mesh, spec)
+    sharded = list(model.parameters())  # in forward, a unit's module holds unsharded params instead
+
+    def drop_grads(_module, _args):
+        for p in sharded:
+            p.grad = None
+
+    model.register_forward_pre_hook(drop_grads)
+    return model
+
+
+class _NoSyncView(EngineView):
+    def set_requires_gradient_sync(self, sync: bool) -> None:
+        self.module.set_requires_gradient_sync(False)
+
+
+def grad_sync_off_on_last_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Accumulating without communication, it never turns gradient sync back on for the last
+    micro-batch (a `no_sync` that also wraps the final backward): no gradient is ever reduced."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _NoSyncView(model)
+    return model
+
+
+class _LocalNormView(EngineView):
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        local = [p.grad.to_local() for p in self.parameters().values() if p.grad is not None]
+        return torch.nn.utils.clip_grad_norm_(local, max_norm)
+
+
+def clip_with_local_norm(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Clips each rank's shards by that rank's own norm (`clip_grad_norm_` on the local tensors),
+    not the global one (seed 001: local norms 2.236, 5, 7.81, 10.63; the global one is 14.283)."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _LocalNormView(model)
+    return model
+
+
+# ---- ownership, RNG and shared state (tests/test_ownership.py, test_rng.py, test_shared_state.py) ----
+def tie_broken_by_sharding(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Re-registers every module's parameters one by one before sharding with no memo of the
+    ones already seen (`for m in modules: setattr(m, n, Parameter(p.clone()))`): the output head
+    tied to the embedding gets its own copy, and the two train apart."""
+    seen: set[int] = set()
+    for module in model.modules():
+        for name, p in list(module.named_parameters(recurse=False)):
+            if id(p) in seen:
+                setattr(module, name, nn.Parameter(p.detach().clone(), requires_grad=p.requires_grad))
+            seen.add(id(p))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def frozen_params_move(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Loses `requires_grad=False` when sharding (a flat parameter that mixes frozen and trainable
+    weights and requires grad as a whole, FSDP1 `use_orig_params=False` style): frozen weights get
+    gradients and the optimizer moves them."""
+    fully_shard_engine(model, mesh, spec)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    return model
+
+
+def same_dropout_mask_on_every_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Seeds the global generator from the run's seed at every forward "for reproducibility",
+    without offsetting by rank: every rank draws the same dropout mask, so data-parallel ranks are
+    no longer independent samples."""
+    seed = spec.case.seed if spec.case is not None else 0
+
+    def reseed(_module, _args) -> None:
+        torch.manual_seed(seed)
+
+    model.register_forward_pre_hook(reseed)
+    return fully_shard_engine(model, mesh, spec)
+
+
+def buffer_uninitialised_off_rank0(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Materialises on every rank but initialises only on rank 0 and broadcasts the parameters
+    (sync_module_states-style): a non-persistent buffer (the Transformer's RoPE `freqs`) is neither
+    a parameter nor in the state dict, so ranks other than 0 keep uninitialised (here zeroed) memory."""
+    if dist.get_rank() != 0:
+        with torch.no_grad():
+            for b in model.buffers():
+                b.zero_()
+    return fully_shard_engine(model, mesh, spec)
+
+
+class _StaleView(EngineView):
+    def __init__(self, module: nn.Module, stale: dict[str, torch.Tensor]):
+        super().__init__(module)
+        self.stale = stale
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        return self.stale
+
+
+def stale_optimizer_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Hands the trainer the parameters it collected before `fully_shard` replaced them with
+    DTensors (an optimizer built from `model.parameters()` before sharding): the optimizer steps
+    tensors the sharded model no longer computes with, and training does nothing."""
+    stale = dict(model.named_parameters())
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _StaleView(model, stale)
+    return model
+
+
+def meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Re-initialises the way seed 004's engine did: seed the global generator, build the model on
+    the meta device, materialise, then draw every initial value from the global generator. The
+    meta build consumed random numbers (seed 004's model drew at construction; here one
+    `torch.rand`) and the generator state was not saved and restored around it, so every initial
+    value is shifted in the stream (seed 004, finding 3)."""
+    torch.manual_seed(spec.case.seed if spec.case is not None else 0)
+    torch.rand(1)  # what the meta-device build drew before initialisation
+    model.init_weights(torch.default_generator)
+    return fully_shard_engine(model, mesh, spec)
+
+
+# ---- the bundled flat engine's bugs (seed 004; tests/test_engine_flat.py) -------------------------
+def _every_param_recursively(module: nn.Module):
+    """`module.parameters(recurse=True)`, as (relative FQN, owner, attribute, parameter)."""
+    for prefix, owner in module.named_modules(remove_duplicate=False):
+        for attr, p in owner.named_parameters(recurse=False):
+            yield (f"{prefix}.{attr}" if prefix else attr), owner, attr, p
+
+
+def flat_nested_double_ownership(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Seed 004's bug in the bundled flat engine: every unit flattens `parameters(recurse=True)`,
+    so the root flattens each already wrapped layer's parameters a second time. They sit in two
+    FlatParameters; the parameter sum after wrapping doubles."""
+    from fsdp_verify.engines.flat.engine import flat_engine
+
+    return flat_engine(model, mesh, spec, collect=_every_param_recursively)
+
+
+def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Seed 004 finding 3 in the flat engine's meta-device path: seeds the global generator, builds
+    a throwaway eager copy to read shapes (its layers' default init draws from that generator),
+    then builds on meta and initialises from the global generator without having saved and
+    restored its state: every initial value comes from a later stretch of the random stream."""
+    from fsdp_verify.engines.flat import materialize
+    from fsdp_verify.engines.flat.engine import with_view, wrap_per_plan
+    from fsdp_verify.models import _construct
+
+    device = next(model.parameters()).device
+    torch.manual_seed(spec.case.seed)
+    _construct(spec.case.model)  # the bug: draws from the stream the init below relies on
+    with torch.device("meta"):
+        model = _construct(spec.case.model)
+    wrap_per_plan(model, mesh, spec)
+    return with_view(materialize(model, lambda m: m.init_weights(torch.default_generator), device))
