@@ -19,6 +19,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.models import build_model
+from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.data import global_batch, microbatch_slices
@@ -27,19 +28,28 @@ from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
 
 
-def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_input_node: bool = True) -> Trace:
+def train_reference(
+    case: Case,
+    emulate: bool = True,
+    order: str = "ring",
+    unit_input_node: bool = True,
+    perturb: int | None = None,
+) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
     norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
     norm of the full gradients, summed in reverse) or "flat" (ring order over each unit's
     gradients flattened into one padded buffer, see `_average_flat`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
-    (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run."""
+    (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
+    `perturb=SEED` moves every result a correct engine may compute in another order by its
+    derived error bound, with random signs (`Perturbation`): the run that sets the floor."""
     model = build_model(case.model, case.seed, init="eager")
     _install_precision_hooks(model, case, unit_input_node)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
-    trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order})
+    trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
+    jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
     _record_params(trace, 0, params, initial=True)
     _record_buffers(trace, 0, model)
 
@@ -93,6 +103,10 @@ def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_
                 averaged = _average_flat(rank_grads, _units(case, params), reduce_dtype)
             else:
                 averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+            if jolt is not None:
+                averaged = {
+                    n: jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
+                }
             for n, avg in averaged.items():
                 reduced = avg.to(torch.float32)
                 master_grads[n] = master_grads[n] + reduced if n in master_grads else reduced
@@ -103,18 +117,20 @@ def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_
             trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
         trace.add(step, "logits", "logits", torch.cat([logits[i] for i in sorted(logits)]))
         # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
-        trace.add(step, "loss", "loss", torch.stack(rank_loss).sum() / len(rank_loss))
+        loss = torch.stack(rank_loss).sum() / len(rank_loss)
+        trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
         for n, g in master_grads.items():
             trace.add(step, "grads", n, g)
         if case.clip_norm is not None:
             with_grad = [p for p in params.values() if p.grad is not None]
+            grads = [p.grad for p in with_grad]
             if emulate and order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-                norm = _norm_from_shards([p.grad for p in with_grad], case.world_size)
-                torch.nn.utils.clip_grads_with_norm_(with_grad, case.clip_norm, norm)
+                norm = _norm_from_shards(grads, case.world_size)
             else:
-                norm = torch.nn.utils.clip_grad_norm_(
-                    with_grad[::-1] if order == "reverse" else with_grad, case.clip_norm
-                )
+                norm = torch.nn.utils.get_total_norm(grads[::-1] if order == "reverse" else grads)
+            if jolt is not None:
+                norm = jolt.norm(norm, grads, f"{step}/grad_norm")
+            torch.nn.utils.clip_grads_with_norm_(with_grad, case.clip_norm, norm)
             trace.add(step, "grad_norm", "total_norm", norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -122,6 +138,8 @@ def train_reference(case: Case, emulate: bool = True, order: str = "ring", unit_
         _record_buffers(trace, step, model)
         for key, value in optimizer_state(optimizer, params).items():
             trace.add(step, "optim_state", key, value)
+    if jolt is not None:
+        trace.meta["moved"] = sorted(jolt.moved)
     return trace
 
 

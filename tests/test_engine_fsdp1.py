@@ -13,6 +13,7 @@ from fsdp_verify.engines.fsdp1 import fsdp1_engine
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.properties import cases, sharded_equals_reference
+from fsdp_verify.properties.strategies import fsdp1_modelled
 from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import lm_case, mlp_case, regression
 
@@ -71,6 +72,18 @@ def test_fsdp1_world_size_1_no_shard_bf16_reduce_accumulates_like_the_reference(
     assert verdict.ok, verdict.summary()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    reason="FSDP1's own bug: at world size 1 (NO_SHARD) with use_orig_params, a frozen tied weight "
+    "under nested units fails its assertion `as_params=True type(prim_param)=Tensor` in the second "
+    "micro-batch's forward. Found by the property draw with a fresh seed; left out of it.",
+)
+def test_fsdp1_no_shard_frozen_tied_weight_nested_microbatches_runs(fsdp_check):
+    case = regression("ec9db32ee8bb")  # tests/regressions/README.md
+    assert not fsdp1_modelled(case)
+    fsdp_check(case)
+
+
 # Regression: FSDP1 has no identity node on unit inputs, so a nested wrap of a tied Transformer
 # rounds the residual stream's gradient otherwise than FSDP2 (16 fp32 ulp in the embedding's
 # gradient); a calibration run models that (verify/runner.py: calibration_runs).
@@ -88,11 +101,16 @@ NESTED_TIED_FP32 = Case(
 ).with_(**{"model.tie_embeddings": True})
 
 
+# Regression (2f1a32547af6, fp32, world size 2, clip 0.001, Adam): FSDP1's clip norm over its flat
+# shards is one ulp from the emulation's, every sampled calibration order agreed to the bit, and
+# the step-2 Adam state was flagged at 1.06x the collapsed tolerance; the derived floor
+# (reference/perturbation.py) moves the clip norm by its error bound.
 # Regression: FSDP1 reduce-scatters each unit's padded flat gradient, so gloo's ring segments
 # (and the order each element is summed in) differ from FSDP2's rows; without a calibration run
 # in that order this world-size-3 case was a 1.01x false alarm (tests/regressions/README.md).
 @example(NESTED_TIED_FP32)
 @example(regression("c403031b9726"))
+@example(regression("2f1a32547af6"))
 @given(cases(engine="fsdp1"))
 def test_fsdp1_property_sharded_equals_reference(case):
     """The property suite's generated cases (nested wrap plans, frozen and tied weights, dropout,

@@ -11,6 +11,7 @@ from fsdp_verify.compare.finding import Finding
 from fsdp_verify.compare.tolerance import (
     EXACT,
     EXACT_MATCH,
+    MARGIN,
     Deviation,
     Tolerance,
     bound_tolerance,
@@ -47,10 +48,11 @@ class Comparator:
             )
         dev = measure(ref, got)
         tol = self.tolerance(key, ref, ctx)
+        if dev.normwise > MARGIN * tol.limit and self.calibratable and ctx.calibrate is not None:
+            # Near or past the bound: judge against what the arithmetic allows (never less than
+            # the bound), so a pass says how far it is from failing, and a fail is a real one.
+            tol = calibrated_tolerance(ref.dtype, ctx.noise(key), *ctx.floor(key))
         ok = dev.normwise <= tol.limit
-        if not ok and self.calibratable and ctx.calibrate is not None:
-            tol = calibrated_tolerance(ref.dtype, ctx.noise(key))
-            ok = dev.normwise <= tol.limit
         return self._finding(base, ok, dev, tol)
 
     @staticmethod
@@ -179,26 +181,45 @@ class CompareContext:
         self.ref = ref
         self.calibrate = calibrate
         self._noise: dict[tuple[int, str], float] | None = None
+        self._floor: dict[tuple[int, str], float] | None = None
+        self._moved: set[str] = set()
         self._names: dict[tuple[int, str], list[str]] | None = None
         self.limits: dict[Key, float] = {}
 
+    def _calibrate(self) -> None:
+        """Deviations of the calibration runs from the reference, pooled per step and phase:
+        every record of one phase at one step went through the same perturbations (reassociated
+        sums a step earlier, then bf16 rounding flips), so the largest deviation any of them
+        showed is a sample of what each may show; one record's own samples are too few (a
+        reversed order can happen to round the same way). For the noise the loss is pooled with
+        the logits (a function of them). The run marked `perturbed` (reference/perturbation.py)
+        gives the floor, with the pools it moved directly listed in its `moved`."""
+        self._noise, self._floor, self._moved = {}, {}, set()
+        for other in self.calibrate():
+            perturbed = other.meta.get("perturbed") is not None
+            if perturbed:
+                self._moved |= set(other.meta.get("moved", []))
+            for k, ref in self.ref.records.items():
+                if k in other.records and other.records[k].shape == ref.shape:
+                    into, pool = (
+                        (self._floor, (k[0], k[1]))
+                        if perturbed
+                        else (self._noise, (k[0], "logits" if k[1] == "loss" else k[1]))
+                    )
+                    into[pool] = max(into.get(pool, 0.0), measure(ref, other.records[k]).normwise)
+
     def noise(self, key: Key) -> float:
-        """Calibration noise of a record, pooled over its step and phase: every record of one
-        phase at one step went through the same perturbations (reassociated sums a step earlier,
-        then bf16 rounding flips), so the largest deviation any of them showed in a calibration
-        run is a sample of what each may show; one record's own two samples are too few (a
-        reversed order can happen to round the same way). The loss is a function of the logits,
-        so it is pooled with them."""
+        """The largest deviation of a numerically equivalent run, in this record's pool."""
         if self._noise is None:
-            self._noise = {}
-            for other in self.calibrate():
-                for k, ref in self.ref.records.items():
-                    if k in other.records and other.records[k].shape == ref.shape:
-                        pool = (k[0], "logits" if k[1] == "loss" else k[1])
-                        dev = measure(ref, other.records[k]).normwise
-                        self._noise[pool] = max(self._noise.get(pool, 0.0), dev)
-        step, phase, _ = key
-        return self._noise.get((step, "logits" if phase == "loss" else phase), 0.0)
+            self._calibrate()
+        return self._noise.get((key[0], "logits" if key[1] == "loss" else key[1]), 0.0)
+
+    def floor(self, key: Key) -> tuple[float, bool]:
+        """The perturbed run's deviation in this record's pool (its step and phase), and whether
+        the pool was moved directly (rather than only through what it depends on)."""
+        if self._floor is None:
+            self._calibrate()
+        return self._floor.get((key[0], key[1]), 0.0), f"{key[0]}/{key[1]}" in self._moved
 
     def names(self, step: int, phase: str) -> list[str]:
         """Record names of one step and phase of the reference, indexed once."""

@@ -249,3 +249,33 @@ def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardS
         model = _construct(spec.case.model)
     wrap_per_plan(model, mesh, spec)
     return with_view(materialize(model, lambda m: m.init_weights(torch.default_generator), device))
+
+
+class _ScaleGradOnce(torch.autograd.Function):
+    """Identity forward; backward multiplies the incoming gradient by `factor`."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, factor: float):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        return grad * ctx.factor, None
+
+
+def rank1_grad_off_by_2e6_once(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The smallest bug the toolkit promises to see in fp32: on rank 1 only, in the first
+    backward only, every local gradient is 1 + 2e-6 times what it should be (logits and loss
+    untouched), as a rank whose backward kernel rounded differently once would produce."""
+    fully_shard_engine(model, mesh, spec)
+    if dist.get_rank() != 1:
+        return model
+    calls = {"n": 0}
+
+    def scale(_module, _args, out):
+        calls["n"] += 1
+        return _ScaleGradOnce.apply(out, 1 + 2e-6) if calls["n"] == 1 else out
+
+    model.register_forward_hook(scale)
+    return model
