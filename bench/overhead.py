@@ -26,8 +26,7 @@ import torch.multiprocessing as mp
 from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.models import build_model
-from fsdp_verify.reference import train_reference
-from fsdp_verify.runner import judge
+from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.loop import RankContext, run_sharded
 from fsdp_verify.sharded.worker import MeshCache
 from fsdp_verify.training.data import global_batch, microbatch_slices
@@ -64,7 +63,7 @@ def bare_reference(case: Case) -> None:
 
 
 def verify(case: Case, got) -> None:
-    verdict = judge(case, train_reference(case), got)
+    verdict = judge(case, emulating_reference(case), got)
     assert verdict.ok, verdict.summary()
 
 

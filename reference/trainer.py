@@ -18,6 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models import build_model
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
@@ -32,8 +33,9 @@ def train_reference(
     case: Case,
     emulate: bool = True,
     order: str = "ring",
-    unit_input_node: bool = True,
+    unit_input_node: bool | None = None,
     perturb: int | None = None,
+    arithmetic: Arithmetic = FSDP2,
 ) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
@@ -43,11 +45,17 @@ def train_reference(
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
-    derived error bound, with random signs (`Perturbation`): the run that sets the floor."""
+    derived error bound, with random signs (`Perturbation`): the run that sets the floor.
+    `arithmetic` is what the engine under test declares (verify/engines/arithmetic.py): with a
+    "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
+    reduction and the clip's norm, and its `unit_input_node` is the default."""
     model = build_model(case.model, case.seed, init="eager")
-    _install_precision_hooks(model, case, unit_input_node)
+    _install_precision_hooks(model, case, arithmetic.unit_input_node if unit_input_node is None else unit_input_node)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
+    flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
+    emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
+    layout = _FlatLayout(model, case, emulated) if flat else None
     trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
     jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
     _record_params(trace, 0, params, initial=True)
@@ -99,8 +107,8 @@ def train_reference(
                 if m < len(groups) - 1:
                     continue
                 rank_grads = local_grads
-            if order == "flat":
-                averaged = _average_flat(rank_grads, _units(case, params), reduce_dtype)
+            if layout is not None:
+                averaged = layout.average(rank_grads, reduce_dtype)
             else:
                 averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
             if jolt is not None:
@@ -117,14 +125,16 @@ def train_reference(
             trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
         trace.add(step, "logits", "logits", torch.cat([logits[i] for i in sorted(logits)]))
         # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
-        loss = torch.stack(rank_loss).sum() / len(rank_loss)
+        loss = _gloo_scalar_sum(rank_loss) / len(rank_loss)
         trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
         for n, g in master_grads.items():
             trace.add(step, "grads", n, g)
         if case.clip_norm is not None:
             with_grad = [p for p in params.values() if p.grad is not None]
             grads = [p.grad for p in with_grad]
-            if emulate and order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
+            if emulate and order == "ring" and layout is not None:  # the flat engine's own
+                norm = layout.norm({n: p.grad for n, p in params.items() if p.grad is not None})
+            elif emulate and order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
                 norm = _norm_from_shards(grads, case.world_size)
             else:
                 norm = torch.nn.utils.get_total_norm(grads[::-1] if order == "reverse" else grads)
@@ -175,46 +185,104 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
     return total / world
 
 
-def _average_flat(
-    rank_grads: list[dict[str, torch.Tensor]], units: list[list[tuple[str, torch.Size]]], reduce_dtype: torch.dtype
-) -> dict[str, torch.Tensor]:
-    """ReduceOp.AVG as a FlatParameter engine (FSDP1, verify/engines/flat) issues it: per unit,
-    the gradients of its parameters in registration order (zeros for a frozen one) concatenated,
-    padded to a multiple of the world size and reduce-scattered in equal chunks, so gloo's ring
-    order (see `_average`) follows chunk boundaries of the flat buffer rather than FSDP2's rows.
-    (FSDP1 also aligns each parameter's start to 16 bytes; this run does not: it is one more
-    numerically equivalent order, a sample of the noise, not an emulation.)"""
-    world = len(rank_grads)
-    out: dict[str, torch.Tensor] = {}
-    for unit in units:
-        names = [n for n, _ in unit if n in rank_grads[0]]
-        if not names:
-            continue
-        flats = [torch.cat([g[n].to(reduce_dtype).reshape(-1) for n in names]) for g in rank_grads]
-        numel = flats[0].numel()
-        chunk = -(-numel // world)
-        padded = [torch.nn.functional.pad(f, (0, chunk * world - numel)).view(world, chunk) for f in flats]
-        total = torch.empty_like(padded[0])
-        for r in range(world):
-            acc = padded[(r - 1) % world][r]
-            for k in range(2, world + 1):
-                acc = acc + padded[(r - k) % world][r]
-            total[r] = acc
-        averaged = (total / world).reshape(-1)[:numel]
-        offset = 0
-        for n in names:
-            size = rank_grads[0][n].numel()
-            out[n] = averaged[offset : offset + size].view_as(rank_grads[0][n])
-            offset += size
-    return out
+class _FlatLayout:
+    """Each unit's parameters flattened as a FlatParameter engine lays them out: registration
+    order (frozen ones too, their gradient zero), each start aligned to `align_bytes` of the
+    compute dtype, the whole padded to a multiple of the world size and cut into equal chunks,
+    chunk r held by rank r."""
+
+    def __init__(self, model: nn.Module, case: Case, arithmetic: Arithmetic):
+        self.world = case.world_size
+        params = dict(model.named_parameters())  # tied weights once, under their first name
+        by_unit: dict[str, list[str]] = {}
+        for n in params:
+            by_unit.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
+        if arithmetic.unit_order == "preorder":
+            position = {name: i for i, (name, _) in enumerate(model.named_modules())}
+            order = sorted(by_unit, key=lambda u: position[u])
+        else:
+            order = [u for u in case.wrap_plan if u in by_unit]
+        itemsize = (to_torch(case.precision.param_dtype) or torch.float32).itemsize
+        align = arithmetic.align_bytes // itemsize if arithmetic.align_bytes else 0
+        self.empty_pieces = arithmetic.empty_pieces_in_norm
+        self.plain_unsharded = arithmetic.plain_norm_unsharded
+        self.trainable = {n for n, p in params.items() if p.requires_grad}
+        self.shapes = {n: p.shape for n, p in params.items()}
+        # units[i] = ([(name, offset, numel)], padded numel)
+        self.units: list[tuple[list[tuple[str, int, int]], int]] = []
+        for unit in order:
+            slots, total = [], 0
+            for n in by_unit[unit]:
+                if align and total % align:
+                    total += align - total % align
+                slots.append((n, total, params[n].numel()))
+                total += params[n].numel()
+            self.units.append((slots, -(-total // self.world) * self.world))
+
+    def _flat(self, grads: dict[str, torch.Tensor], slots, padded: int, dtype: torch.dtype) -> torch.Tensor:
+        flat = torch.zeros(padded, dtype=dtype)
+        for n, offset, numel in slots:
+            if n in grads:
+                flat[offset : offset + numel] = grads[n].reshape(-1).to(dtype)
+        return flat
+
+    def average(self, rank_grads: list[dict[str, torch.Tensor]], reduce_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """ReduceOp.AVG as the engine issues it: per unit, the padded flat gradients reduce-
+        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), then
+        divided by the world size (FSDP1's power-of-two pre-divide and the rest after the sum
+        round to the same quotient: the scaling is exact)."""
+        out: dict[str, torch.Tensor] = {}
+        for slots, padded in self.units:
+            names = [n for n, _, _ in slots if n in rank_grads[0]]
+            if not names:
+                continue
+            chunk = padded // self.world
+            flats = [self._flat(g, slots, padded, reduce_dtype).view(self.world, chunk) for g in rank_grads]
+            total = torch.empty_like(flats[0])
+            for r in range(self.world):
+                acc = flats[(r - 1) % self.world][r]
+                for k in range(2, self.world + 1):
+                    acc = acc + flats[(r - k) % self.world][r]
+                total[r] = acc
+            averaged = (total / self.world).reshape(-1) if self.world > 1 else total.reshape(-1)
+            for n, offset, numel in slots:
+                if n in rank_grads[0]:
+                    out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)
+        return out
+
+    def norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The clip's total norm as a flat engine computes it: on each rank, the norm of the
+        norms of the pieces of each gradient in its chunk, squared; summed over the ranks in
+        rank order; the root."""
+        if self.world == 1 and self.plain_unsharded:
+            return torch.nn.utils.get_total_norm([g for n, g in grads.items() if n in self.trainable])
+        squares = []
+        for r in range(self.world):
+            pieces = []
+            for slots, padded in self.units:
+                chunk = padded // self.world
+                lo, hi = r * chunk, (r + 1) * chunk
+                for n, offset, numel in slots:
+                    if n not in grads or n not in self.trainable:
+                        continue
+                    a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
+                    if a < b:
+                        pieces.append(torch.linalg.vector_norm(grads[n].reshape(-1)[a:b]))
+                    elif self.empty_pieces:
+                        pieces.append(torch.linalg.vector_norm(grads[n].reshape(-1)[:0]))
+            local = torch.linalg.vector_norm(torch.stack(pieces)) if pieces else torch.zeros(())
+            squares.append(local**2)
+        return _gloo_scalar_sum(squares).sqrt()
 
 
-def _units(case: Case, params: dict[str, nn.Parameter]) -> list[list[tuple[str, torch.Size]]]:
-    """The parameters of each unit of the wrap plan, in registration order."""
-    by_unit: dict[str, list[tuple[str, torch.Size]]] = {}
-    for n, p in params.items():
-        by_unit.setdefault(_owning_unit(case.wrap_plan, n), []).append((n, p.shape))
-    return list(by_unit.values())
+def _gloo_scalar_sum(values: list[torch.Tensor]) -> torch.Tensor:
+    """The sum of one value per rank as gloo's all-reduce adds a one-element tensor: from the last
+    rank down to rank 0 (the element lies in the ring's first segment; measured on torch 2.13's
+    gloo at world sizes 3 and 4, where the flat engines' clip norms then agree to the bit)."""
+    total = values[-1]
+    for v in values[-2::-1]:
+        total = total + v
+    return total
 
 
 def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:

@@ -12,6 +12,7 @@ import torch
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
 from fsdp_verify.compare.comparators import compare_traces
+from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference
 from fsdp_verify.sharded.pool import RankPool, get_pool
@@ -31,6 +32,12 @@ def rank_like_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
+def emulating_reference(case: Case) -> Trace:
+    """The reference run that emulates the engine under test: FSDP2's arithmetic unless the
+    engine declares its own (verify/engines/arithmetic.py)."""
+    return train_reference(case, arithmetic=engine_arithmetic(case.engine))
+
+
 def calibration_runs(case: Case) -> list[Trace]:
     """Numerically equivalent reference runs: the ranks' gradients summed in rank order, in
     reverse order (with a clip's norm from the full gradients, summed in reverse), and in ring
@@ -45,13 +52,14 @@ def calibration_runs(case: Case) -> list[Trace]:
     Last, the floor: the emulation with every order-dependent result moved by its derived error
     bound (reference/perturbation.py), so that an order none of the runs above samples cannot
     collapse a tolerance below what the arithmetic allows."""
+    arithmetic = engine_arithmetic(case.engine)
     with rank_like_threads():
         return [
-            train_reference(case, order="rank"),
-            train_reference(case, order="reverse"),
-            train_reference(case, order="flat"),
-            train_reference(case, unit_input_node=False),
-            train_reference(case, perturb=int(case.hash[:8], 16)),
+            train_reference(case, order="rank", arithmetic=arithmetic),
+            train_reference(case, order="reverse", arithmetic=arithmetic),
+            train_reference(case, order="flat", arithmetic=arithmetic),
+            train_reference(case, unit_input_node=False, arithmetic=arithmetic),
+            train_reference(case, perturb=int(case.hash[:8], 16), arithmetic=arithmetic),
         ]
 
 
@@ -77,7 +85,7 @@ def check_case(
     pool.submit(case)
     try:
         with rank_like_threads():
-            ref = train_reference(case)  # overlaps with the ranks' work
+            ref = emulating_reference(case)  # overlaps with the ranks' work
     except BaseException:
         pool.result(timeout_s)  # keep the pool in step before propagating
         raise

@@ -16,6 +16,7 @@ from pathlib import Path
 
 from torch import nn
 
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, arithmetic_of
 from fsdp_verify.engines.spec import ShardSpec
 
 Engine = Callable[..., nn.Module]
@@ -44,6 +45,15 @@ def resolve_engine(name: str) -> Engine:
     if not callable(fn):
         raise EngineLoadError(f"engine {name!r}: {where!r} has no callable {attr!r}")
     return fn
+
+
+def engine_arithmetic(name: str) -> Arithmetic:
+    """What the reference emulates for engine `name` (FSDP2's when the engine declares nothing
+    or does not import here: the ranks will report that failure themselves)."""
+    try:
+        return arithmetic_of(resolve_engine(name))
+    except Exception:
+        return FSDP2
 
 
 def _load_file(path: str):

@@ -31,6 +31,7 @@ from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
 from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
+from fsdp_verify.engines.arithmetic import Arithmetic
 from fsdp_verify.engines.flat.view import FlatView, Holding
 from fsdp_verify.engines.spec import ShardSpec
 
@@ -69,6 +70,19 @@ def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modu
     if not isinstance(model, FSDP):  # the plan always ends with the root; be explicit anyway
         raise ValueError(f"wrap: the fsdp1 engine needs the root '' last, got {spec.wrap!r}")
     return model
+
+
+# Its FlatParameter aligns each parameter to 16 bytes (use_orig_params), its clip lists the
+# handles in module order, skips parameters a rank holds none of (and at world size 1, NO_SHARD,
+# is torch's plain clip_grad_norm_), and it has no unit-input node.
+fsdp1_engine.arithmetic = Arithmetic(
+    layout="flat",
+    align_bytes=16,
+    unit_order="preorder",
+    empty_pieces_in_norm=False,
+    unit_input_node=False,
+    plain_norm_unsharded=True,
+)
 
 
 class FSDP1Root(FSDP):

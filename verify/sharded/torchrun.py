@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_verify.case import Case
-from fsdp_verify.reference import train_reference
-from fsdp_verify.runner import judge
+from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.loop import RankContext, run_sharded
 from fsdp_verify.sharded.worker import MeshCache, device_for
 from fsdp_verify.verdict import Verdict
@@ -34,7 +33,7 @@ def check_in_place(case: Case, calibrate: bool = True) -> tuple[Verdict | None, 
         dist.init_process_group(backend)
     mesh = MeshCache(device.type).get(case.mesh)
     got = run_sharded(case, RankContext(rank, world, device, mesh))
-    verdict = judge(case, train_reference(case), got, calibrate) if rank == 0 else None
+    verdict = judge(case, emulating_reference(case), got, calibrate) if rank == 0 else None
     code = torch.tensor([0 if verdict is None or verdict.ok else 1], device=device)
     dist.broadcast(code, src=0)  # every rank exits with rank 0's verdict
     return verdict, code.item() == 0

@@ -6,6 +6,7 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_verify.engines.arithmetic import Arithmetic
 from fsdp_verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
 from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
 from fsdp_verify.engines.flat.view import FlatView, Holding
@@ -28,6 +29,11 @@ def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Co
         return with_view(materialize(model, _init_from_seed(spec.case.seed), device))
     wrap_per_plan(model, mesh, spec, collect)
     return with_view(shard_all(model))
+
+
+# Units in creation order (the plan's), every trainable parameter's (maybe empty) shard view has
+# a gradient, and, like FSDP2, an identity node on unit inputs (verify/engines/flat/unit.py).
+flat_engine.arithmetic = Arithmetic(layout="flat", unit_order="plan", empty_pieces_in_norm=True)
 
 
 def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> None:
