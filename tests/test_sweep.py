@@ -143,3 +143,22 @@ def test_the_draw_does_not_depend_on_the_modules_loaded():
     unguarded draw, which does change, shows the test can fail."""
     out = subprocess.run([sys.executable, "-c", DRAW_TWICE], capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+def test_hsdp_meshes_join_the_draw_where_the_world_size_allows():
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+
+    drawn = draw_cases(cases(world_sizes=(2, 3, 4), model_kinds=("mlp",), hsdp=True), 40, 1)
+    meshes = {(c.world_size, c.mesh_shape) for c in drawn}
+    assert (4, (2, 2)) in meshes and (4, None) in meshes
+    assert all(m is None for w, m in meshes if w in (2, 3))  # no 2-D mesh of both dimensions >= 2
+    assert all(c.mesh_shape is None for c in draw_cases(cases(world_sizes=(4,), model_kinds=("mlp",)), 10, 1))
+
+
+def test_fsdp2_passes_hsdp_cases_and_a_mutant_fails_them(tmp_path):
+    hsdp = ["--world-sizes", "4", "--hsdp", "--models", "mlp", "--pin", "mesh_shape=[2,2]", "--pin", "steps=1"]
+    assert main(["sweep", "--cases", "2", *hsdp, "--no-progress", "--out", str(tmp_path / "ok")]) == 0
+    assert [r["mesh_shape"] for r in load(tmp_path / "ok")["cases"]] == [[2, 2], [2, 2]]
+    engine = ["--engine", "fsdp_verify.zoo.mutants:grads_divided_twice"]
+    assert main(["sweep", "--cases", "1", *hsdp, *engine, "--no-progress", "--out", str(tmp_path / "bad")]) == 1

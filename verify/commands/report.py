@@ -31,7 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d = sub.add_parser("diff", help="what changed between two nights; exit 1 if something got worse")
     d.add_argument("old", type=Path, metavar="OLD", help="a night's folder, a report folder or a report.json")
     d.add_argument("new", type=Path, metavar="NEW")
-    d.add_argument("--factor", type=_factor, default=2.0, help="a ratio moving by more than this is reported (default 2)")
+    d.add_argument(
+        "--factor", type=_factor, default=2.0, help="a ratio moving by more than this is reported (default 2)"
+    )
     d.add_argument("--json", type=Path, metavar="PATH", help="write the diff as JSON here")
     d.add_argument("--html", type=Path, metavar="PATH", help="write the diff as an HTML page here")
     t = sub.add_parser("trend", help="one HTML page over the last K nights")

@@ -37,17 +37,23 @@ def shard_spec(text: str) -> tuple[int, int]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--cases", type=int, default=100, help="cases drawn for the whole sweep (default 100; nightly 1000+)")
+    p.add_argument(
+        "--cases", type=int, default=100, help="cases drawn for the whole sweep (default 100; nightly 1000+)"
+    )
     p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
     p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
     add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
     add_precisions(p)
     p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
-    p.add_argument("--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows")
+    p.add_argument(
+        "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
+    )
     p.add_argument("--pin", action="append", default=[], metavar="FIELD=JSON", help="fix a Case field (repeatable)")
     p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and false alarms")
-    p.add_argument("--zoo", type=Path, help="a `selftest --json` file or selftest report.json to show beside the ratios")
+    p.add_argument(
+        "--zoo", type=Path, help="a `selftest --json` file or selftest report.json to show beside the ratios"
+    )
     add_timeout(p)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -87,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_verify.engines import EngineLoadError, resolve_engine
     from fsdp_verify.properties.draw import draw_cases, in_shard
     from fsdp_verify.properties.strategies import PinError, cases
-    from fsdp_verify.reports.report import case_row, finish, write
+    from fsdp_verify.reports.report import finish, write
     from fsdp_verify.reports.schema import ReportError
 
     if args.cases < 1:
@@ -159,8 +165,13 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
     closest = max((r["worst_ratio"] for r in rows if r["ok"] and isinstance(r["worst_ratio"], float)), default=0.0)
     todo = [(k, c) for k, c in mine if k not in done]
     bar = tqdm(
-        total=len(mine), initial=len(mine) - len(todo), desc=f"sweep {args.shard[0]}/{args.shard[1]}", unit="case",
-        file=sys.stderr, dynamic_ncols=True, disable=args.no_progress,
+        total=len(mine),
+        initial=len(mine) - len(todo),
+        desc=f"sweep {args.shard[0]}/{args.shard[1]}",
+        unit="case",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=args.no_progress,
     )
     with rows_path.open("a") as stream, bar:
         for k, case in todo:
@@ -181,7 +192,9 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
             stream.write(json.dumps(row) + "\n")
             stream.flush()
             bar.update(1)
-            bar.set_postfix_str("all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} ALARMS")
+            bar.set_postfix_str(
+                "all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} ALARMS"
+            )
     return rows, sum(r["seconds"] for r in rows)
 
 

@@ -112,14 +112,28 @@ def diff(old_path: str | Path, new_path: str | Path, factor: float = 2.0) -> dic
             places[place] = diff_reports(old[place], new[place], factor)
     worse = [f"{p}: {w}" if p != "." else w for p, d in places.items() for w in d["worse"]]
     changed = any(_changed(d) for d in places.values())
-    return {"old": str(old_path), "new": str(new_path), "factor": factor, "places": places, "worse": worse,
-            "changed": changed}
+    return {
+        "old": str(old_path),
+        "new": str(new_path),
+        "factor": factor,
+        "places": places,
+        "worse": worse,
+        "changed": changed,
+    }
 
 
 def _changed(d: dict[str, Any]) -> bool:
     return bool(d.get("missing_in_new") or d.get("new_report")) or any(
-        d.get(k) for k in ("new_failures", "fixed_failures", "changed_cases", "ratios_moved", "zoo_lost",
-                           "zoo_gained", "environment")
+        d.get(k)
+        for k in (
+            "new_failures",
+            "fixed_failures",
+            "changed_cases",
+            "ratios_moved",
+            "zoo_lost",
+            "zoo_gained",
+            "environment",
+        )
     )
 
 

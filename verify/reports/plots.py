@@ -52,7 +52,9 @@ def svg_histogram(bins: Sequence[tuple[str, int]], width: int = 640, height: int
         )
         cx = x + (bar_w - 8) / 2
         parts.append(f'<text x="{cx:.1f}" y="{y - 4:.1f}" text-anchor="middle">{count}</text>')
-        parts.append(f'<text x="{cx:.1f}" y="{height - 14}" font-size="10" text-anchor="middle">{html.escape(label)}</text>')
+        parts.append(
+            f'<text x="{cx:.1f}" y="{height - 14}" font-size="10" text-anchor="middle">{html.escape(label)}</text>'
+        )
     parts.append("</svg>")
     return "".join(parts)
 
@@ -71,8 +73,8 @@ def line_chart(
     bottom, inf at the top), a dashed red line at `threshold` (tolerance: ratio 1)."""
     x0, y0, w, h = 56, 12, width - 250, height - 44
     values = [v for pts in series.values() for _, v in pts if v is not None and math.isfinite(v) and (v > 0 or not log)]
-    if log:
-        lo = math.floor(math.log10(min(values))) if values else -6
+    if log:  # one decade under the smallest positive value is where 0 (exact) is drawn
+        lo = math.floor(math.log10(min(values))) - 1 if values else -1
         lo = max(-12, min(lo, -1))
         hi = max(1, math.ceil(math.log10(max(values)))) if values else 1
     else:
@@ -94,7 +96,7 @@ def line_chart(
     ticks = range(int(lo), int(hi) + 1, max(1, (int(hi) - int(lo)) // 6 or 1)) if log else [lo, (lo + hi) / 2, hi]
     for t in ticks:
         y = y0 + h * (hi - t) / ((hi - lo) or 1)
-        label = f"1e{t}" if log else f"{t:.3g}"
+        label = ("0" if t == lo else f"1e{t}") if log else f"{t:.3g}"
         parts.append(f'<text x="4" y="{y + 4:.0f}">{label}</text>')
         parts.append(f'<line x1="{x0}" x2="{x0 + w}" y1="{y:.0f}" y2="{y:.0f}" stroke="#eee"/>')
     if threshold is not None:
@@ -135,17 +137,25 @@ def zoo_matrix(zoo: Sequence[dict], width: int = 760) -> str:
     its ratio), red when not."""
     height = 30 + 20 * max(1, len(zoo))
     parts = [_open("zoo", width, height)]
-    parts.append('<text x="6" y="16" font-weight="bold">bug</text><text x="300" y="16" font-weight="bold">caught by</text>')
-    parts.append('<text x="580" y="16" font-weight="bold">ratio</text><text x="670" y="16" font-weight="bold">examples</text>')
+    parts.append(
+        '<text x="6" y="16" font-weight="bold">bug</text><text x="300" y="16" font-weight="bold">caught by</text>'
+    )
+    parts.append(
+        '<text x="580" y="16" font-weight="bold">ratio</text><text x="670" y="16" font-weight="bold">examples</text>'
+    )
     for i, bug in enumerate(zoo):
         y = 24 + 20 * i
         colour = GREEN if bug["caught"] else RED
-        parts.append(f'<rect class="cell" x="2" y="{y}" width="{width - 4}" height="18" fill="{colour}" fill-opacity="0.18"/>')
+        parts.append(
+            f'<rect class="cell" x="2" y="{y}" width="{width - 4}" height="18" fill="{colour}" fill-opacity="0.18"/>'
+        )
         by = f"{bug['comparator']} @ {bug.get('step', '')}/{bug.get('phase', '')}" if bug["caught"] else "NOT CAUGHT"
         r = bug["ratio"]
         parts.append(f'<text x="6" y="{y + 13}">{html.escape(bug["bug"])}</text>')
         parts.append(f'<text x="300" y="{y + 13}" fill="{colour}">{html.escape(by)}</text>')
-        parts.append(f'<text x="580" y="{y + 13}">{r if isinstance(r, str) else ("" if r is None else f"{r:.3g}")}</text>')
+        parts.append(
+            f'<text x="580" y="{y + 13}">{r if isinstance(r, str) else ("" if r is None else f"{r:.3g}")}</text>'
+        )
         parts.append(f'<text x="670" y="{y + 13}">{bug["examples"]}</text>')
     parts.append("</svg>")
     return "".join(parts)

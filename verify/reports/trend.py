@@ -77,18 +77,18 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
     for c in comps:
         for stat in ("worst", "p99"):
             columns.append((f"{c} {stat}", lambda r, c=c, stat=stat: r["comparators"].get(c, {}).get(stat)))
-    table_rows, last_change = [], {}
-    for i, r in enumerate(rows):
+    # a row per number, a column per night: K nights stay readable, however many comparators
+    table_rows = []
+    for name, get in columns:
+        values = [_fmt(get(r)) for r in rows]
+        changed_on = "never"
         tds = []
-        for name, get in columns:
-            value = get(r)
-            changed = i > 0 and _fmt(value) != _fmt(get(rows[i - 1]))
-            if changed:
-                last_change[name] = r["night"]
-            tds.append(f"<td{' class=changed' if changed else ''}>{html.escape(_fmt(value))}</td>")
-        table_rows.append(f"<tr><th>{html.escape(r['night'])}</th>{''.join(tds)}</tr>")
-    head = "".join(f"<th>{html.escape(n)}</th>" for n, _ in columns)
-    changed_row = "".join(f"<td>{html.escape(last_change.get(n, 'never'))}</td>" for n, _ in columns)
+        for i, v in enumerate(values):
+            changed = i > 0 and v != values[i - 1]
+            changed_on = rows[i]["night"] if changed else changed_on
+            tds.append(f"<td{' class=changed' if changed else ''}>{html.escape(v)}</td>")
+        table_rows.append(f"<tr><th>{html.escape(name)}</th>{''.join(tds)}<td>{html.escape(changed_on)}</td></tr>")
+    head = "".join(f"<th>{html.escape(n)}</th>" for n in labels)
     alarms = [r["false_alarms"] for r in rows]
     plots = [
         "<h2>False alarms</h2>",
@@ -116,7 +116,8 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
         f"<h1 id=status>fsdp-verify nightly trend: {len(rows)} nights, {html.escape(labels[0])} to "
         f"{html.escape(labels[-1])}</h1>{latest}"
         "<style>td.changed{background:#fff3cd;font-weight:bold}</style>"
-        f"<h2>Per night</h2><p>Highlighted: changed since the night before.</p><table id=trend><tr><th>night</th>"
-        f"{head}</tr>{''.join(table_rows)}<tr><th>last changed</th>{changed_row}</tr></table>{''.join(plots)}"
+        f"<h2>Per night</h2><p>Highlighted: changed since the night before; the last column names the night"
+        f" each number last changed.</p><table id=trend><tr><th></th>{head}<th>last changed</th></tr>"
+        f"{''.join(table_rows)}</table>{''.join(plots)}"
     )
     return page("fsdp-verify nightly trend", body)
