@@ -142,3 +142,19 @@ def test_trend_over_five_nights_names_the_night_each_number_changed(reports):
     cases = next(r for r in rows if r.startswith("<th>cases</th>"))
     assert cases.endswith("<td>never</td></tr>")
     assert 'id="diff"' in page and "fixed" in page  # the latest night's diff
+
+
+def test_a_merged_report_with_a_missing_shard_says_so_first(reports, tmp_path, capsys):
+    """A night whose sweep lost a shard: the page leads with it, and the diff calls it worse."""
+    shard = _copy(reports / "nights" / "2026-11-02" / "sweep", tmp_path / "s1", lambda r: None)
+    report = json.loads((shard / "report.json").read_text())
+    report["shard"] = "1/2"
+    report["cases"] = [r for r in report["cases"] if r["index"] % 2 == 0]
+    (shard / "report.json").write_text(json.dumps(report))
+    assert main(["report", "merge", str(shard), "--out", str(tmp_path / "merged")]) == 3
+    assert "missing shards: 2/2" in capsys.readouterr().err
+    page = (tmp_path / "merged" / "report.html").read_text()
+    assert page.index('id="missing-shards"') < page.index("<svg")
+    assert main(["report", "diff", str(reports / "nights" / "2026-11-02" / "sweep"), str(tmp_path / "merged")]) == 1
+    out = capsys.readouterr().out
+    assert "MISSING SHARDS in NEW: 2/2" in out and "cases only in OLD: 2, only in NEW: 0" in out

@@ -87,8 +87,12 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], factor: float) -> dic
     for change in env.get("values_changed", []):
         field = change.path(output_format="list")[0]
         out["environment"][field] = {"old": change.t1, "new": change.t2}
+    out["only_in_old"] = sorted(set(oc) - set(nc))
+    out["only_in_new"] = sorted(set(nc) - set(oc))
+    out["missing_shards"] = new.get("missing_shards") or []
     out["worse"] = (
-        [f"new failure {e['key']}: {e['first_divergence']}" for e in out["new_failures"]]
+        [f"missing shards {', '.join(out['missing_shards'])}"] * bool(out["missing_shards"])
+        + [f"new failure {e['key']}: {e['first_divergence']}" for e in out["new_failures"]]
         + [
             f"{e['comparator']} {e['stat']} ratio {_num(e['old'])} -> {_num(e['new'])}"
             for e in out["ratios_moved"]
@@ -111,7 +115,7 @@ def diff(old_path: str | Path, new_path: str | Path, factor: float = 2.0) -> dic
         else:
             places[place] = diff_reports(old[place], new[place], factor)
     worse = [f"{p}: {w}" if p != "." else w for p, d in places.items() for w in d["worse"]]
-    changed = any(_changed(d) for d in places.values())
+    changed = any(_changed(d) for d in places.values()) or bool(worse)
     return {
         "old": str(old_path),
         "new": str(new_path),
@@ -133,6 +137,9 @@ def _changed(d: dict[str, Any]) -> bool:
             "zoo_lost",
             "zoo_gained",
             "environment",
+            "missing_shards",
+            "only_in_old",
+            "only_in_new",
         )
     )
 
@@ -156,12 +163,20 @@ def text(result: dict[str, Any]) -> str:
         if d.get("new_report"):
             lines.append("  new report (not in OLD)")
             continue
+        if d["missing_shards"]:
+            lines.append(f"  MISSING SHARDS in NEW: {', '.join(d['missing_shards'])}")
+        if d["only_in_old"] or d["only_in_new"]:
+            lines.append(f"  cases only in OLD: {len(d['only_in_old'])}, only in NEW: {len(d['only_in_new'])}")
         for e in d["new_failures"]:
             lines.append(f"  NEW FAILURE {e['key']}: {e['status']}, first divergence {e['first_divergence']}")
         for e in d["fixed_failures"]:
             lines.append(f"  fixed {e['key']} (was {e['status']}: {e['first_divergence']})")
         for e in d["changed_cases"]:
-            lines.append(f"  changed {e['key']}: {e['old']} -> {e['new']}")
+            old, new = e["old"], e["new"]
+            lines.append(
+                f"  changed {e['key']}: {old['status']} ({old['first_divergence'] or '-'})"
+                f" -> {new['status']} ({new['first_divergence'] or '-'})"
+            )
         for e in d["ratios_moved"]:
             how = "UP" if e["by"] > 1 else "down"
             lines.append(f"  {e['comparator']} {e['stat']} ratio {how}: {_num(e['old'])} -> {_num(e['new'])}")

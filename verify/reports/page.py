@@ -39,10 +39,17 @@ def failures_section(report: dict[str, Any]) -> str:
     items = []
     for f in report["failures"]:
         replay = f"<p>Replay: <code>{e(f['replay'])}</code></p>" if f.get("replay") else ""
-        case = f"<pre>{e(json.dumps(f['case'], indent=2, sort_keys=True))}</pre>" if f.get("case") else ""
+        case = ""
+        if f.get("case"):
+            case = f"<details><summary>Case</summary><pre>{e(json.dumps(f['case'], indent=2, sort_keys=True))}</pre></details>"
         items.append(
             f"<div class=failure><p><b>{e(f['case_hash'])}</b>: {e(f['summary'])}</p>"
             f"<p>First divergence: <code>{e(f['first_divergence'] or '-')}</code></p>{replay}{case}</div>"
+        )
+    missing = report.get("missing_shards") or []
+    if missing:
+        items.insert(
+            0, f'<p id="missing-shards">Missing shards: <b>{e(", ".join(missing))}</b> (their cases are not here)</p>'
         )
     lost = [z["bug"] for z in report["zoo"] or [] if not z["caught"]]
     if lost:
@@ -71,12 +78,12 @@ def overview(report: dict[str, Any]) -> str:
     minutes = report["seconds"] / 60
     rate = f"{c['cases'] / minutes:.1f} cases/min" if minutes > 0 and c["cases"] else ""
     shard = report["shard"] or (", ".join(report.get("shards", [])) and f"merged {', '.join(report['shards'])}")
-    missing = report.get("missing_shards") or []
-    warn = f'<p class=warn id="missing-shards">Missing shards: {e(", ".join(missing))}</p>' if missing else ""
+    seed = "" if report["seed"] is None else f", seed {report['seed']}"
     env = "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in report["environment"].items())
     return (
-        f"{warn}<p>Engine <code>{e(str(report['engine']))}</code>, seed {e(str(report['seed']))}"
-        f"{', shard ' + e(shard) if shard else ''}: {c['cases']} cases, {c['passed']} passed, "
+        f"<p>Engine <code>{e(str(report['engine']))}</code>"
+        f"{seed}"
+        f"{', shard ' + e(shard) if shard else ''}: {c['cases']} case{'' if c['cases'] == 1 else 's'}, {c['passed']} passed, "
         f"{c['failed']} failed, in {report['seconds']:.1f} s {e(rate)}. Written {e(report['created'])}.</p>"
         f"<details><summary>Environment</summary><table>{env}</table></details>"
     )
