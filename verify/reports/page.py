@@ -80,6 +80,12 @@ def overview(report: dict[str, Any]) -> str:
     shard = report["shard"] or (", ".join(report.get("shards", [])) and f"merged {', '.join(report['shards'])}")
     seed = "" if report["seed"] is None else f", seed {report['seed']}"
     env = "".join(f"<tr><th>{e(k)}</th><td>{e(str(v))}</td></tr>" for k, v in report["environment"].items())
+    if report["kind"] == "selftest":
+        return (
+            f"<p>{c['cases']} injected bugs hunted, {c['passed']} caught, {c['failed']} not, in"
+            f" {report['seconds']:.1f} s. Written {e(report['created'])}.</p>"
+            f"<details><summary>Environment</summary><table>{env}</table></details>"
+        )
     return (
         f"<p>Engine <code>{e(str(report['engine']))}</code>"
         f"{seed}"
