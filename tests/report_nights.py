@@ -36,8 +36,10 @@ def build(root: Path) -> Path:
     )
     for night, (seed, engine) in NIGHTS.items():
         d = root / "nights" / night
+        joined = ["--zoo", str(zoo / "report.json")] if night == "2026-11-05" else []  # the zoo beside the ratios
         _run(
-            ["sweep", "--cases", "4", "--seed", str(seed), "--engine", engine, *CHEAP, "--out", str(d / "sweep")],
+            ["sweep", "--cases", "4", "--seed", str(seed), "--engine", engine, *CHEAP, "--out", str(d / "sweep")]
+            + joined,
             ok=(0, 1),
         )
         shutil.copytree(zoo, d / "zoo")

@@ -86,7 +86,7 @@ PAGES = {
     "check-pass": ("check-ok/report.html", {"ratios", "histogram", "slowest"}, False),
     "check-fail": ("check-bad/report.html", {"ratios", "histogram", "slowest"}, True),
     "fuzz": ("fuzz/report.html", {"ratios", "histogram", "slowest"}, False),
-    "sweep-pass": ("nights/2026-11-05/sweep/report.html", {"ratios", "histogram", "slowest"}, False),
+    "sweep-pass": ("nights/2026-11-05/sweep/report.html", {"ratios", "histogram", "slowest", "zoo"}, False),
     "sweep-fail": ("nights/2026-11-04/sweep/report.html", {"ratios", "histogram", "slowest"}, True),
     "selftest": ("zoo/report.html", {"zoo"}, False),
     "trend": ("trend.html", {"trend-alarms", "trend-speed", "trend-worst", "trend-p99", "trend-zoo"}, False),

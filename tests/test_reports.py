@@ -36,6 +36,7 @@ def test_every_command_writes_a_report_the_schema_accepts(reports):
     assert bad["failures"][0]["replay"].startswith("fsdp-verify repro ")
     zoo = load(reports / "zoo")
     assert zoo["ok"] and [z["bug"] for z in zoo["zoo"]] == ["grads_divided_twice", "clip_with_local_norm"]
+    assert load(reports / "nights" / "2026-11-05" / "sweep")["zoo"] == zoo["zoo"]  # sweep --zoo joins it
 
 
 def test_the_schema_rejects_what_readers_could_not_use(reports):
