@@ -252,6 +252,13 @@ def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
     return st.one_of(st.booleans(), st.sampled_from(divisors)) if divisors else st.booleans()
 
 
+def hsdp_meshes(world_size: int) -> SearchStrategy[tuple[int, int] | None]:
+    """None (1-D) or an HSDP mesh (replicate, shard), both dimensions at least 2, where the world
+    size allows one (4 = 2 x 2); `cases(hsdp=True)` draws it."""
+    shapes = [(r, world_size // r) for r in range(2, world_size // 2 + 1) if world_size % r == 0]
+    return st.sampled_from([None, *shapes]) if shapes else st.just(None)
+
+
 # ---- whole cases --------------------------------------------------------------------------------
 @st.composite
 def _cases(
@@ -261,6 +268,7 @@ def _cases(
     precisions: tuple[str, ...],
     model_kinds: tuple[str, ...],
     pins: dict[str, Any],
+    hsdp: bool = False,
 ) -> Case:
     def field(name: str, default: SearchStrategy) -> Any:
         return draw(_pinned(pins, name, default))
@@ -277,7 +285,7 @@ def _cases(
         "model": model,
         "wrap": wrap,
         "world_size": world,
-        "mesh_shape": field("mesh_shape", st.just(None)),
+        "mesh_shape": field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None)),
         "precision": precision,
         "reshard_after_forward": field("reshard_after_forward", reshard_values(world)),
         "optim": optim,
@@ -306,6 +314,7 @@ def cases(
     world_sizes: Iterable[int] = (1, 2, 3, 4),
     precisions: Iterable[str] = PRECISIONS,
     model_kinds: Iterable[str] = ("mlp", "transformer"),
+    hsdp: bool = False,
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
@@ -322,8 +331,8 @@ def cases(
     precision_specs(precisions)  # validates the names now, not at the first draw
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
-        return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins).filter(fsdp1_modelled)
-    return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins)
+        return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
+    return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
 
 
 def fsdp1_modelled(case: Case) -> bool:

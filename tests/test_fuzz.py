@@ -112,4 +112,4 @@ def test_histogram_bins_ratios_by_decade_with_exact_and_over_tolerance_apart():
     assert bins["exact"] == 2 and bins["<1e-6"] == 1 and bins["1e-2..1e-1"] == 1 and bins["1e-1..1e0"] == 1
     assert bins["1e0..1e1"] == 1 and bins[">=1e2"] == 1
     assert sum(bins.values()) == 7
-    assert svg_histogram(list(bins.items())).count("<rect") == len(bins)
+    assert svg_histogram(list(bins.items())).count('class="bar"') == len(bins)

@@ -1,80 +1,167 @@
-"""bench/sweep.py (the nightly sweep on the correct engine) on a CI-sized sample."""
+"""`fsdp-verify sweep` (the nightly sweep on the correct engine) on CI-sized samples: sharded and
+merged it runs exactly the unsharded sweep's cases; a cut-short shard resumes; alarms are kept."""
 
-import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
 
-SWEEP = Path(__file__).resolve().parents[1] / "bench" / "sweep.py"
+import pytest
+
+from fsdp_verify.case import Case
+from fsdp_verify.commands.cli import main
+from fsdp_verify.reports.schema import load
+
+ROOT = Path(__file__).resolve().parents[1]
+# The cheapest draw: one-step MLPs at world size 2.
+CHEAP = ["--world-sizes", "2", "--models", "mlp", "--pin", "steps=1", "--no-progress"]
 
 
-def _load():
-    spec = importlib.util.spec_from_file_location("fsdp_verify_bench_sweep", SWEEP)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+def sweep(out: Path, *extra: str, cases: int = 12, seed: int = 7) -> int:
+    return main(["sweep", "--cases", str(cases), "--seed", str(seed), *CHEAP, "--out", str(out), *extra])
 
 
-def test_small_sweep_on_the_correct_engine_has_no_false_alarm(tmp_path, capsys):
-    zoo = tmp_path / "zoo.json"
-    zoo.write_text(json.dumps([{"bug": "b", "status": "caught", "ratio": 42.0}]))
-    code = _load().main(["--cases", "4", "--world-sizes", "2", "--out", str(tmp_path), "--zoo", str(zoo)])
-    text = capsys.readouterr().out
-    assert code == 0, text
-    assert "false alarms: 0" in text and "smallest ratio on a caught bug 42" in text
-    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    assert len(rows) == 4 and all(r["ok"] and r["world_size"] == 2 for r in rows)
-    assert all(0 <= r["worst_ratio"] <= 1 for r in rows)
-    assert not (tmp_path / "false_alarms").exists()
-    assert not (tmp_path / "closest_pass.case.json").exists()  # fp32 at world size 2: all bit-exact
+def test_four_shards_merged_are_exactly_the_unsharded_sweep(tmp_path, capsys):
+    assert sweep(tmp_path / "whole") == 0
+    whole = load(tmp_path / "whole")
+    assert whole["shard"] == "1/1" and whole["counts"] == {"cases": 12, "passed": 12, "failed": 0}
+    shards = [tmp_path / f"shard-{i}" for i in range(1, 5)]
+    for i, d in enumerate(shards, 1):
+        assert sweep(d, "--shard", f"{i}/4") == 0
+    parts = [load(d) for d in shards]
+    assert [p["counts"]["cases"] for p in parts] == [3, 3, 3, 3]
+    indices = [r["index"] for p in parts for r in p["cases"]]
+    assert sorted(indices) == list(range(12))  # none twice, none lost
+    assert main(["report", "merge", *map(str, shards), "--out", str(tmp_path / "merged")]) == 0
+    merged = load(tmp_path / "merged")
+    assert [(r["index"], r["case_hash"]) for r in merged["cases"]] == [
+        (r["index"], r["case_hash"]) for r in whole["cases"]
+    ]
+    assert merged["counts"] == whole["counts"] and merged["shards"] == ["1/4", "2/4", "3/4", "4/4"]
+    assert merged["missing_shards"] == [] and merged["seed"] == 7
+    # a shard lost: merged, but named, and the exit says infrastructure (3)
+    capsys.readouterr()
+    assert main(["report", "merge", *map(str, shards[:2] + shards[3:]), "--out", str(tmp_path / "partial")]) == 3
+    assert "missing shards: 3/4" in capsys.readouterr().err
+    assert load(tmp_path / "partial")["missing_shards"] == ["3/4"]
+    # a shard given twice, or a folder without a report: bad input naming it
+    assert main(["report", "merge", str(shards[0]), str(shards[0]), "--out", str(tmp_path / "x")]) == 2
+    assert "1/4 given twice" in capsys.readouterr().err
+    assert main(["report", "merge", str(tmp_path), "--out", str(tmp_path / "x")]) == 2
+    assert f"{tmp_path}: no report.json" in capsys.readouterr().err
 
 
-def test_the_closest_pass_is_kept_to_replay(tmp_path, capsys):
-    # A correct engine the reference does not emulate: dividing before summing over 3 ranks rounds.
-    args = ["--cases", "5", "--world-sizes", "3", "--precisions", "fp32", "--out", str(tmp_path)]
-    code = _load().main(args + ["--engine", "tests/engines/reordered.py:divide_before_summing"])
-    assert code == 0, capsys.readouterr().out
-    rows = json.loads((tmp_path / "sweep.json").read_text())["rows"]
-    closest = max(rows, key=lambda r: r["worst_ratio"])
-    assert closest["worst_ratio"] > 0
-    from fsdp_verify.case import Case
-
-    assert Case.load(tmp_path / "closest_pass.case.json").hash == closest["case"]
-    streamed = [json.loads(line) for line in (tmp_path / "rows.jsonl").read_text().splitlines()]
-    assert [r["case"] for r in streamed] == [r["case"] for r in rows]
+def test_a_shard_of_another_sweep_is_refused_by_merge(tmp_path, capsys):
+    assert sweep(tmp_path / "a", "--shard", "1/2", cases=2, seed=1) == 0
+    assert sweep(tmp_path / "b", "--shard", "2/2", cases=2, seed=2) == 0
+    capsys.readouterr()
+    assert main(["report", "merge", str(tmp_path / "a"), str(tmp_path / "b"), "--out", str(tmp_path / "m")]) == 2
+    assert "seed: 2 differs" in capsys.readouterr().err
 
 
-def test_a_cut_short_sweep_is_reported_from_its_streamed_rows(tmp_path, capsys):
-    rows = tmp_path / "rows.jsonl"
-    good = {"case": "a", "world_size": 2, "model": "mlp", "precision": "fp32", "ok": True, "calibrated": False}
-    good |= {"worst_ratio": 0.5, "worst_at": [1, "grads", "w"], "worst_mode": "bound", "seconds": 1.0}
-    bad = {"case": "b", "world_size": 3, "model": "mlp", "precision": "bf16", "ok": False}
-    bad |= {"alarm": "rank failure", "detail": "rank 1 hung", "seconds": 2.0}
-    rows.write_text(json.dumps(good) + "\n" + json.dumps(bad) + "\n")
-    code = _load().main(["--report-from", str(rows)])
-    text = capsys.readouterr().out
-    assert code == 1, text
-    assert "2 cases in 3 s" in text and "false alarms: 1" in text and "b (rank failure): rank 1 hung" in text
-    assert "max 0.5" in text
+def test_a_cut_short_shard_resumes_where_its_rows_end(tmp_path, capsys):
+    out = tmp_path / "s"
+    assert sweep(out, "--shard", "2/2", cases=8) == 0
+    rows_path = out / "rows.jsonl"
+    rows = [json.loads(line) for line in rows_path.read_text().splitlines()]
+    assert [r["index"] for r in rows] == [1, 3, 5, 7]
+    kept = rows[:2]
+    kept[0]["seconds"] = 99.0  # a marker: a resumed sweep must keep this row, not rerun its case
+    # the runner died writing its third row
+    rows_path.write_text("".join(json.dumps(r) + "\n" for r in kept) + '{"index": 5, "case_ha')
+    assert sweep(out, "--shard", "2/2", cases=8) == 0
+    report = load(out)
+    assert [r["index"] for r in report["cases"]] == [1, 3, 5, 7]
+    assert report["cases"][0]["seconds"] == 99.0
+    assert [r["case_hash"] for r in report["cases"]] == [r["case_hash"] for r in rows]
+    # rows from another draw in the same folder: refused, not mixed
+    capsys.readouterr()
+    assert sweep(out, "--shard", "2/2", cases=8, seed=8) == 2
+    assert "--out" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("shard", ["5/4", "0/4", "1/0", "2", "a/b"])
+def test_a_bad_shard_is_refused_naming_the_option(shard, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(["sweep", "--shard", shard, "--out", "/tmp/never"])
+    assert e.value.code == 2 and "--shard" in capsys.readouterr().err
 
 
 def test_a_broken_engine_raises_alarms_and_leaves_replayable_cases(tmp_path, capsys):
-    code = _load().main(
-        [
-            "--cases",
-            "2",
-            "--world-sizes",
-            "2",
-            "--engine",
-            "fsdp_verify.zoo.mutants:grads_divided_twice",
-            "--out",
-            str(tmp_path),
-        ]
-    )
-    text = capsys.readouterr().out
-    assert code == 1, text
-    assert "false alarms: 2" in text
+    engine = "fsdp_verify.zoo.mutants:grads_divided_twice"
+    assert sweep(tmp_path, "--engine", engine, cases=2) == 1
+    assert "false alarms: 2" in capsys.readouterr().out
+    report = load(tmp_path)
+    assert not report["ok"] and [f["first_divergence"] for f in report["failures"]] == [
+        r["first_divergence"] for r in report["cases"]
+    ]
+    assert all(f["first_divergence"].startswith("GradsComparator @ 1/grads") for f in report["failures"])
     saved = sorted((tmp_path / "false_alarms").glob("*.case.json"))
-    assert len(saved) == 2
-    from fsdp_verify.case import Case
+    assert len(saved) == 2 and Case.load(saved[0]).engine == engine
 
-    assert Case.load(saved[0]).engine == "fsdp_verify.zoo.mutants:grads_divided_twice"
+
+def test_the_closest_pass_is_kept_to_replay(tmp_path):
+    # A correct engine the reference does not emulate (the FSDP2 emulation is bit-exact on most
+    # cases): dividing before summing over 3 ranks rounds, so some record moves.
+    args = ["sweep", "--cases", "4", "--world-sizes", "3", "--precisions", "fp32", "--models", "mlp"]
+    args += ["--engine", "tests/engines/reordered.py:divide_before_summing"]
+    assert main(args + ["--pin", "steps=1", "--no-progress", "--out", str(tmp_path)]) == 0
+    rows = load(tmp_path)["cases"]
+    closest = max(rows, key=lambda r: r["worst_ratio"])
+    assert closest["worst_ratio"] > 0
+    assert Case.load(tmp_path / "closest_pass.case.json").hash == closest["case_hash"]
+
+
+def test_bench_sweep_is_a_shim_for_the_command(tmp_path):
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "bench" / "sweep.py"), "--shard", "9/4", "--out", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 2 and "--shard" in out.stderr
+
+
+DRAW_TWICE = """
+from contextlib import nullcontext
+import fsdp_verify.properties.draw as draw
+from fsdp_verify.properties.strategies import cases
+strategy = cases(world_sizes=(2,), model_kinds=("mlp",), steps=1)
+guard = draw._no_local_constants
+def twice():
+    draw._no_local_constants = nullcontext
+    unguarded = [c.hash for c in draw.draw_cases(strategy, 12, 7)]
+    draw._no_local_constants = guard
+    return unguarded, [c.hash for c in draw.draw_cases(strategy, 12, 7)]
+u1, g1 = twice()
+import fsdp_verify.runner, fsdp_verify.commands.sweep, fsdp_verify.reports.trend, fsdp_verify.zoo.mutants
+u2, g2 = twice()
+print(g1 == g2, u1 == u2)
+"""
+
+
+def test_the_draw_does_not_depend_on_the_modules_loaded():
+    """Hypothesis mixes constants of loaded local modules into its draws: a shard that imported
+    more modules (the runner, a resumed sweep) must still draw the same cases for the seed. The
+    unguarded draw, which does change, shows the test can fail."""
+    out = subprocess.run([sys.executable, "-c", DRAW_TWICE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+def test_hsdp_meshes_join_the_draw_where_the_world_size_allows():
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+
+    drawn = draw_cases(cases(world_sizes=(2, 3, 4), model_kinds=("mlp",), hsdp=True), 40, 1)
+    meshes = {(c.world_size, c.mesh_shape) for c in drawn}
+    assert (4, (2, 2)) in meshes and (4, None) in meshes
+    assert all(m is None for w, m in meshes if w in (2, 3))  # no 2-D mesh of both dimensions >= 2
+    assert all(c.mesh_shape is None for c in draw_cases(cases(world_sizes=(4,), model_kinds=("mlp",)), 10, 1))
+
+
+def test_fsdp2_passes_hsdp_cases_and_a_mutant_fails_them(tmp_path):
+    hsdp = ["--world-sizes", "4", "--hsdp", "--models", "mlp", "--pin", "mesh_shape=[2,2]", "--pin", "steps=1"]
+    assert main(["sweep", "--cases", "2", *hsdp, "--no-progress", "--out", str(tmp_path / "ok")]) == 0
+    assert [r["mesh_shape"] for r in load(tmp_path / "ok")["cases"]] == [[2, 2], [2, 2]]
+    engine = ["--engine", "fsdp_verify.zoo.mutants:grads_divided_twice"]
+    assert main(["sweep", "--cases", "1", *hsdp, *engine, "--no-progress", "--out", str(tmp_path / "bad")]) == 1

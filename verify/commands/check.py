@@ -22,6 +22,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
     p.add_argument("--html", type=Path, metavar="PATH", help="write a page with a heat map and plot of the verdict")
+    p.add_argument("--out", type=Path, metavar="DIR", help="write report.json and report.html (the one report format)")
     add_timeout(p)
     p.add_argument("--no-calibrate", action="store_true", help="hold records to the bound only (no calibration runs)")
     p.add_argument("--save-case", type=Path, metavar="PATH", help="write the resolved case JSON here")
@@ -63,4 +64,33 @@ def run(args: argparse.Namespace) -> int:
         from fsdp_verify.reports.verdict_page import save_html
 
         save_html(verdict, args.html)
+    if args.out:
+        write_check_report(verdict, args.out)
     return EXIT_OK if verdict.ok else EXIT_DIVERGED
+
+
+def write_check_report(verdict, out: Path) -> None:
+    """The one report format for one case; the page adds the verdict's steps x phases heat map."""
+    from fsdp_verify.reports.page import render
+    from fsdp_verify.reports.report import case_row, finish, write
+    from fsdp_verify.reports.verdict_page import heat_map, ratio_plot
+
+    row = case_row(verdict.case, verdict, sum(verdict.seconds.values()))
+    failures = None
+    if not verdict.ok:
+        from fsdp_verify.repro.files import replay_command
+
+        path = verdict.case.save(out / f"case-{verdict.case.hash}.json")
+        failures = [
+            {
+                "case_hash": verdict.case.hash,
+                "summary": verdict.summary(),
+                "first_divergence": row["first_divergence"],
+                "replay": replay_command(path),
+                "case": verdict.case.to_dict(),
+            }
+        ]
+    report = finish("check", [row], seconds=row["seconds"], engine=verdict.case.engine, failures=failures)
+    _, html_path = write(report, out)
+    extra = f"<h2>Steps x phases</h2>{heat_map(verdict)}<h2>Worst ratio per phase</h2>{ratio_plot(verdict)}"
+    html_path.write_text(render(report, extra))

@@ -29,6 +29,12 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "fsdp_verify.commands.fuzz",
         "generate cases, check a property on each; shrink a failure to a minimal repro",
     ),
+    (
+        "sweep",
+        "fsdp_verify.commands.sweep",
+        "the nightly sweep: generated cases, sharded, resumable; zero false alarms",
+    ),
+    ("report", "fsdp_verify.commands.report", "merge shards' reports, diff two nights, a trend page over nights"),
 ]
 
 

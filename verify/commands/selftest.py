@@ -24,6 +24,7 @@ from fsdp_verify.commands.options import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_OK,
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-examples", type=int, default=20, help="generated cases per bug before giving up (default 20)")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the matrix as JSON here")
+    p.add_argument("--out", type=Path, metavar="DIR", help="write report.json and report.html (the one report format)")
     p.add_argument("--bugs", nargs="+", metavar="NAME", help="only these zoo bugs (default: all)")
     add_world_sizes(p, None, "only cases of these world sizes (e.g. 2 in CI; default: each bug's own)")
     add_timeout(p)
@@ -211,6 +212,27 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         args.json.write_text(json.dumps([_jsonable(asdict(r)) for r in results], indent=2) + "\n")
+    if args.out:
+        from fsdp_verify.reports.report import finish, write, zoo_rows
+
+        zoo = zoo_rows(_jsonable(asdict(r)) for r in results)
+        failures = [
+            {"case_hash": "-", "summary": f"{r.bug}: {r.status}: {r.detail or 'not caught'}", "first_divergence": None}
+            for r in results
+            if not r.caught
+        ]
+        report = finish(
+            "selftest",
+            [],
+            seconds=sum(r.seconds for r in results),
+            engine=None,
+            zoo=zoo,
+            ok=len(caught) == len(results),
+            failures=failures,
+            max_examples=args.max_examples,
+        )
+        report["counts"] = {"cases": len(results), "passed": len(caught), "failed": len(results) - len(caught)}
+        write(report, args.out)
     return EXIT_OK if len(caught) == len(results) else EXIT_DIVERGED
 
 

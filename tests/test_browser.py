@@ -1,0 +1,132 @@
+"""The report pages in a real headless browser (Debian's chromium through Selenium): each loads
+from file:// with no console error and no network request, its SVG plots render (a screenshot
+that is not blank, every plot drawn with a size), and a failing report shows the failure first.
+Without chromium the tests skip locally but FAIL under CI (a skipped assertion is a defect)."""
+
+import os
+import shutil
+from io import BytesIO
+from pathlib import Path
+
+import pytest
+
+from tests.report_nights import shared
+
+SHOTS = os.environ.get("FSDP_VERIFY_SCREENSHOTS")  # a folder to keep the screenshots in
+
+
+@pytest.fixture(scope="module")
+def browser():
+    chromium = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+    driver_path = shutil.which("chromedriver")
+    if not (chromium and driver_path):
+        message = "chromium and chromedriver are needed (apt-get install -y chromium chromium-driver)"
+        if os.environ.get("CI"):
+            pytest.fail(message)
+        pytest.skip(message)
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = chromium
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--window-size=1280,1600",
+    ):
+        options.add_argument(arg)
+    options.set_capability("goog:loggingPrefs", {"browser": "ALL"})
+    driver = webdriver.Chrome(service=Service(driver_path), options=options)
+    yield driver
+    driver.quit()
+
+
+@pytest.fixture(scope="module")
+def reports(tmp_path_factory) -> Path:
+    return shared(tmp_path_factory)
+
+
+def open_page(driver, path: Path) -> dict:
+    """Load a page; what the browser says about it."""
+    driver.get_log("browser")  # drop what an earlier page logged
+    driver.get(path.resolve().as_uri())
+    return {
+        "errors": [e for e in driver.get_log("browser") if e["level"] == "SEVERE"],
+        "requests": driver.execute_script(
+            "return performance.getEntriesByType('resource').map(e => e.name)"
+            ".concat(performance.getEntriesByType('navigation').length === 1 ? [] : ['navigation?'])"
+        ),
+        "plots": driver.execute_script(
+            "return [...document.querySelectorAll('svg.plot')].map(s => {const r = s.getBoundingClientRect();"
+            " return {name: s.dataset.plot, top: r.top + window.scrollY, width: r.width, height: r.height,"
+            " shapes: s.querySelectorAll('rect.bar, polyline, circle, rect.cell').length}})"
+        ),
+    }
+
+
+def shot(driver, name: str):
+    from PIL import Image
+
+    png = driver.get_screenshot_as_png()
+    if SHOTS:
+        Path(SHOTS).mkdir(parents=True, exist_ok=True)
+        Path(SHOTS, f"{name}.png").write_bytes(png)
+    return Image.open(BytesIO(png)).convert("RGB")
+
+
+def not_blank(image) -> bool:
+    colours = image.getcolors(maxcolors=1 << 16)
+    return colours is None or len(colours) > 8  # None: more colours than that
+
+
+PAGES = {
+    # name: (path under the shared folder, plots that must be there, failing?)
+    "check-pass": ("check-ok/report.html", {"ratios", "histogram", "slowest"}, False),
+    "check-fail": ("check-bad/report.html", {"ratios", "histogram", "slowest"}, True),
+    "fuzz": ("fuzz/report.html", {"ratios", "histogram", "slowest"}, False),
+    "sweep-pass": ("nights/2026-11-05/sweep/report.html", {"ratios", "histogram", "slowest", "zoo"}, False),
+    "sweep-fail": ("nights/2026-11-04/sweep/report.html", {"ratios", "histogram", "slowest"}, True),
+    "selftest": ("zoo/report.html", {"zoo"}, False),
+    "trend": ("trend.html", {"trend-alarms", "trend-speed", "trend-worst", "trend-p99", "trend-zoo"}, False),
+}
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_loads_offline_and_draws_its_plots(browser, reports, name):
+    rel, plots, failing = PAGES[name]
+    seen = open_page(browser, reports / rel)
+    assert seen["errors"] == [] and seen["requests"] == []
+    names = {p["name"] for p in seen["plots"]}
+    assert plots <= names, names
+    for p in seen["plots"]:
+        assert p["width"] > 100 and p["height"] > 20 and p["shapes"] > 0, p
+    assert not_blank(shot(browser, name))
+    failures = browser.execute_script(
+        "const f = document.getElementById('failures'); if (!f) return null;"
+        " const r = f.getBoundingClientRect(); return {top: r.top + window.scrollY, text: f.innerText}"
+    )
+    status = browser.find_element("id", "status").text
+    if failing:
+        assert "FAIL" in status
+        assert failures is not None and "GradsComparator @ 1/grads" in failures["text"]
+        assert failures["top"] < min(p["top"] for p in seen["plots"])  # before every plot
+        assert failures["top"] < browser.execute_script("return window.innerHeight")  # on the first screen
+    elif name != "trend":
+        assert failures is None and "PASS" in status
+
+
+def test_the_checks_catch_a_page_that_errs_or_fetches(browser, tmp_path):
+    """The two page-level assertions above can fail: a script error and a fetched image."""
+    page = tmp_path / "bad.html"
+    page.write_text(
+        '<!DOCTYPE html><html><body><img src="http://127.0.0.1:9/x.png"><script>nope()</script></body></html>'
+    )
+    seen = open_page(browser, page)
+    assert any("nope" in e["message"] for e in seen["errors"])
+    assert seen["requests"] == ["http://127.0.0.1:9/x.png"]
+    blank = tmp_path / "blank.html"
+    blank.write_text("<!DOCTYPE html><html><body></body></html>")
+    open_page(browser, blank)
+    assert not not_blank(shot(browser, "blank-control"))

@@ -1,0 +1,238 @@
+"""`fsdp-verify sweep`: the nightly zero-false-alarm sweep. Draws --cases generated cases for
+--seed, runs those of its --shard on --engine, and streams one row per case to OUT/rows.jsonl as it
+finishes (a runner that dies loses nothing; rerun the same command and it resumes, skipping cases
+whose rows are there). Writes OUT/report.json and report.html (the one report format), every
+alarm's case and verdict under OUT/false_alarms/, and the passing case nearest its tolerance as
+OUT/closest_pass.case.json. Exit 0 no false alarm, 1 an alarm (a rank failure counts), 2 bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+from fsdp_verify.commands.options import (
+    ENGINE_HELP,
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_OK,
+    add_precisions,
+    add_timeout,
+    add_world_sizes,
+)
+
+
+def shard_spec(text: str) -> tuple[int, int]:
+    """`I/N` with 1 <= I <= N."""
+    head, sep, tail = text.partition("/")
+    try:
+        i, n = int(head), int(tail)
+    except ValueError:
+        i = n = 0
+    if not sep or n < 1 or not 1 <= i <= n:
+        raise argparse.ArgumentTypeError(f"expected I/N with 1 <= I <= N (e.g. 1/4), got {text!r}")
+    return i, n
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--cases", type=int, default=100, help="cases drawn for the whole sweep (default 100; nightly 1000+)"
+    )
+    p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
+    p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
+    p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
+    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
+    add_precisions(p)
+    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    p.add_argument(
+        "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
+    )
+    p.add_argument("--pin", action="append", default=[], metavar="FIELD=JSON", help="fix a Case field (repeatable)")
+    p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and false alarms")
+    p.add_argument(
+        "--zoo", type=Path, help="a `selftest --json` file or selftest report.json to show beside the ratios"
+    )
+    add_timeout(p)
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+
+def _bad(message: str) -> int:
+    print(f"fsdp-verify: {message}", file=sys.stderr)
+    return EXIT_BAD_INPUT
+
+
+def read_rows(path: Path) -> list[dict]:
+    """Rows streamed so far; a last line cut off mid-write (the runner died) is dropped."""
+    if not path.exists():
+        return []
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return rows
+
+
+def load_zoo(path: Path) -> list[dict]:
+    from fsdp_verify.reports.report import zoo_rows
+    from fsdp_verify.reports.schema import ReportError, load
+
+    data = json.loads(path.read_text())
+    if isinstance(data, list):
+        return zoo_rows(data)
+    if isinstance(data, dict) and data.get("zoo") is not None:
+        return load(path)["zoo"]
+    raise ReportError(f"--zoo {path}: expected a `selftest --json` list or a report.json with a zoo")
+
+
+def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.commands.fuzz import _pins
+    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.properties.draw import draw_cases, in_shard
+    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.reports.report import finish, write
+    from fsdp_verify.reports.schema import ReportError
+
+    if args.cases < 1:
+        return _bad(f"--cases: expected a positive integer, got {args.cases}")
+    try:
+        zoo = load_zoo(args.zoo) if args.zoo else None
+    except (OSError, json.JSONDecodeError, ReportError, KeyError) as e:
+        return _bad(f"--zoo: {e}")
+    try:
+        resolve_engine(args.engine)
+        pins = _pins(args.pin)
+        strategy = cases(
+            engine=args.engine,
+            world_sizes=args.world_sizes,
+            precisions=args.precisions,
+            model_kinds=args.models,
+            hsdp=args.hsdp,
+            **pins,
+        )
+    except (EngineLoadError, PinError, OSError) as e:
+        return _bad(str(e))
+    drawn = draw_cases(strategy, args.cases, args.seed)
+    mine = [(k, c) for k, c in enumerate(drawn) if in_shard(k, args.shard)]
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    rows_path = out / "rows.jsonl"
+    done = {r["index"]: r for r in read_rows(rows_path)}
+    for k, row in done.items():
+        if k >= len(drawn) or drawn[k].hash != row["case_hash"]:
+            return _bad(
+                f"--out {out}: rows.jsonl holds case {k} = {row['case_hash']}, which this sweep's draw does not"
+                " (another --seed, --engine or draw option): use a fresh --out"
+            )
+    rows, elapsed = _sweep(args, mine, done, rows_path)
+    shard = f"{args.shard[0]}/{args.shard[1]}"
+    report = finish(
+        "sweep",
+        sorted(rows, key=lambda r: r["index"]),
+        seconds=elapsed,
+        engine=args.engine,
+        seed=args.seed,
+        shard=shard,
+        zoo=zoo,
+        planned_cases=args.cases,
+        draw={
+            "world_sizes": args.world_sizes,
+            "precisions": args.precisions,
+            "models": args.models,
+            "hsdp": args.hsdp,
+            "pins": args.pin,
+        },
+    )
+    _, html_path = write(report, out)
+    print(summary(report))
+    print(f"Report: {html_path}")
+    return EXIT_OK if report["ok"] else EXIT_DIVERGED
+
+
+def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
+    """Run the shard's cases not yet in rows.jsonl; the rows of all of them, and the case time."""
+    from tqdm import tqdm
+
+    from fsdp_verify.reports.report import case_row
+    from fsdp_verify.runner import check_case
+    from fsdp_verify.sharded.pool import RankFailure, get_pool
+
+    alarms = args.out / "false_alarms"
+    rows = [done[k] for k, _ in mine if k in done]
+    closest = max((r["worst_ratio"] for r in rows if r["ok"] and isinstance(r["worst_ratio"], float)), default=0.0)
+    todo = [(k, c) for k, c in mine if k not in done]
+    bar = tqdm(
+        total=len(mine),
+        initial=len(mine) - len(todo),
+        desc=f"sweep {args.shard[0]}/{args.shard[1]}",
+        unit="case",
+        file=sys.stderr,
+        dynamic_ncols=True,
+        disable=args.no_progress,
+    )
+    with rows_path.open("a") as stream, bar:
+        for k, case in todo:
+            start = time.perf_counter()
+            try:
+                verdict = check_case(case, pool=get_pool(case.world_size, args.timeout), timeout_s=args.timeout)
+            except RankFailure as e:
+                row = case_row(case, None, time.perf_counter() - start, index=k, error=str(e))
+                _save(alarms, case, {"rank_failure": str(e)})
+            else:
+                row = case_row(case, verdict, time.perf_counter() - start, index=k)
+                if not verdict.ok:
+                    _save(alarms, case, verdict.to_dict())
+                elif isinstance(row["worst_ratio"], float) and row["worst_ratio"] > closest:
+                    closest = row["worst_ratio"]  # the near miss, kept to replay
+                    case.save(args.out / "closest_pass.case.json")
+            rows.append(row)
+            stream.write(json.dumps(row) + "\n")
+            stream.flush()
+            bar.update(1)
+            bar.set_postfix_str(
+                "all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} ALARMS"
+            )
+    return rows, sum(r["seconds"] for r in rows)
+
+
+def _save(directory: Path, case, verdict: dict) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    case.save(directory / f"{case.hash}.case.json")
+    (directory / f"{case.hash}.verdict.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
+
+
+def summary(report: dict) -> str:
+    """The terminal text of a sweep report (also of a merged one)."""
+    from collections import Counter
+
+    from fsdp_verify.reports.schema import as_float
+
+    rows = report["cases"]
+    n = len(rows)
+    alarms = [r for r in rows if not r["ok"]]
+    ratios = sorted(as_float(r["worst_ratio"]) for r in rows if r["ok"] and r["worst_ratio"] is not None)
+    shard = f" (shard {report['shard']})" if report.get("shard") and report["shard"] != "1/1" else ""
+    lines = [
+        f"{n} cases{shard} in {report['seconds']:.0f} s of case time ({report['seconds'] / max(n, 1):.2f} s/case)",
+        "by world size: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["world_size"] for r in rows).items())),
+        "by precision: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["precision"] for r in rows).items())),
+        f"false alarms: {len(alarms)}"
+        + "".join(f"\n  {r['case_hash']} ({r['first_divergence']}): {(r['summary'] or '')[:300]}" for r in alarms),
+    ]
+    if ratios:
+        from fsdp_verify.reports.report import p99
+
+        lines.append(
+            f"worst deviation/tolerance per passing case: median {ratios[len(ratios) // 2]:.3g},"
+            f" p99 {p99(ratios):.3g}, max {ratios[-1]:.3g}"
+        )
+    finite = [as_float(z["ratio"]) for z in report["zoo"] or [] if z["caught"] and z["ratio"] not in (None, "inf")]
+    if finite:
+        lines.append(
+            f"side by side: worst ratio on the correct engine {ratios[-1] if ratios else 0:.3g}"
+            f" vs smallest ratio on a caught bug {min(finite):.3g}"
+        )
+    return "\n".join(lines)
