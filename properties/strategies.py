@@ -234,13 +234,15 @@ def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
 
 def data_specs(batch_multiple: int = 1, model_kind: str = "mlp", **pins: Any) -> SearchStrategy[DataSpec]:
     """Global batches of 1-2 samples per rank per micro-batch (`batch_multiple` = world size x
-    micro-batches). Cancellation data (seed 000's large, nearly cancelling values) only for MLPs."""
+    micro-batches). Cancellation data (seed 000's large, nearly cancelling values) only for MLPs;
+    variable-length padded sequences only for token models."""
     kinds = ("normal", "cancellation") if model_kind == "mlp" else ("normal",)
     return st.builds(
         DataSpec,
         batch_size=_pinned(pins, "batch_size", st.integers(1, 2).map(lambda k: k * batch_multiple)),
         kind=_pinned(pins, "kind", st.sampled_from(kinds)),
         scale=_pinned(pins, "scale", st.sampled_from((1.0, 0.01, 100.0))),
+        padded=_pinned(pins, "padded", st.just(False) if model_kind == "mlp" else st.booleans()),
     )
 
 
