@@ -318,6 +318,10 @@ class Case:
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 if where[name] == default or (isinstance(default, tuple) and tuple(where[name]) == default):
                     del where[name]
+        if self.model.is_custom:  # the built-in models' sizes mean nothing to a factory
+            for name in ModelSpec.BUILTIN_FIELDS:
+                if getattr(self.model, name) == getattr(ModelSpec(), name):
+                    del data["model"][name]
         return data
 
     def to_json(self) -> str:

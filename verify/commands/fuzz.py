@@ -15,6 +15,7 @@ from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
     EXIT_OK,
+    add_model_arguments,
     add_precisions,
     add_timeout,
     add_world_sizes,
@@ -27,6 +28,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
     add_precisions(p)
     p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    add_model_arguments(p)
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
     p.add_argument(
         "--pin",
@@ -48,6 +50,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.commands.options import model_from_args
     from fsdp_verify.engines import EngineLoadError, resolve_engine
     from fsdp_verify.properties.properties import PROPERTIES
     from fsdp_verify.properties.search import search
@@ -55,6 +58,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_verify.reports.search_report import closest_pass, write_report
     from fsdp_verify.repro.files import replay_command
     from fsdp_verify.sharded.pool import get_pool
+    from fsdp_verify.validation import CaseError
 
     if args.property not in PROPERTIES:
         return _bad(f"--property: expected one of {sorted(PROPERTIES)}, got {args.property!r}")
@@ -64,14 +68,17 @@ def run(args: argparse.Namespace) -> int:
         return _bad(f"--world-sizes: expected positive integers, got {args.world_sizes}")
     try:
         resolve_engine(args.engine)  # fail fast, before any rank starts
+        model = model_from_args(args)
+        custom = model if model is not None and model.is_custom else None
         strategy = cases(
             engine=args.engine,
             world_sizes=args.world_sizes,
             precisions=args.precisions,
-            model_kinds=args.models,
+            model_kinds=[model.kind] if model is not None and custom is None else args.models,
+            custom_model=custom,
             **_pins(args.pin),
         )
-    except (EngineLoadError, PinError, OSError) as e:
+    except (EngineLoadError, PinError, CaseError, OSError) as e:
         return _bad(str(e))
 
     prop = PROPERTIES[args.property]
@@ -102,7 +109,7 @@ def run(args: argparse.Namespace) -> int:
         "max_examples": args.max_examples,
         "world_sizes": args.world_sizes,
         "precisions": args.precisions,
-        "models": args.models,
+        "models": [args.model] if args.model else args.models,
         "seed": args.seed,
     }
     json_path, html_path = write_report(result, args.out, meta)

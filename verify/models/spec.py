@@ -47,6 +47,7 @@ class ModelSpec:
     # Fields of a custom model, left out of the JSON (and so of the Case hash) while at their
     # defaults: a built-in case keeps the hash and the file it had before they existed.
     OPTIONAL_FIELDS = ("factory", "kwargs", "init_fn", "output_fn", "shrinkable")
+    BUILTIN_FIELDS = ("widths", "vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "tie_embeddings")
 
     def __hash__(self) -> int:  # kwargs is a dict: hash the canonical JSON of every field
         return hash(json.dumps(self.__dict__, sort_keys=True, default=list))
