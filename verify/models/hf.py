@@ -10,9 +10,12 @@ the factory, so every rank and the reference build the same weights."""
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from torch import nn
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # a config is all these factories read: never the network
 
 TINY = {
     "vocab_size": 61,
