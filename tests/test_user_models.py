@@ -14,6 +14,7 @@ from fsdp_verify.case import Case, CaseError, DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.strategies import cases
+from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.training.data import IGNORE_INDEX, global_batch, item_count, microbatch_slices
@@ -202,6 +203,20 @@ def test_the_pytest_fixtures_take_a_user_model(fsdp_cases, fsdp_property):
         fsdp_property(case)
 
     prop()
+
+
+def test_a_user_data_function_loss_and_output_fn_run_on_both_sides():
+    """Dict inputs with an attention mask, a dict output read by output_fn, a label-smoothed loss
+    sum: the sharded run agrees, and the loss recorded is the user's, not the default."""
+    model = ModelSpec(kind="custom", factory=f"{USER}:dict_lm", output_fn=f"{USER}:scores", seq_len=5)
+    data = DataSpec(batch_size=8, fn=f"{USER}:reversal_data")
+    case = Case(model=model, world_size=2, microbatches=2, steps=2, data=data, loss=f"{USER}:smoothed_loss")
+    inputs, targets = global_batch(case, 1)
+    assert set(inputs) == {"tokens", "attention_mask"} and item_count(case, targets) == 8 * 4
+    verdict = check_case(case)
+    assert verdict.ok, verdict.summary()
+    with_default = train_reference(case.with_(loss=None)).records[(1, "loss", "loss")]
+    assert train_reference(case).records[(1, "loss", "loss")] != with_default
 
 
 # ---- factories that are wrong -----------------------------------------------------------------------

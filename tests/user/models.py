@@ -65,3 +65,35 @@ def normal_init(model: nn.Module, generator: torch.Generator) -> None:
     """An init_fn: every parameter from the toolkit's generator, in registration order."""
     for p in model.parameters():
         p.normal_(0.0, 0.05, generator=generator)
+
+
+class DictLM(UserLM):
+    """Forward takes keyword inputs and returns a dict: the logits need an output_fn."""
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        logits = super().forward(tokens)
+        return {"scores": logits, "mask_seen": attention_mask}
+
+
+def dict_lm(**kwargs) -> nn.Module:
+    return DictLM(**kwargs)
+
+
+def scores(output: dict) -> torch.Tensor:
+    return output["scores"]
+
+
+def reversal_data(case, step: int, generator: torch.Generator):
+    """A user's data: learn to reverse a sequence; the first position's target is ignored."""
+    b, n = case.data.batch_size, case.model.seq_len
+    tokens = torch.randint(1, 37, (b, n), generator=generator)
+    targets = tokens.flip(1).clone()
+    targets[:, 0] = -100
+    return {"tokens": tokens, "attention_mask": torch.ones_like(tokens)}, targets
+
+
+def smoothed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss: a sum over the real items (the toolkit divides by their global count)."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum", label_smoothing=0.1
+    )
