@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from fsdp_verify.case import Case, CaseError, DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
-from fsdp_verify.properties.strategies import cases
+from fsdp_verify.properties.strategies import _custom_wrappable, cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
@@ -77,6 +77,11 @@ def test_tied_parameters_must_share_a_unit():
     assert Case(model=tied, wrap=("Qwen2DecoderLayer", "")).wrap_plan[-1] == ""
     with pytest.raises(CaseError, match=r"^wrap: expected the tied parameters \['model.embed_tokens.weight'"):
         Case(model=tied, wrap=("model.embed_tokens", ""))
+    # Generated plans never offer a unit that would split the tie (a drawn invalid case would be
+    # discarded silently, so the candidates themselves are checked).
+    offered = set(_custom_wrappable(tied))
+    assert {"Qwen2DecoderLayer", "Qwen2MLP", "model.layers.0", "model.layers.1.self_attn.q_proj"} <= offered
+    assert not offered & {"model", "model.embed_tokens", "lm_head", "Linear", "Embedding", "Qwen2Model"}
 
 
 @settings(max_examples=25, deadline=None, suppress_health_check=list(HealthCheck))
