@@ -43,6 +43,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--zoo", type=Path, help="a `fsdp-verify selftest --json` file to compare ratios with")
     p.add_argument("--timeout", type=float, default=120.0)
     p.add_argument("--report-from", type=Path, help="report on the rows.jsonl of an earlier (maybe cut-short) sweep")
+    p.add_argument("--model", help="a user's model factory pkg.module:NAME instead of the built-in MLP and Transformer")
+    p.add_argument("--model-kwargs", default="{}", help="its keyword arguments, a JSON object")
     return p.parse_args(argv)
 
 
@@ -52,6 +54,11 @@ def sweep(args: argparse.Namespace) -> dict:
     stream = (args.out / "rows.jsonl").open("w")
     closest_ratio = 0.0  # the highest worst ratio of a passing case so far
     t0 = time.perf_counter()
+    custom = None
+    if args.model:
+        from fsdp_verify.models import ModelSpec
+
+        custom = ModelSpec(kind="custom", factory=args.model, kwargs=json.loads(args.model_kwargs))
 
     @hypothesis_seed(args.seed)
     @settings(
@@ -61,13 +68,20 @@ def sweep(args: argparse.Namespace) -> dict:
         phases=(Phase.generate,),
         suppress_health_check=list(HealthCheck),
     )
-    @given(cases(engine=args.engine, world_sizes=tuple(args.world_sizes), precisions=tuple(args.precisions)))
+    @given(
+        cases(
+            engine=args.engine,
+            world_sizes=tuple(args.world_sizes),
+            precisions=tuple(args.precisions),
+            custom_model=custom,
+        )
+    )
     def one(case) -> None:
         nonlocal closest_ratio
         row = {
             "case": case.hash,
             "world_size": case.world_size,
-            "model": case.model.kind,
+            "model": case.model.factory or case.model.kind,
             "precision": case.precision.param_dtype or "fp32",
         }
         start = time.perf_counter()
@@ -84,6 +98,9 @@ def sweep(args: argparse.Namespace) -> dict:
                 worst_ratio=worst.ratio if worst else 0.0,
                 worst_at=list(worst.key) if worst else None,
                 worst_mode=worst.mode if worst else "",
+                # How many records were held to each tolerance mode, and how many matched bit for bit.
+                modes=dict(Counter(f.mode for f in verdict.findings if f.kind == "deviation")),
+                bit_exact=sum(1 for f in verdict.findings if f.kind == "deviation" and f.normwise == 0),
             )
             if not verdict.ok:
                 row.update(alarm="divergence", detail=verdict.summary())
