@@ -14,7 +14,7 @@ shrinking ends at a small case a person can read.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from dataclasses import fields
+from dataclasses import fields, replace
 from functools import lru_cache
 from typing import Any
 
@@ -124,10 +124,49 @@ def models(kinds: Iterable[str] = ("mlp", "transformer"), **pins: Any) -> Search
     return kind_strategy.flatmap(lambda kind: _mlp(rest) if kind == "mlp" else _transformer(rest))
 
 
+@st.composite
+def _custom(draw: Callable, base: ModelSpec, pins: dict[str, Any]) -> ModelSpec:
+    """A user's model as given (factory and kwargs fixed); drawn: the sequence length of its
+    token batches and up to two frozen parameters."""
+    seq_len = draw(_pinned(pins, "seq_len", st.integers(1, 8)))
+    spec = replace(base, seq_len=seq_len)
+    return replace(spec, frozen=draw(_pinned(pins, "frozen", _frozen(spec))))
+
+
 # ---- wrap plans ---------------------------------------------------------------------------------
+def _splits_a_tie(fqn: str, ties: tuple[tuple[str, ...], ...]) -> bool:
+    """Would wrapping module `fqn` on its own put tied parameters into two units?"""
+    inside = [[n.startswith(fqn + ".") for n in names] for names in ties]
+    return any(any(flags) and not all(flags) for flags in inside)
+
+
+@lru_cache(maxsize=1024)
+def _custom_wrappable(spec: ModelSpec) -> tuple[str, ...]:
+    """A user's model: each module class (every module of that class is one unit: torchtitan's
+    and accelerate's plans) and each module by FQN, except containers and what would split
+    tied parameters between units."""
+    from fsdp_verify.models.custom import info
+
+    model = info(spec)
+    containers = {"ModuleList", "ModuleDict", "Sequential"}
+    fqns = [n for n, c in model.classes.items() if n and c not in containers and not _splits_a_tie(n, model.tied)]
+    by_class: dict[str, list[str]] = {}
+    for n, c in model.classes.items():
+        if n:
+            by_class.setdefault(c, []).append(n)
+    classes = [
+        c
+        for c, names in by_class.items()
+        if c not in containers and all(n in fqns for n in names) and c not in model.classes.get("", "")
+    ]
+    return tuple(classes) + tuple(fqns)
+
+
 @lru_cache(maxsize=1024)
 def _wrappable(spec: ModelSpec) -> tuple[str, ...]:
     """Modules whose forward runs (so FSDP2's hooks fire): not the root, not a ModuleList."""
+    if spec.is_custom:
+        return _custom_wrappable(spec)
     with torch.device("meta"):
         model = _construct(spec)
     out = []
@@ -155,8 +194,8 @@ def _runs_in(name: str, spec: ModelSpec, precision: PrecisionSpec | None) -> boo
       dropouts, wo, w2, the embeddings and the output layer feed the residual stream or the loss
       (dtype-tolerant); q/k/v, w1/w3 and the norms feed matmuls directly.
     """
-    if precision is None or precision.param_dtype in (None, "fp32"):
-        return True
+    if precision is None or precision.param_dtype in (None, "fp32") or spec.is_custom:
+        return True  # a custom model's cases keep cast_forward_inputs on and no output_dtype
     leaf = name.rsplit(".", 1)[-1]
     if spec.kind == "mlp":
         return precision.cast_forward_inputs or leaf != "linear"
@@ -174,6 +213,10 @@ def wrap_plans(
     candidates = [name for name in _wrappable(spec) if _runs_in(name, spec, precision)]
     if not candidates:
         return st.just(("",))
+    if spec.is_custom:  # class names among the entries: the Case orders the expanded plan
+        return st.lists(st.sampled_from(candidates), unique=True, max_size=max_units).map(
+            lambda units: tuple(units) + ("",)
+        )
     return st.lists(st.sampled_from(candidates), unique=True, max_size=max_units).map(_order)
 
 
@@ -234,13 +277,15 @@ def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
 
 def data_specs(batch_multiple: int = 1, model_kind: str = "mlp", **pins: Any) -> SearchStrategy[DataSpec]:
     """Global batches of 1-2 samples per rank per micro-batch (`batch_multiple` = world size x
-    micro-batches). Cancellation data (seed 000's large, nearly cancelling values) only for MLPs."""
+    micro-batches). Cancellation data (seed 000's large, nearly cancelling values) only for MLPs;
+    variable-length padded sequences only for token models."""
     kinds = ("normal", "cancellation") if model_kind == "mlp" else ("normal",)
     return st.builds(
         DataSpec,
         batch_size=_pinned(pins, "batch_size", st.integers(1, 2).map(lambda k: k * batch_multiple)),
         kind=_pinned(pins, "kind", st.sampled_from(kinds)),
         scale=_pinned(pins, "scale", st.sampled_from((1.0, 0.01, 100.0))),
+        padded=_pinned(pins, "padded", st.just(False) if model_kind == "mlp" else st.booleans()),
     )
 
 
@@ -315,6 +360,7 @@ def cases(
     precisions: Iterable[str] = PRECISIONS,
     model_kinds: Iterable[str] = ("mlp", "transformer"),
     hsdp: bool = False,
+    custom_model: ModelSpec | None = None,
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
@@ -329,10 +375,30 @@ def cases(
     if bad or not model_kinds:
         raise PinError(f"model_kinds: expected a non-empty subset of ('mlp', 'transformer'), got {model_kinds!r}")
     precision_specs(precisions)  # validates the names now, not at the first draw
+    if custom_model is not None:
+        pins = _custom_pins(custom_model, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
     return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+
+
+def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
+    """A user's model: the model strategy is `_custom`; its batches are token sequences (padded
+    or not); eager init unless it has an init_fn; no output_dtype and inputs cast to param_dtype
+    (FSDP2's defaults): a user model need not run every dtype mix the built-ins were fitted to
+    (`_runs_in`), and a case it cannot run would be the model's limit, not the engine's."""
+    Case(model=spec)  # validates it now (a factory that does not import fails here, naming the field)
+    own = {
+        "model": _custom(spec, _sub(pins, "model")),
+        "precision.output_dtype": None,
+        "precision.cast_forward_inputs": True,
+        "data.kind": "normal",
+        "data.scale": 1.0,
+    }
+    if spec.init_fn is None:
+        own["init"] = "eager"
+    return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.")}}
 
 
 def fsdp1_modelled(case: Case) -> bool:

@@ -20,11 +20,12 @@ from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models import build_model
+from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
-from fsdp_verify.training.data import global_batch, microbatch_slices
-from fsdp_verify.training.loss import loss_fn
+from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
+from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
 
@@ -72,6 +73,8 @@ def train_reference(
         groups = [[ranks[m] for ranks in per_rank] for m in range(case.microbatches)]
         if not emulate:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
+        # The loss is the mean over the step's real tokens: each (virtual) rank scales its sum.
+        scale = global_mean_scale(len(groups[0]), item_count(case, targets))
         logits: dict[int, torch.Tensor] = {}
         rank_loss = [torch.zeros((), dtype=torch.float32) for _ in groups[0]]
         master_grads: dict[str, torch.Tensor] = {}
@@ -84,10 +87,11 @@ def train_reference(
                     fingerprints.setdefault(f"before_forward.{m}", []).append(rng_fingerprint(rng_states[r]))
                 torch.set_rng_state(rng_states[r])
                 compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
-                out = functional_call(model, compute, (inputs[index],))
+                args, kwargs = as_call(take(inputs, index))
+                out = logits_of(case.model, functional_call(model, compute, args, kwargs))
                 if emulate:
                     fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
-                loss = loss_fn(case.model, out, targets[index]) / case.microbatches
+                loss = microbatch_loss(case, out, targets[index], scale)
                 trainable = [n for n in compute if compute[n].requires_grad]
                 grads = torch.autograd.grad(loss, [compute[n] for n in trainable])
                 rank_grads.append(dict(zip(trainable, grads)))

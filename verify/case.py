@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_verify import dtypes
-from fsdp_verify.models import ModelSpec, default_wrap_plan, module_names
+from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
+from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
 
 OPTIMIZERS = ("sgd", "adam", "adamw")
@@ -100,8 +101,17 @@ class DataSpec:
     batch_size: int = 8
     kind: str = "normal"
     scale: float = 1.0
+    # Token models: each sequence gets its own length in [1, seq_len], padded with ignore_index,
+    # so ranks and micro-batches hold different numbers of real tokens (loss normalisation).
+    padded: bool = False
+    # A user's `fn(case, step, generator) -> (inputs, targets)` for the global batch.
+    fn: str | None = None
+
+    OPTIONAL_FIELDS = ("padded", "fn")
 
     def validate(self, prefix: str = "data") -> None:
+        check(isinstance(self.padded, bool), f"{prefix}.padded", "true or false", self.padded)
+        check(self.fn is None or is_import_path(self.fn), f"{prefix}.fn", f"null or {IMPORT_PATH}", self.fn)
         check(
             is_int(self.batch_size) and self.batch_size >= 1,
             f"{prefix}.batch_size",
@@ -134,6 +144,11 @@ class Case:
     data_seed: int = 1
     init: str = "eager"
     engine: str = "fsdp2"
+    # A user's `loss(logits, targets) -> sum over items`; divided by the global count of
+    # targets that are not ignore_index (-100). None: next-token cross-entropy (token models).
+    loss: str | None = None
+
+    OPTIONAL_FIELDS = ("loss",)
 
     def __post_init__(self) -> None:
         self.validate()
@@ -202,6 +217,8 @@ class Case:
             "true, false or a positive int",
             rsf,
         )
+        check(self.loss is None or is_import_path(self.loss), "loss", f"null or {IMPORT_PATH}", self.loss)
+        self._validate_custom()
         self._validate_wrap()
         if self.data.kind == "cancellation":
             check(
@@ -211,11 +228,40 @@ class Case:
                 self.data.kind,
             )
 
+    def _validate_custom(self) -> None:
+        if self.data.padded:
+            check(self.model.kind != "mlp", "data.padded", "false for an MLP (padding needs token sequences)", True)
+        if not self.model.is_custom:
+            return
+        from fsdp_verify.models import custom
+
+        info = custom.info(self.model)  # builds it on meta: a factory that fails is reported here
+        if self.data.fn is None or self.loss is None:
+            check(
+                info.vocab_size is not None,
+                "model.factory",
+                "a model with an nn.Embedding (token ids are generated for it), or data.fn and loss",
+                self.model.factory,
+            )
+        check(
+            self.init == "eager" or self.model.init_fn is not None,
+            "init",
+            "'eager' for a model factory without an init_fn (a meta build has no values to replay)",
+            self.init,
+        )
+
     def _validate_wrap(self) -> None:
+        classes = module_classes(self.model)
+        if self.wrap is not None:
+            for entry in self.wrap:
+                check(
+                    entry in classes or entry in classes.values(),
+                    "wrap",
+                    f"module names or class names of the model (e.g. {sorted(classes)[:6]},"
+                    f" {sorted(set(classes.values()))[:4]})",
+                    entry,
+                )
         plan = self.wrap_plan
-        names = module_names(self.model)
-        for fqn in plan:
-            check(fqn in names, "wrap", f"module names of the model (e.g. {sorted(names)[:6]})", fqn)
         check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         for i, fqn in enumerate(plan):
@@ -226,6 +272,12 @@ class Case:
         if self.model.kind == "transformer" and self.model.tie_embeddings:
             a, b = _owner(plan, "tok_embeddings"), _owner(plan, "output")
             check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
+        if self.model.is_custom:
+            from fsdp_verify.models.custom import tied_groups
+
+            for names in tied_groups(self.model):
+                owners = {_owner(plan, n.rsplit(".", 1)[0] if "." in n else "") for n in names}
+                check(len(owners) == 1, "wrap", f"the tied parameters {list(names)} in one shard unit", plan)
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -234,7 +286,20 @@ class Case:
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
-        return tuple(self.wrap) if self.wrap is not None else default_wrap_plan(self.model)
+        """Module FQNs, children first, the root last. A class name in `wrap` stands for every
+        module of that class (as torchtitan and accelerate's FSDP2 plans wrap each decoder layer);
+        a plan that names a class is ordered deepest first, so children still come first."""
+        if self.wrap is None:
+            return default_wrap_plan(self.model)
+        classes = module_classes(self.model)
+        if all(entry in classes for entry in self.wrap):
+            return tuple(self.wrap)
+        expanded: list[str] = []
+        for entry in self.wrap:
+            matches = [entry] if entry in classes else [n for n, c in classes.items() if c == entry]
+            expanded += [m for m in matches if m not in expanded]
+        inner = sorted((n for n in expanded if n), key=lambda n: -n.count("."))
+        return tuple(inner) + (("",) if "" in expanded else ())
 
     @property
     def local_batch(self) -> int:
@@ -242,7 +307,22 @@ class Case:
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        """Every field, except the optional fields of user models, data and losses while they are
+        at their defaults: a built-in case keeps the JSON and the hash it had before they existed
+        (an older revision can still replay it under `git bisect`)."""
+        data = dataclasses.asdict(self)
+        for where, spec in ((data, self), (data["model"], self.model), (data["data"], self.data)):
+            defaults = {f.name: f for f in fields(spec)}
+            for name in type(spec).OPTIONAL_FIELDS:
+                f = defaults[name]
+                default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+                if where[name] == default or (isinstance(default, tuple) and tuple(where[name]) == default):
+                    del where[name]
+        if self.model.is_custom:  # the built-in models' sizes mean nothing to a factory
+            for name in ModelSpec.BUILTIN_FIELDS:
+                if getattr(self.model, name) == getattr(ModelSpec(), name):
+                    del data["model"][name]
+        return data
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -302,7 +382,7 @@ def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
     return best
 
 
-_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape"}
+_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable"}
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

@@ -43,8 +43,12 @@ def precision_hint(first: Finding, got: Trace) -> str:
 def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
     if first is not None and first.phase == "precision" and first.kind == "contract":
         return precision_hint(first, got)
+    if first is not None and first.phase == "build":
+        return "build the model from the seed alone: every rank and the reference must construct the same model"
     if first is None or first.kind != "deviation":
         return ""
+    if first.phase == "loss":
+        return loss_hint(first, got)
     a, b = ref.records[first.key].double().flatten(), got.records[first.key].double().flatten()
     if first.phase == "init" and init == "meta":
         return (
@@ -78,3 +82,18 @@ def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: s
             if 0 < len(bad) < world_size:
                 return f"only the samples of rank(s) {bad} differ"
     return ""
+
+
+def loss_hint(first: Finding, got: Trace) -> str:
+    """The loss is the first record to part, so the logits it is computed from agreed: the loss
+    itself is computed or normalised differently. With different numbers of real tokens per
+    micro-batch or rank (padded batches), a per-micro-batch or per-rank mean is the usual cause."""
+    counts = got.meta.get("items", {}).get(str(first.step))
+    flat = [n for rank in counts or [] for n in rank]
+    if len(set(flat)) > 1:
+        return (
+            "the loss differs although the logits agree: loss normalisation. Micro-batches and ranks hold"
+            f" different numbers of real tokens ({counts}, per rank and micro-batch); scale each micro-batch's"
+            " loss sum by dp_size / global_batch_tokens (seed 000), not by its own or its rank's token count"
+        )
+    return "the loss differs although the logits agree: the loss is computed or normalised differently"

@@ -23,8 +23,10 @@ from safetensors.torch import save as st_save
 # at step 0 the dtype the sharded parameters are held in, which explains their values and so
 # comes before "init" (master weights held in bf16 are a precision finding, not "ranks
 # initialised differently").
-# "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
+# "build" (every rank built the same model) comes first: nothing later can agree without it.
+# "build", "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
 PHASES = (
+    "build",
     "ownership",
     "precision",
     "init",

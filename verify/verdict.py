@@ -12,6 +12,7 @@ from fsdp_verify.compare.finding import Finding
 from fsdp_verify.trace import PHASES, sort_key
 
 PHASE_TITLES = {
+    "build": "model build",
     "ownership": "parameter ownership",
     "init": "initial parameters",
     "buffers": "buffers",
@@ -55,7 +56,7 @@ class Verdict:
     def summary(self) -> str:
         c = self.case
         what = (
-            f"{c.engine} vs the reference ({c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
+            f"{c.engine} vs the reference ({c.model.factory or c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
             f" {c.steps} steps, case {c.hash})"
         )
         first = self.first_divergence
@@ -84,10 +85,12 @@ class Verdict:
         cells: dict[tuple[int, str], list[Finding]] = {}
         for f in self.findings:
             cells.setdefault((f.step, f.phase), []).append(f)
-        rows = [["step"] + [p for p in PHASES]]
+        # "build" is shown only when it has something to say (a user's model, or a failure).
+        phases = [p for p in PHASES if p != "build" or any(ph == p for _, ph in cells)]
+        rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
             row = [str(step)]
-            for phase in PHASES:
+            for phase in phases:
                 fs = cells.get((step, phase))
                 if not fs:
                     row.append("-")

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from fsdp_verify.case import Case
+from fsdp_verify.checks.build import build_summary, check_build
 from fsdp_verify.checks.ownership import check_ownership
 from fsdp_verify.checks.precision import check_precision, precision_summary
 from fsdp_verify.checks.rng import check_rng, rng_summary
@@ -53,6 +54,7 @@ def _frozen_summary(case: Case, ref: Trace, got: Trace) -> str | None:
 
 
 CHECKS: list[Check] = [
+    Check("ModelBuildCheck", "build", check_build, build_summary, optional=True),
     Check("OwnershipCheck", "ownership", check_ownership, _ownership_summary),
     Check("PrecisionContract", "precision", check_precision, precision_summary),
     Check("RngCheck", "rng", check_rng, rng_summary),

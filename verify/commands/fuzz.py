@@ -6,7 +6,6 @@ writes report.json and report.html into --out."""
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
@@ -15,26 +14,17 @@ from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
     EXIT_OK,
-    add_precisions,
+    add_draw_arguments,
     add_timeout,
-    add_world_sizes,
+    strategy_from_args,
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
-    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
-    add_precisions(p)
-    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    add_draw_arguments(p)
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
-    p.add_argument(
-        "--pin",
-        action="append",
-        default=[],
-        metavar="FIELD=JSON",
-        help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
-    )
     p.add_argument(
         "--profile",
         choices=("ci", "nightly", "dev"),
@@ -48,30 +38,22 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.properties import PROPERTIES
     from fsdp_verify.properties.search import search
-    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.properties.strategies import PinError
     from fsdp_verify.reports.search_report import closest_pass, write_report
     from fsdp_verify.repro.files import replay_command
     from fsdp_verify.sharded.pool import get_pool
+    from fsdp_verify.validation import CaseError
 
     if args.property not in PROPERTIES:
         return _bad(f"--property: expected one of {sorted(PROPERTIES)}, got {args.property!r}")
     if args.max_examples is not None and args.max_examples < 1:
         return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
-    if any(w < 1 for w in args.world_sizes):
-        return _bad(f"--world-sizes: expected positive integers, got {args.world_sizes}")
     try:
-        resolve_engine(args.engine)  # fail fast, before any rank starts
-        strategy = cases(
-            engine=args.engine,
-            world_sizes=args.world_sizes,
-            precisions=args.precisions,
-            model_kinds=args.models,
-            **_pins(args.pin),
-        )
-    except (EngineLoadError, PinError, OSError) as e:
+        strategy = strategy_from_args(args)
+    except (EngineLoadError, PinError, CaseError, OSError) as e:
         return _bad(str(e))
 
     prop = PROPERTIES[args.property]
@@ -102,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
         "max_examples": args.max_examples,
         "world_sizes": args.world_sizes,
         "precisions": args.precisions,
-        "models": args.models,
+        "models": [args.model] if args.model else args.models,
         "seed": args.seed,
     }
     json_path, html_path = write_report(result, args.out, meta)
@@ -122,24 +104,6 @@ def run(args: argparse.Namespace) -> int:
     print(f"Shrunk case written to {f.repro_path}")
     print(f"Replay: {replay_command(f.repro_path)}")
     return EXIT_DIVERGED
-
-
-def _pins(items: list[str]) -> dict[str, object]:
-    """`FIELD=JSON` pairs; a value that is not JSON is taken as a string (`optim.name=sgd`).
-    JSON lists become tuples, as Case fields hold them."""
-    from fsdp_verify.properties.strategies import PinError
-
-    pins: dict[str, object] = {}
-    for item in items:
-        key, sep, text = item.partition("=")
-        if not sep or not key:
-            raise PinError(f"--pin: expected FIELD=VALUE, got {item!r}")
-        try:
-            value = json.loads(text)
-        except json.JSONDecodeError:
-            value = text
-        pins[key] = tuple(value) if isinstance(value, list) else value
-    return pins
 
 
 def _progress(args: argparse.Namespace):

@@ -6,6 +6,7 @@ Free of torch, so the pytest plugin can use it while pytest parses its command l
 from __future__ import annotations
 
 import argparse
+from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -13,9 +14,11 @@ from fsdp_verify import dtypes
 
 if TYPE_CHECKING:
     from fsdp_verify.case import Case
+    from fsdp_verify.models import ModelSpec
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 ENGINE_HELP = "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME"
+MODEL_HELP = "pkg.module:NAME | path/to/file.py:NAME (a factory NAME(**kwargs) -> nn.Module)"
 PRECISION_POLICIES = dtypes.PRECISION_POLICIES
 
 
@@ -93,7 +96,20 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", help=ENGINE_HELP)
     p.add_argument("--world-size", type=int)
     p.add_argument("--steps", type=int)
-    p.add_argument("--model", choices=("mlp", "transformer"))
+    add_model_arguments(p)
+    p.add_argument("--microbatches", type=int, help="micro-batches per step (gradient accumulation)")
+    p.add_argument(
+        "--wrap",
+        nargs="+",
+        metavar="ENTRY",
+        help="the wrap plan: module FQNs and/or class names (LlamaDecoderLayer = every such module);"
+        " children first, the root added last",
+    )
+    p.add_argument(
+        "--padded", action="store_true", help="variable-length sequences padded with ignore_index (token models)"
+    )
+    p.add_argument("--data", metavar="IMPORT", help="a data function pkg.module:NAME, fn(case, step, generator)")
+    p.add_argument("--loss", metavar="IMPORT", help="a loss pkg.module:NAME, loss(logits, targets) -> sum over items")
     p.add_argument("--param-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
     p.add_argument("--reduce-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
     p.add_argument("--output-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
@@ -102,10 +118,57 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
 
 
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    """`--model` and what a user's model factory takes (shared by check, fuzz, ownership)."""
+    p.add_argument("--model", metavar="MODEL", help=f"mlp | transformer | {MODEL_HELP}")
+    p.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments of a model factory, a JSON object")
+    p.add_argument("--init-fn", metavar="IMPORT", help="init_fn(model, generator) run after the factory")
+    p.add_argument("--output-fn", metavar="IMPORT", help="output_fn(output) -> logits, for a model's forward output")
+    p.add_argument("--shrinkable", metavar="NAMES", help="integer model kwargs the shrinker may lower, comma-separated")
+    p.add_argument("--seq-len", type=int, help="length of the generated token sequences")
+
+
+def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None) -> ModelSpec | None:
+    """The ModelSpec `--model` and its options name, or None when they change nothing."""
+    import json
+
+    from fsdp_verify.models import ModelSpec
+    from fsdp_verify.models.spec import is_import_path
+    from fsdp_verify.validation import CaseError
+
+    name = getattr(args, "model", None)
+    extras = {k: getattr(args, k, None) for k in ("model_kwargs", "init_fn", "output_fn", "shrinkable")}
+    if name is None and not any(v is not None for v in extras.values()) and getattr(args, "seq_len", None) is None:
+        return None
+    base = current or ModelSpec()
+    if name in ("mlp", "transformer"):
+        if name != base.kind:
+            base = ModelSpec(kind=name)
+    elif name is not None:
+        if not is_import_path(name):
+            raise CaseError("model", f"'mlp', 'transformer' or {MODEL_HELP}", name)
+        base = ModelSpec(kind="custom", factory=name)
+    changes: dict = {}
+    if extras["model_kwargs"] is not None:
+        try:
+            changes["kwargs"] = json.loads(extras["model_kwargs"])
+        except json.JSONDecodeError as e:
+            raise CaseError("model.kwargs", f"a JSON object ({e})", extras["model_kwargs"]) from None
+        if not isinstance(changes["kwargs"], dict):
+            raise CaseError("model.kwargs", "a JSON object", extras["model_kwargs"])
+    for key in ("init_fn", "output_fn"):
+        if extras[key] is not None:
+            changes[key] = extras[key]
+    if extras["shrinkable"] is not None:
+        changes["shrinkable"] = tuple(_items(extras["shrinkable"]))
+    if getattr(args, "seq_len", None) is not None:
+        changes["seq_len"] = args.seq_len
+    return replace(base, **changes) if changes else base
+
+
 def case_from_args(args: argparse.Namespace) -> Case:
     """The built-in default or --case, with the command-line overrides applied. Raises CaseError."""
     from fsdp_verify.case import Case
-    from fsdp_verify.models import ModelSpec
 
     case = Case.load(args.case) if args.case else Case()
     changes: dict = {}
@@ -117,17 +180,31 @@ def case_from_args(args: argparse.Namespace) -> Case:
     for name in ("steps", "seed", "data_seed"):
         if getattr(args, name) is not None:
             changes[name] = getattr(args, name)
-    if args.model and args.model != case.model.kind:
-        changes["model"] = ModelSpec(kind=args.model)
-        changes["wrap"] = None
+    model = model_from_args(args, case.model)
+    if model is not None and model != case.model:
+        changes["model"] = model
+        if model.kind != case.model.kind or model.factory != case.model.factory:
+            changes["wrap"] = None
+    if args.wrap:
+        plan = tuple(e for e in args.wrap if e != "root")
+        changes["wrap"] = plan if plan and plan[-1] == "" else plan + ("",)
+    if args.microbatches is not None:
+        changes["microbatches"] = args.microbatches
+    if args.padded:
+        changes["data.padded"] = True
+    if args.data:
+        changes["data.fn"] = args.data
+    if args.loss:
+        changes["loss"] = args.loss
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(args, name):
             changes[f"precision.{name}"] = getattr(args, name)
     world = changes.get("world_size", case.world_size)
+    microbatches = changes.get("microbatches", case.microbatches)
     if args.batch_size is not None:
         changes["data.batch_size"] = args.batch_size
-    elif not args.case and world is not None and isinstance(world, int) and world > 0:
-        per = world * case.microbatches
+    elif (not args.case or "microbatches" in changes) and isinstance(world, int) and world > 0:
+        per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
     return case.with_(**changes) if changes else case
 
@@ -138,3 +215,64 @@ def load_case(path: Path, engine: str | None) -> Case:
 
     case = Case.load(path)
     return case.with_(engine=engine) if engine else case
+
+
+def add_draw_arguments(p: argparse.ArgumentParser) -> None:
+    """What a generated draw may hold (fuzz, sweep): world sizes, precisions, the built-in models or
+    a user's model, and pinned Case fields."""
+    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
+    add_precisions(p)
+    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    add_model_arguments(p)
+    p.add_argument(
+        "--pin",
+        action="append",
+        default=[],
+        metavar="FIELD=JSON",
+        help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
+    )
+
+
+def pins_from_args(items: list[str]) -> dict[str, object]:
+    """`FIELD=JSON` pairs; a value that is not JSON is taken as a string (`optim.name=sgd`).
+    JSON lists become tuples, as Case fields hold them."""
+    import json
+
+    from fsdp_verify.properties.strategies import PinError
+
+    pins: dict[str, object] = {}
+    for item in items:
+        key, sep, text = item.partition("=")
+        if not sep or not key:
+            raise PinError(f"--pin: expected FIELD=VALUE, got {item!r}")
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError:
+            value = text
+        pins[key] = tuple(value) if isinstance(value, list) else value
+    return pins
+
+
+def strategy_from_args(args: argparse.Namespace, **options):
+    """The case strategy the draw arguments name, the engine imported first (a bad one fails
+    before any rank starts). Raises EngineLoadError, PinError, CaseError or OSError, each naming
+    the argument."""
+    from fsdp_verify.engines import resolve_engine
+    from fsdp_verify.properties.strategies import cases
+
+    if any(w < 1 for w in args.world_sizes):
+        from fsdp_verify.properties.strategies import PinError
+
+        raise PinError(f"--world-sizes: expected positive integers, got {args.world_sizes}")
+    resolve_engine(args.engine)
+    model = model_from_args(args)
+    custom = model if model is not None and model.is_custom else None
+    return cases(
+        engine=args.engine,
+        world_sizes=args.world_sizes,
+        precisions=args.precisions,
+        model_kinds=[model.kind] if model is not None and custom is None else args.models,
+        custom_model=custom,
+        **options,
+        **pins_from_args(args.pin),
+    )

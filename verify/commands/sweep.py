@@ -18,9 +18,9 @@ from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
     EXIT_OK,
-    add_precisions,
+    add_draw_arguments,
     add_timeout,
-    add_world_sizes,
+    strategy_from_args,
 )
 
 
@@ -43,13 +43,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
     p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
-    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
-    add_precisions(p)
-    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    add_draw_arguments(p)
     p.add_argument(
         "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
     )
-    p.add_argument("--pin", action="append", default=[], metavar="FIELD=JSON", help="fix a Case field (repeatable)")
     p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and false alarms")
     p.add_argument(
         "--zoo", type=Path, help="a `selftest --json` file or selftest report.json to show beside the ratios"
@@ -89,12 +86,12 @@ def load_zoo(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.commands.fuzz import _pins
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.draw import draw_cases, in_shard
-    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.properties.strategies import PinError
     from fsdp_verify.reports.report import finish, write
     from fsdp_verify.reports.schema import ReportError
+    from fsdp_verify.validation import CaseError
 
     if args.cases < 1:
         return _bad(f"--cases: expected a positive integer, got {args.cases}")
@@ -103,17 +100,8 @@ def run(args: argparse.Namespace) -> int:
     except (OSError, json.JSONDecodeError, ReportError, KeyError) as e:
         return _bad(f"--zoo: {e}")
     try:
-        resolve_engine(args.engine)
-        pins = _pins(args.pin)
-        strategy = cases(
-            engine=args.engine,
-            world_sizes=args.world_sizes,
-            precisions=args.precisions,
-            model_kinds=args.models,
-            hsdp=args.hsdp,
-            **pins,
-        )
-    except (EngineLoadError, PinError, OSError) as e:
+        strategy = strategy_from_args(args, hsdp=args.hsdp)
+    except (EngineLoadError, PinError, CaseError, OSError) as e:
         return _bad(str(e))
     drawn = draw_cases(strategy, args.cases, args.seed)
     mine = [(k, c) for k, c in enumerate(drawn) if in_shard(k, args.shard)]
@@ -141,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         draw={
             "world_sizes": args.world_sizes,
             "precisions": args.precisions,
-            "models": args.models,
+            "models": [args.model] if args.model else args.models,
             "hsdp": args.hsdp,
             "pins": args.pin,
         },

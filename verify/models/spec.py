@@ -1,17 +1,31 @@
-"""ModelSpec: which built-in model a Case trains, and its sizes. Validation names the field."""
+"""ModelSpec: which model a Case trains (a built-in one and its sizes, or a user's factory by
+import path with its JSON kwargs), so a Case file replays the same model anywhere. Validation
+names the field."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import json
+from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_verify.validation import check, is_int, is_number
 
-MODEL_KINDS = ("mlp", "transformer")
+MODEL_KINDS = ("mlp", "transformer", "custom")
+IMPORT_PATH = "'pkg.module:NAME' or 'path/to/file.py:NAME'"
+
+
+def is_import_path(value: Any) -> bool:
+    return isinstance(value, str) and ":" in value and all(value.rsplit(":", 1))
 
 
 @dataclass(frozen=True)
 class ModelSpec:
-    """Built-in model. `mlp` uses `widths` (input, hidden..., output); `transformer` the rest."""
+    """Built-in model: `mlp` uses `widths` (input, hidden..., output); `transformer` the sizes
+    below. `custom`: `factory(**kwargs) -> nn.Module`, called under `torch.manual_seed(case.seed)`
+    on the reference and on every rank; `init_fn(model, generator)` (optional) initialises after;
+    `output_fn(output) -> logits` (optional) picks the logits out of what forward returns;
+    `shrinkable` names integer kwargs the shrinker may lower (layers, widths). `seq_len` is the
+    length of the generated token sequences for both a Transformer and a custom LM."""
 
     kind: str = "transformer"
     widths: tuple[int, ...] = (16, 33, 17, 8)
@@ -24,6 +38,19 @@ class ModelSpec:
     tie_embeddings: bool = False
     dropout: float = 0.0
     frozen: tuple[str, ...] = ()  # parameter-name prefixes with requires_grad=False
+    factory: str | None = None
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    init_fn: str | None = None
+    output_fn: str | None = None
+    shrinkable: tuple[str, ...] = ()
+
+    # Fields of a custom model, left out of the JSON (and so of the Case hash) while at their
+    # defaults: a built-in case keeps the hash and the file it had before they existed.
+    OPTIONAL_FIELDS = ("factory", "kwargs", "init_fn", "output_fn", "shrinkable")
+    BUILTIN_FIELDS = ("widths", "vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "tie_embeddings")
+
+    def __hash__(self) -> int:  # kwargs is a dict: hash the canonical JSON of every field
+        return hash(json.dumps(self.__dict__, sort_keys=True, default=list))
 
     def validate(self, prefix: str = "model") -> None:
         check(self.kind in MODEL_KINDS, f"{prefix}.kind", f"one of {MODEL_KINDS}", self.kind)
@@ -34,7 +61,7 @@ class ModelSpec:
                 "at least two positive integers (input, ..., output)",
                 self.widths,
             )
-        else:
+        elif self.kind == "transformer":
             for name in ("vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "seq_len"):
                 value = getattr(self, name)
                 check(is_int(value) and value >= 1, f"{prefix}.{name}", "a positive integer", value)
@@ -45,6 +72,10 @@ class ModelSpec:
                 "an even head dimension (RoPE rotates pairs)",
                 self.dim,
             )
+        else:
+            self._validate_custom(prefix)
+        if self.kind != "custom":
+            check(self.factory is None, f"{prefix}.factory", "null unless kind is 'custom'", self.factory)
         check(
             is_number(self.dropout) and 0.0 <= self.dropout < 1.0,
             f"{prefix}.dropout",
@@ -52,6 +83,29 @@ class ModelSpec:
             self.dropout,
         )
 
+    def _validate_custom(self, prefix: str) -> None:
+        check(is_import_path(self.factory), f"{prefix}.factory", IMPORT_PATH, self.factory)
+        check(isinstance(self.kwargs, dict), f"{prefix}.kwargs", "a JSON object of keyword arguments", self.kwargs)
+        try:
+            json.dumps(self.kwargs)
+        except (TypeError, ValueError):
+            check(False, f"{prefix}.kwargs", "JSON values (numbers, strings, lists, objects)", self.kwargs)
+        for name in ("init_fn", "output_fn"):
+            value = getattr(self, name)
+            check(value is None or is_import_path(value), f"{prefix}.{name}", f"null or {IMPORT_PATH}", value)
+        check(is_int(self.seq_len) and self.seq_len >= 1, f"{prefix}.seq_len", "a positive integer", self.seq_len)
+        for name in self.shrinkable:
+            check(
+                is_int(self.kwargs.get(name)) and self.kwargs[name] >= 1,
+                f"{prefix}.shrinkable",
+                f"names of positive integer kwargs (kwargs has {sorted(self.kwargs)})",
+                name,
+            )
+
     @property
     def n_blocks(self) -> int:
         return len(self.widths) - 1 if self.kind == "mlp" else self.n_layers
+
+    @property
+    def is_custom(self) -> bool:
+        return self.kind == "custom"

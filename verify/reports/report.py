@@ -51,7 +51,7 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         "ok": ok,
         "status": "error" if error is not None else ("pass" if ok else "fail"),
         "seconds": round(seconds, 3),
-        "model": case.model.kind,
+        "model": case.model.factory or case.model.kind,
         "world_size": case.world_size,
         "mesh_shape": list(case.mesh_shape) if case.mesh_shape is not None else None,
         "precision": case.precision.param_dtype or "fp32",

@@ -192,9 +192,9 @@ def _fit_wrap(c: Case, model: ModelSpec) -> tuple[str, ...] | None:
     """A custom wrap plan without the modules the smaller model no longer has (None = default)."""
     if c.wrap is None:
         return None
-    from fsdp_verify.models import module_names
+    from fsdp_verify.models import module_classes, module_names
 
-    names = module_names(model)
+    names = module_names(model) | set(module_classes(model).values())  # FQNs and class names
     kept = tuple(fqn for fqn in c.wrap if fqn in names)
     return kept if kept and kept[-1] == "" else None
 
@@ -204,8 +204,27 @@ def _with_model(c: Case, label: str, **model_changes: Any) -> tuple[str, dict[st
     return label, {"model": model, "wrap": _fit_wrap(c, model)}
 
 
+def _kwargs(c: Case, label: str, **kwargs: Any) -> tuple[str, dict[str, Any]]:
+    return _with_model(c, label, kwargs={**c.model.kwargs, **kwargs})
+
+
+def _custom_sizes(c: Case) -> Candidates:
+    """A user's model: each kwarg it marks shrinkable (layers, widths) lowered, and shorter
+    sequences. A combination the factory rejects (heads that no longer divide the width) is
+    no candidate: it fails validation, naming model.factory."""
+    m = c.model
+    out = []
+    for name in m.shrinkable:
+        value = m.kwargs[name]
+        out += [_kwargs(c, f"{name} {value} -> {n}", **{name: n}) for n in _smaller_ints(value)]
+    out += [_with_model(c, f"seq_len {m.seq_len} -> {n}", seq_len=n) for n in _smaller_ints(m.seq_len)]
+    return out
+
+
 def _layers(c: Case) -> Candidates:
     m = c.model
+    if m.is_custom:
+        return _custom_sizes(c)
     if m.kind == "mlp":
         w = m.widths
         out = [_with_model(c, f"layers {len(w) - 1} -> 1", widths=(w[0], w[-1]))] if len(w) > 2 else []
@@ -219,6 +238,8 @@ def _layers(c: Case) -> Candidates:
 
 def _widths(c: Case) -> Candidates:
     m = c.model
+    if m.is_custom:
+        return []  # the shrinkable kwargs, in _layers
     if m.kind == "mlp":
         halved = tuple(max(1, v // 2) for v in m.widths)
         out = [_with_model(c, f"widths {m.widths} -> {halved}", widths=halved)] if halved != m.widths else []
@@ -290,6 +311,7 @@ REDUCTIONS: list[Callable[[Case], Candidates]] = [
     _feature("frozen", lambda c: c.model.frozen, (), "model.frozen"),
     _feature("data.kind", lambda c: c.data.kind, "normal", "data.kind"),
     _feature("data.scale", lambda c: c.data.scale, 1.0, "data.scale"),
+    _feature("data.padded", lambda c: c.data.padded, False, "data.padded"),
     _feature("init", lambda c: c.init, "eager", "init"),
     _feature("sync_every_microbatch", lambda c: c.sync_every_microbatch, True, "sync_every_microbatch"),
     _feature("reshard_after_forward", lambda c: c.reshard_after_forward, True, "reshard_after_forward"),
@@ -305,7 +327,9 @@ REDUCTIONS: list[Callable[[Case], Candidates]] = [
 def describe(case: Case) -> str:
     """One line: the case's size and every feature that is on."""
     m = case.model
-    if m.kind == "mlp":
+    if m.is_custom:
+        model = f"{m.factory} {m.kwargs}, seq {m.seq_len}"
+    elif m.kind == "mlp":
         model = f"mlp widths {list(m.widths)}"
     else:
         model = f"transformer {m.n_layers} layers, dim {m.dim}, {m.n_heads} heads, ffn {m.ffn_hidden}"
@@ -326,6 +350,7 @@ def describe(case: Case) -> str:
         (m.tie_embeddings, lambda: "tied embeddings"),
         (bool(m.frozen), lambda: f"frozen {list(m.frozen)}"),
         (case.data.kind != "normal", lambda: f"data {case.data.kind}"),
+        (case.data.padded, lambda: "padded sequences"),
         (case.init != "eager", lambda: "meta init"),
         (not case.sync_every_microbatch, lambda: "grads accumulated unsharded"),
         (case.reshard_after_forward is not True, lambda: f"reshard_after_forward {case.reshard_after_forward}"),

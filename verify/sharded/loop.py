@@ -18,10 +18,11 @@ from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.engines.view import EngineView, view_of
 from fsdp_verify.models import build_model
+from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.data import global_batch, microbatch_slices
-from fsdp_verify.training.loss import loss_fn
+from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
+from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_seed
 
@@ -42,6 +43,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
     for probe in probes:
         probe.after_build(model)
+    if any(getattr(probe, "stop", False) for probe in probes):
+        return trace  # the ranks built different models (the build check names how)
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
@@ -58,20 +61,26 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     _record_params(trace, 0, view, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     dtypes: dict[str, str] = {}
+    loss_scale = getattr(sharded, "loss_scale", None) or _global_mean
+    items: dict[str, list[list[int]]] = {}
     for step in range(1, case.steps + 1):
         inputs, targets = global_batch(case, step)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
         slices = microbatch_slices(case, ctx.rank)
+        counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(ctx.world_size)]
+        items[str(step)] = counts
         for m, index in enumerate(slices):
             if not case.sync_every_microbatch:
                 view.set_requires_gradient_sync(m == len(slices) - 1)
             ctx.phase(f"step {step} forward (micro-batch {m})")
             for probe in probes:
                 probe.before_forward(step, m)
-            out = sharded(inputs[index].to(ctx.device))
+            args, kwargs = as_call(take(inputs, index, ctx.device))
+            out = logits_of(case.model, sharded(*args, **kwargs))
             for probe in probes:
                 probe.after_forward(step, m, out)
-            loss = loss_fn(case.model, out, targets[index].to(ctx.device)) / case.microbatches
+            scale = loss_scale(counts[ctx.rank][m], sum(counts[ctx.rank]), sum(map(sum, counts)), ctx.world_size)
+            loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
             ctx.phase(f"step {step} backward (micro-batch {m})")
             loss.backward()
             for probe in probes:
@@ -107,7 +116,15 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("done")
     if trace is not None:
         trace.meta["dtypes"] = dtypes
+        trace.meta["items"] = items  # per step, rank and micro-batch: what the loss averages over
     return trace
+
+
+def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:
+    """Each micro-batch's loss sum times dp_size / global items (seed 000). An engine that owns its
+    loss normalisation (veRL- or slime-style trainers do) may give its module a `loss_scale` with
+    this signature; the zoo's normalisation mutants do."""
+    return global_mean_scale(dp_size, global_items)
 
 
 def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Tensor) -> None:

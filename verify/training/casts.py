@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import torch
@@ -15,6 +16,14 @@ def cast_floats(obj: Any, dtype: torch.dtype) -> Any:
         return tuple(cast_floats(o, dtype) for o in obj)
     if isinstance(obj, list):
         return [cast_floats(o, dtype) for o in obj]
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):  # transformers' ModelOutput
+        return dataclasses.replace(
+            obj, **{f.name: cast_floats(getattr(obj, f.name), dtype) for f in dataclasses.fields(obj)}
+        )
     if isinstance(obj, dict):
-        return {k: cast_floats(v, dtype) for k, v in obj.items()}
+        return (
+            type(obj)((k, cast_floats(v, dtype)) for k, v in obj.items())
+            if type(obj) is not dict
+            else {k: cast_floats(v, dtype) for k, v in obj.items()}
+        )
     return obj

@@ -55,6 +55,9 @@ def _mutant(name: str) -> str:
 _MICROBATCHES = st.integers(2, 3)
 # One case per example costs ~0.2-1 s; keep the zoo's cases at the cheap end.
 _CHEAP = {"steps": st.integers(1, 2)}
+# Lengths drawn in [1, seq_len] differ between micro-batches and ranks only if seq_len > 1; the
+# normalisation bugs cannot show otherwise (equal token counts make them correct).
+_PADDED = {"data.padded": True, "model.seq_len": st.integers(4, 8), "model.dropout": 0.0}
 
 ZOO: list[ZooBug] = [
     ZooBug(
@@ -174,6 +177,27 @@ ZOO: list[ZooBug] = [
         world_sizes=(1, 2, 3, 4),
         precisions=("fp32",),
         pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "loss_normalised_per_microbatch",
+        _mutant("loss_normalised_per_microbatch"),
+        "each micro-batch's loss is its own token mean, averaged over micro-batches: with padded"
+        " sequences of different lengths, tokens of short micro-batches weigh more",
+        "seed 000: scale the loss by dp_size / global_batch_tokens for accumulation, not per micro-batch",
+        ("loss", "grads"),
+        world_sizes=(1, 2, 3, 4),
+        model_kinds=("transformer",),
+        pins={**_CHEAP, **_PADDED, "microbatches": _MICROBATCHES},
+    ),
+    ZooBug(
+        "loss_normalised_per_rank",
+        _mutant("loss_normalised_per_rank"),
+        "each rank's loss is the mean over its own tokens, then averaged over ranks: with padded"
+        " sequences, ranks holding fewer real tokens weigh each token more",
+        "seed 000: loss_sum * dp_size / global_batch_tokens, each rank summing its own tokens",
+        ("loss", "grads"),
+        model_kinds=("transformer",),
+        pins={**_CHEAP, **_PADDED},
     ),
     ZooBug(
         "flat_nested_double_ownership",

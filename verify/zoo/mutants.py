@@ -279,3 +279,21 @@ def rank1_grad_off_by_2e6_once(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
 
     model.register_forward_hook(scale)
     return model
+
+
+def loss_normalised_per_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each micro-batch's loss is the mean over its own real tokens, divided by the number of
+    micro-batches (then ReduceOp.AVG): a mean of means, right only when every micro-batch holds
+    as many real tokens (seed 000 asks for loss_sum * dp_size / global_batch_tokens)."""
+    fully_shard_engine(model, mesh, spec)
+    microbatches = spec.case.microbatches if spec.case is not None else 1
+    model.loss_scale = lambda mb_items, rank_items, global_items, dp: 1.0 / (max(mb_items, 1) * microbatches)
+    return model
+
+
+def loss_normalised_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each rank divides its loss sum by its own real tokens (a per-rank mean, then ReduceOp.AVG):
+    ranks with fewer tokens weigh each token more."""
+    fully_shard_engine(model, mesh, spec)
+    model.loss_scale = lambda mb_items, rank_items, global_items, dp: 1.0 / max(rank_items, 1)
+    return model

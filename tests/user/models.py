@@ -1,0 +1,99 @@
+"""A user's own models, written outside the package: what `--model tests/user/models.py:NAME`
+or `--model tests.user.models:NAME` brings under test."""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+
+class UserBlock(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class UserLM(nn.Module):
+    """Embedding, residual MLP blocks, a head: a token model of the user's own making (no
+    attention, so positions never mix and right padding cannot leak into real tokens)."""
+
+    def __init__(self, vocab: int = 37, dim: int = 12, n_layers: int = 2, hidden: int = 20):
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(UserBlock(dim, hidden) for _ in range(n_layers))
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def user_lm(**kwargs) -> nn.Module:
+    return UserLM(**kwargs)
+
+
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def reseeds_by_rank(**kwargs) -> nn.Module:
+    """A factory that seeds itself from the rank (as `torch.manual_seed(base + rank)` in a
+    launcher script does): every rank builds other values."""
+    torch.manual_seed(1000 + _rank())
+    return UserLM(**kwargs)
+
+
+def width_by_rank(**kwargs) -> nn.Module:
+    """A factory whose hidden width depends on the rank."""
+    return UserLM(**{**kwargs, "hidden": 20 + _rank()})
+
+
+def raises(**kwargs) -> nn.Module:
+    raise RuntimeError("config file not found: tiny.yaml")
+
+
+def normal_init(model: nn.Module, generator: torch.Generator) -> None:
+    """An init_fn: every parameter from the toolkit's generator, in registration order."""
+    for p in model.parameters():
+        p.normal_(0.0, 0.05, generator=generator)
+
+
+class DictLM(UserLM):
+    """Forward takes keyword inputs and returns a dict: the logits need an output_fn."""
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor | None = None) -> dict:
+        logits = super().forward(tokens)
+        return {"scores": logits, "mask_seen": attention_mask}
+
+
+def dict_lm(**kwargs) -> nn.Module:
+    return DictLM(**kwargs)
+
+
+def scores(output: dict) -> torch.Tensor:
+    return output["scores"]
+
+
+def reversal_data(case, step: int, generator: torch.Generator):
+    """A user's data: learn to reverse a sequence; the first position's target is ignored."""
+    b, n = case.data.batch_size, case.model.seq_len
+    tokens = torch.randint(1, 37, (b, n), generator=generator)
+    targets = tokens.flip(1).clone()
+    targets[:, 0] = -100
+    return {"tokens": tokens, "attention_mask": torch.ones_like(tokens)}, targets
+
+
+def smoothed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """A user's loss: a sum over the real items (the toolkit divides by their global count)."""
+    return F.cross_entropy(
+        logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum", label_smoothing=0.1
+    )

@@ -1,0 +1,50 @@
+"""Objects a Case names by import path (`pkg.module:NAME` or `path/to/file.py:NAME`): a user's
+model factory, init, output, data or loss function. Loaded the same way in this process and on
+every rank, so a Case file replays the user's code, not a copy of it."""
+
+from __future__ import annotations
+
+import hashlib
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Any
+
+from fsdp_verify.validation import CaseError
+
+
+def load_object(path: str, field: str) -> Any:
+    """The callable `path` names. A module that does not import, or a name it lacks, is a
+    CaseError naming `field` (exit code 2; `repro` turns it into 125)."""
+    if not isinstance(path, str) or ":" not in path:
+        raise CaseError(field, "'pkg.module:NAME' or 'path/to/file.py:NAME'", path)
+    where, attr = path.rsplit(":", 1)
+    try:
+        module = _load_file(where) if where.endswith(".py") else importlib.import_module(where)
+    except Exception as e:
+        raise CaseError(field, f"an importable module ({where!r} raised {type(e).__name__}: {e})", path) from e
+    obj = module
+    for part in attr.split("."):
+        obj = getattr(obj, part, None)
+    if not callable(obj):
+        raise CaseError(field, f"a callable named {attr!r} in {where!r}", path)
+    return obj
+
+
+def _load_file(path: str):
+    file = Path(path).resolve()
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file: {file}")
+    mod_name = "fsdp_verify_user_" + hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    if mod_name in sys.modules:
+        return sys.modules[mod_name]
+    spec = importlib.util.spec_from_file_location(mod_name, file)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[mod_name] = module
+    try:
+        spec.loader.exec_module(module)
+    except BaseException:
+        del sys.modules[mod_name]
+        raise
+    return module

@@ -1,0 +1,114 @@
+"""A user's model: `factory(**kwargs) -> nn.Module` named by import path in the ModelSpec.
+
+What the rest of the toolkit needs to know about it (module names and classes for wrap plans,
+tied parameters, the vocabulary for generated token ids, whether forward takes an attention
+mask) is read once per spec from a meta-device build, which costs no memory."""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_verify.imports import load_object
+from fsdp_verify.models.spec import ModelSpec
+from fsdp_verify.validation import CaseError
+
+
+def construct(spec: ModelSpec) -> nn.Module:
+    """Call the factory. Whatever it raises becomes a CaseError naming `model.factory`."""
+    factory = load_object(spec.factory, "model.factory")
+    try:
+        model = factory(**spec.kwargs)
+    except Exception as e:
+        raise CaseError(
+            "model.factory",
+            f"a factory that builds the model from kwargs (it raised {type(e).__name__}: {e})",
+            spec.factory,
+        ) from e
+    if not isinstance(model, nn.Module):
+        raise CaseError(
+            "model.factory", "a factory returning an nn.Module", f"{spec.factory} -> {type(model).__name__}"
+        )
+    return model
+
+
+def initialise(model: nn.Module, spec: ModelSpec, seed: int) -> None:
+    """The user's `init_fn(model, generator)`, with a CPU generator seeded from the case."""
+    if spec.init_fn is not None:
+        init = load_object(spec.init_fn, "model.init_fn")
+        with torch.no_grad():
+            init(model, torch.Generator().manual_seed(seed))
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    classes: dict[str, str]  # module FQN -> class name ("" is the root)
+    vocab_size: int | None  # rows of the input embedding, None without one
+    takes_attention_mask: bool
+    tied: tuple[tuple[str, ...], ...]  # names that share one parameter (tied embeddings)
+    first_input: str  # the name of forward's first parameter (transformers: input_ids)
+
+
+def info(spec: ModelSpec) -> ModelInfo:
+    return _info(spec)
+
+
+@functools.lru_cache(maxsize=64)
+def _info(spec: ModelSpec) -> ModelInfo:
+    with torch.device("meta"):
+        model = construct(spec)
+    classes = {name: type(m).__name__ for name, m in model.named_modules()}
+    by_tensor: dict[int, list[str]] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        by_tensor.setdefault(id(p), []).append(name)
+    tied = tuple(tuple(names) for names in by_tensor.values() if len(names) > 1)
+    names = _forward_parameters(model)
+    first = next(iter(names), "input_ids")
+    return ModelInfo(classes, _vocab_size(model), "attention_mask" in names, tied, first)
+
+
+def tied_groups(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
+    return _info(spec).tied
+
+
+def _vocab_size(model: nn.Module) -> int | None:
+    """From `get_input_embeddings()` (transformers' models) or else the first nn.Embedding."""
+    getter = getattr(model, "get_input_embeddings", None)
+    embedding = None
+    if callable(getter):
+        try:
+            embedding = getter()
+        except (NotImplementedError, AttributeError):
+            embedding = None
+    if not isinstance(embedding, nn.Embedding):
+        embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    return embedding.num_embeddings if embedding is not None else None
+
+
+def _forward_parameters(model: nn.Module) -> list[str]:
+    try:
+        return list(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        return []
+
+
+def logits_of(spec: ModelSpec, output: Any) -> torch.Tensor:
+    """The logits in what forward returned: the user's `output_fn`, else a tensor itself, a
+    `ModelOutput`'s `.logits`, or the first element of a tuple."""
+    if spec.output_fn is not None:
+        return load_object(spec.output_fn, "model.output_fn")(output)
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    if isinstance(output, (tuple, list)) and output and isinstance(output[0], torch.Tensor):
+        return output[0]
+    raise TypeError(
+        f"model.output_fn: the model returned {type(output).__name__}; name a function that returns its logits"
+    )
