@@ -51,7 +51,12 @@ def train_reference(
     "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
     reduction and the clip's norm, and its `unit_input_node` is the default."""
     model = build_model(case.model, case.seed, init="eager")
-    _install_precision_hooks(model, case, arithmetic.unit_input_node if unit_input_node is None else unit_input_node)
+    _install_precision_hooks(
+        model,
+        case,
+        arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
+        arithmetic.casts_inputs_without_params,
+    )
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
     flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
@@ -330,15 +335,19 @@ def _record_buffers(trace: Trace, step: int, model: nn.Module) -> None:
         trace.add(step, "buffers", n, b)
 
 
-def _install_precision_hooks(model: nn.Module, case: Case, unit_input_node: bool = True) -> None:
+def _install_precision_hooks(
+    model: nn.Module, case: Case, unit_input_node: bool = True, cast_units_without_params: bool = True
+) -> None:
     """FSDP2 casts floating inputs of every shard unit to `param_dtype` (cast_forward_inputs) and
-    its outputs to `output_dtype`; the same casts, on the same modules."""
+    its outputs to `output_dtype`; the same casts, on the same modules (FSDP1 only on the root and
+    on units holding parameters of their own: `cast_units_without_params=False`)."""
     policy = case.precision
     param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
     units_with_params = {_owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters()}
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)
-        if policy.cast_forward_inputs and param_dtype is not None:
+        casts = cast_units_without_params or fqn == "" or fqn in units_with_params
+        if policy.cast_forward_inputs and param_dtype is not None and casts:
             module.register_forward_pre_hook(
                 lambda _m, args, kw, d=param_dtype: (cast_floats(args, d), cast_floats(kw, d)), with_kwargs=True
             )

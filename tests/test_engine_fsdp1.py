@@ -105,12 +105,16 @@ NESTED_TIED_FP32 = Case(
 # shards is one ulp from the emulation's, every sampled calibration order agreed to the bit, and
 # the step-2 Adam state was flagged at 1.06x the collapsed tolerance; the derived floor
 # (reference/perturbation.py) moves the clip norm by its error bound.
+# Regression (3375fe8495b6, bf16, world size 3): a unit whose parameters all sit in wrapped children
+# ('layers.1') has no FlatParameter, and FSDP1 casts inputs only where it has one; the precision
+# contract expected bf16 inputs there. Declared: `Arithmetic.casts_inputs_without_params`.
 # Regression: FSDP1 reduce-scatters each unit's padded flat gradient, so gloo's ring segments
 # (and the order each element is summed in) differ from FSDP2's rows; without a calibration run
 # in that order this world-size-3 case was a 1.01x false alarm (tests/regressions/README.md).
 @example(NESTED_TIED_FP32)
 @example(regression("c403031b9726"))
 @example(regression("2f1a32547af6"))
+@example(regression("3375fe8495b6"))
 @given(cases(engine="fsdp1"))
 def test_fsdp1_property_sharded_equals_reference(case):
     """The property suite's generated cases (nested wrap plans, frozen and tied weights, dropout,
@@ -149,3 +153,15 @@ def test_cli_check_engine_fsdp1_exits_0():
     )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: fsdp1" in r.stdout
+
+
+def test_only_fsdp1_leaves_the_inputs_of_a_unit_without_parameters_uncast():
+    """The contract's exception is FSDP1's declared behaviour, not a blanket one: under FSDP2's
+    arithmetic every unit of the plan must cast its inputs."""
+    from fsdp_verify.checks.precision import _units_that_do_not_cast
+    from fsdp_verify.reference import train_reference
+
+    case = regression("3375fe8495b6").with_(steps=1)
+    ref = train_reference(case)
+    assert _units_that_do_not_cast(case, ref) == {"layers.1"}
+    assert _units_that_do_not_cast(case.with_(engine="fsdp2"), ref) == set()

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.probes.precision import owning_unit
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "PrecisionContract"
@@ -61,6 +62,7 @@ def check_precision(case: Case, ref: Trace, got: Trace) -> list[Finding]:
             )
         ]
     expected = expected_dtypes(case)
+    uncast = _units_that_do_not_cast(case, ref)
     findings: list[Finding] = []
     reported: set[str] = set()
     for step in sorted(seen["steps"], key=int):
@@ -69,6 +71,8 @@ def check_precision(case: Case, ref: Trace, got: Trace) -> list[Finding]:
             if want is None or stage in reported:
                 continue
             for name, dtypes in sorted(names.items()):
+                if stage == "forward_inputs" and name in uncast:
+                    continue
                 if dtypes != [want]:
                     reported.add(stage)
                     findings.append(
@@ -84,6 +88,17 @@ def check_precision(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     )
                     break
     return findings
+
+
+def _units_that_do_not_cast(case: Case, ref: Trace) -> set[str]:
+    """Units whose inputs the engine leaves as they come, as it declares (FSDP1: a non-root unit
+    holding no parameters of its own), by the name the probe logs them under."""
+    from fsdp_verify.engines import engine_arithmetic
+
+    if engine_arithmetic(case.engine).casts_inputs_without_params:
+        return set()
+    owners = {owning_unit(case.wrap_plan, n) for s, phase, n in ref.records if s == 0 and phase == "init"}
+    return {u for u in case.wrap_plan if u and u not in owners}
 
 
 def precision_summary(case: Case, ref: Trace, got: Trace) -> str | None:

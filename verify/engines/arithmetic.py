@@ -31,6 +31,9 @@ class Arithmetic:
     empty_pieces_in_norm: bool = False
     # FSDP2's identity node on unit inputs (RegisterPostBackwardFunction); FSDP1 has none.
     unit_input_node: bool = True
+    # Whether a (non-root) unit that holds no parameters of its own still casts its inputs to
+    # param_dtype (FSDP2 does; FSDP1 casts only where it has a FlatParameter: `_pre_forward`).
+    casts_inputs_without_params: bool = True
     # At world size 1 the clip's norm is torch.nn.utils.clip_grad_norm_'s over the parameters in
     # registration order (FSDP1 switches to NO_SHARD, whose clip is exactly that).
     plain_norm_unsharded: bool = False

@@ -74,13 +74,15 @@ def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modu
 
 # Its FlatParameter aligns each parameter to 16 bytes (use_orig_params), its clip lists the
 # handles in module order, skips parameters a rank holds none of (and at world size 1, NO_SHARD,
-# is torch's plain clip_grad_norm_), and it has no unit-input node.
+# is torch's plain clip_grad_norm_), it has no unit-input node, and a unit without parameters of
+# its own (all of them in wrapped children) does not cast its inputs.
 fsdp1_engine.arithmetic = Arithmetic(
     layout="flat",
     align_bytes=16,
     unit_order="preorder",
     empty_pieces_in_norm=False,
     unit_input_node=False,
+    casts_inputs_without_params=False,
     plain_norm_unsharded=True,
 )
 
