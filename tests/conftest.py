@@ -24,6 +24,16 @@ def lm_case(world_size: int = 2, **changes) -> Case:
     return Case(model=TINY_LM, world_size=world_size, **changes)
 
 
+def require(module: str):
+    """Import an optional dependency: skipped on a developer's machine without it, a failure under
+    CI, which installs every extra (a skipped assertion there would be a defect)."""
+    if os.environ.get("CI", "").strip().lower() not in ("", "0", "false"):
+        import importlib
+
+        return importlib.import_module(module)
+    return pytest.importorskip(module)
+
+
 def regression(case_hash: str) -> Case:
     """A pinned case from tests/regressions/ (see its README), for a property test's @example."""
     return Case.load(Path(__file__).parent / "regressions" / f"{case_hash}.json")

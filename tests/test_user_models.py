@@ -18,6 +18,7 @@ from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.training.data import IGNORE_INDEX, global_batch, item_count, microbatch_slices
+from tests.conftest import require
 
 USER = "tests/user/models.py"
 USER_LM = ModelSpec(kind="custom", factory=f"{USER}:user_lm", seq_len=8)
@@ -72,7 +73,7 @@ def test_a_class_name_in_the_plan_wraps_every_module_of_that_class_children_firs
 
 
 def test_tied_parameters_must_share_a_unit():
-    pytest.importorskip("transformers")
+    require("transformers")
     tied = ModelSpec(kind="custom", factory=QWEN2)
     assert Case(model=tied, wrap=("Qwen2DecoderLayer", "")).wrap_plan[-1] == ""
     with pytest.raises(CaseError, match=r"^wrap: expected the tied parameters \['model.embed_tokens.weight'"):
@@ -131,7 +132,7 @@ def test_fsdp2_on_tiny_transformers_models_equals_the_reference_and_the_normalis
     """Padded variable-length batches, 2 micro-batches, 2 steps: every record bit-exact or within
     its derived tolerance, world sizes 1-4 in fp32, bf16 params with fp32 reduction, tied
     embeddings (Qwen2). The same Llama under a per-micro-batch loss mean diverges at step 1."""
-    pytest.importorskip("transformers")
+    require("transformers")
     assert not _failures(HF_CASES, capsys)
     engine = "fsdp_verify.zoo.mutants:loss_normalised_per_microbatch"
     code = main(check_args(LLAMA, 2, "--wrap", "LlamaDecoderLayer", "--engine", engine))
@@ -141,7 +142,7 @@ def test_fsdp2_on_tiny_transformers_models_equals_the_reference_and_the_normalis
 
 @pytest.mark.slow
 def test_fsdp2_on_tiny_transformers_models_in_bf16_everywhere(capsys):
-    pytest.importorskip("transformers")
+    require("transformers")
     configs = [
         (model, wrap, world_size, ("--param-dtype", "bf16", "--reduce-dtype", reduce))
         for model, wrap in ((LLAMA, "LlamaDecoderLayer"), (QWEN2, "Qwen2DecoderLayer"))
