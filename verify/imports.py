@@ -21,7 +21,7 @@ def load_object(path: str, field: str) -> Any:
         raise CaseError(field, "'pkg.module:NAME' or 'path/to/file.py:NAME'", path)
     where, attr = path.rsplit(":", 1)
     try:
-        module = _load_file(where) if where.endswith(".py") else importlib.import_module(where)
+        module = import_where(where)
     except Exception as e:
         raise CaseError(field, f"an importable module ({where!r} raised {type(e).__name__}: {e})", path) from e
     obj = module
@@ -32,11 +32,17 @@ def load_object(path: str, field: str) -> Any:
     return obj
 
 
+def import_where(where: str):
+    """The module `where` names: a dotted module path, or a file (`path/to/file.py`) loaded once
+    under a name derived from its absolute path (engines and users' code alike)."""
+    return _load_file(where) if where.endswith(".py") else importlib.import_module(where)
+
+
 def _load_file(path: str):
     file = Path(path).resolve()
     if not file.is_file():
         raise FileNotFoundError(f"no such file: {file}")
-    mod_name = "fsdp_verify_user_" + hashlib.sha1(str(file).encode()).hexdigest()[:10]
+    mod_name = "fsdp_verify_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:10]
     if mod_name in sys.modules:
         return sys.modules[mod_name]
     spec = importlib.util.spec_from_file_location(mod_name, file)
