@@ -143,7 +143,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         )
     cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
     world = got.world_size
-    unjudged = 0
+    unjudged = one_sided = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
             continue
@@ -157,6 +157,11 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         for key in sorted(ref_rec.keys() | got_rec.keys(), key=lambda k: (PHASES.index(k[0]), k[1])):
             phase, name = key
             base = dict(step=r_step.call, phase=phase, name=name, comparator=COMPARATORS[phase])
+            if (key not in got_rec or key not in ref_rec) and name.endswith(" (whole)"):
+                one_sided += (
+                    1  # stored whole by one run only (other full_steps/full_params): fingerprints still compared
+                )
+                continue
             if key not in got_rec or key not in ref_rec:
                 side = "the sharded run" if key not in got_rec else "the reference"
                 result.findings.append(Finding(ok=False, kind="missing", message=f"not recorded by {side}", **base))
@@ -196,10 +201,19 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                     **base,
                 )
             )
-    if unjudged:
+    if one_sided:
+        result.notes.append(
+            f"{one_sided} tensors were stored whole by one run only (full_steps/full_params differ): compared by fingerprint"
+        )
+    if unjudged and cal is None:
         result.notes.append(
             f"{unjudged} records after the first optimizer step were not judged (shown against the step-1 bound for"
             " information): without a calibration run there is no derived limit for rounding compounded through the"
             " optimizer. Record the reference script again with FSDP_VERIFY_PERTURB=1 and pass it as --calibration."
+        )
+    elif unjudged:
+        result.notes.append(
+            f"{unjudged} records after the first optimizer step have no twin in the calibration run and were not judged:"
+            " record it with the same full_steps and full_params as the reference."
         )
     return result
