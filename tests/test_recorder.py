@@ -133,7 +133,7 @@ def test_runs_record_per_rank_with_placements_and_meta(runs):
     assert meta["schema_version"] == 1 and meta["torch"] == torch.__version__
     assert meta["dtypes_seen"]["grads"] == ["float32"] and meta["optimizer"] == "Adam"
     _, header = run.load(1, 1)
-    layout = {name: (rows, offset, full) for name, rows, offset, full, _ in header["opt1/grads"]}
+    layout = {name: (rows, offset, full) for name, rows, offset, full, *_ in header["opt1/grads"]}
     rows, offset, full = layout["tok_embeddings.weight"]
     assert (rows, offset, full) == (128, 128, 256)  # rank 1 holds rows 128..255 of the 256
 
@@ -162,14 +162,16 @@ class DDPLike(nn.Module):
         return self.module(x)
 
 
-def train(out: Path, model: nn.Module | None = None, steps: int = 3, accumulate: int = 1, **kwargs) -> Recorder:
+def train(
+    out: Path, model: nn.Module | None = None, steps: int = 3, accumulate: int = 1, batch: int = 6, **kwargs
+) -> Recorder:
     torch.manual_seed(0)
     model = model or Inner()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     rec = Recorder(model, opt, out=out, **kwargs)
     g = torch.Generator().manual_seed(5)
     for step in range(1, steps * accumulate + 1):
-        x = torch.randn(6, 4, generator=g)
+        x = torch.randn(batch, 4, generator=g)
         logits = model(x)
         loss = logits.square().mean()
         loss.backward()
@@ -234,6 +236,19 @@ def test_a_mutated_gradient_is_caught_in_one_process_too(tmp_path, capsys):
     train(tmp_path / "bad", model=model)
     code, out = compare(tmp_path / "ref", tmp_path / "bad", "--out", tmp_path / "r", capsys=capsys)
     assert code == 1 and "First divergence at step 1, gradients, 'lin.weight'" in out, out
+
+
+def test_a_batch_of_another_size_is_a_divergence_named_not_a_crash(tmp_path, capsys):
+    train(tmp_path / "a")
+    train(tmp_path / "b", batch=5)
+    code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, data" in out, out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    logits = [r for r in report["compare"]["records"] if r["phase"] == "logits"][0]
+    assert (
+        not logits["ok"]
+        and "samples (5,) on the sharded run's ranks together, (6,) in the reference" in logits["message"]
+    )
 
 
 @pytest.mark.parametrize(

@@ -60,6 +60,8 @@ def main() -> None:
             print(f"step {step}: loss {loss.item():.10f} (rank 0's share)", flush=True)
         if step == args.steps:
             break
+    if rec:
+        rec.close()
     dist.destroy_process_group()
 
 

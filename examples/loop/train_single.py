@@ -40,6 +40,8 @@ def main() -> None:
         print(f"step {step}: loss {loss.item():.10f}", flush=True)
         if step == args.steps:
             break
+    if rec:
+        rec.close()
 
 
 if __name__ == "__main__":

@@ -48,25 +48,36 @@ def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[s
         if layout is None:
             continue
         sums, squares, start = t[f"{prefix}/row_sum"], t[f"{prefix}/row_sq"], 0
-        for name, rows, offset, full_rows, shape in layout:
-            if name not in out:
-                row_len = 1
-                for d in shape[1:]:
-                    row_len *= d
-                zeros = torch.zeros(full_rows, dtype=torch.float64)
-                out[name] = Rows(zeros.clone(), zeros.clone(), row_len)
-                filled[name] = torch.zeros(full_rows, dtype=torch.bool)
-                if any(f"full/{prefix}/{name}" in tt for tt in tensors):
-                    out[name].full = torch.zeros(shape, dtype=t.get(f"full/{prefix}/{name}", torch.zeros(0)).dtype)
-            sl = slice(offset, offset + rows)
-            new = ~filled[name][sl]  # replicas (plain tensors on every rank): the first rank's rows
-            out[name].sum[sl][new] = sums[start : start + rows][new]
-            out[name].sq[sl][new] = squares[start : start + rows][new]
-            filled[name][sl] = True
+        for name, rows, offset, full_rows, shape, kind in layout:
+            numel = 1
+            for d in shape:
+                numel *= d
+            if kind != "rows":  # a total per rank: one row of the whole tensor
+                if name not in out:
+                    zero = torch.zeros(1, dtype=torch.float64)
+                    out[name] = Rows(zero.clone(), zero.clone(), numel)
+                    filled[name] = torch.zeros(1, dtype=torch.bool)
+                if kind == "total" or not filled[name][0]:  # shards add up; a replica counts once
+                    out[name].sum += sums[start]
+                    out[name].sq += squares[start]
+                filled[name][0] = True
+                start += 1
+            else:
+                if name not in out:
+                    zeros = torch.zeros(full_rows, dtype=torch.float64)
+                    out[name] = Rows(zeros.clone(), zeros.clone(), numel // max(full_rows, 1))
+                    filled[name] = torch.zeros(full_rows, dtype=torch.bool)
+                sl = slice(offset, offset + rows)
+                new = ~filled[name][sl]  # replicas (plain tensors on every rank): the first rank's rows
+                out[name].sum[sl][new] = sums[start : start + rows][new]
+                out[name].sq[sl][new] = squares[start : start + rows][new]
+                filled[name][sl] = True
+                start += rows
             full = t.get(f"full/{prefix}/{name}")
-            if full is not None and out[name].full is not None:
-                out[name].full.reshape(full_rows, -1)[sl] = full.reshape(rows, -1).to(out[name].full.dtype)
-            start += rows
+            if full is not None:
+                if out[name].full is None:
+                    out[name].full = torch.zeros(shape, dtype=full.dtype)
+                out[name].full.reshape(full_rows, -1)[offset : offset + rows] = full.reshape(rows, -1)
     return out
 
 

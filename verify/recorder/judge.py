@@ -167,6 +167,12 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                 result.findings.append(Finding(ok=False, kind="missing", message=f"not recorded by {side}", **base))
                 continue
             a, b = ref_rec[key], got_rec[key]
+            shapes = [tuple(x.sum.shape) if isinstance(x, Rows) else tuple(getattr(x, "shape", ())) for x in (a, b)]
+            if shapes[0] != shapes[1]:
+                what = "samples" if phase == "logits" else "shape"
+                msg = f"{what} {shapes[1]} on the sharded run's ranks together, {shapes[0]} in the reference"
+                result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
+                continue
             dtype = _dtype(got, "logits" if phase == "logits" else ("loss" if phase == "loss" else "params"))
             before_update = phase == "init" or (phase in ("logits", "loss") and r_step.opt_before == 0)
             before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from fsdp_verify.recorder.fingerprints import local_view, row_stats, sample_hashes
+from fsdp_verify.recorder.fingerprints import local_view, row_stats, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
 from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_step
@@ -86,12 +86,13 @@ class Recorder:
         self.opt_step = 0  # optimizer steps so far
         self.dtypes: dict[str, set[str]] = {}
         self._pending: dict[str, torch.Tensor] = {}
+        self._meta_dtypes: dict | None = None
         self._header: dict = {"opt_steps": []}
         self._hooks = [
             optimizer.register_step_pre_hook(self._before_optimizer),
             optimizer.register_step_post_hook(self._after_optimizer),
         ]
-        self._group("opt0/params", self.params, full=0 in self.full_steps)
+        self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
         self._header["opt_steps"].append(0)
         self._flush()
 
@@ -99,17 +100,27 @@ class Recorder:
     def _wants_full(self, name: str, full_step: bool) -> bool:
         return full_step or any(fnmatch.fnmatchcase(name, pat) for pat in self.full_params)
 
-    def _group(self, prefix: str, named: list[tuple[str, torch.Tensor]], full: bool) -> None:
-        """Row fingerprints of the local shards of `named`, and the shards whole where asked."""
+    def _group(
+        self, prefix: str, named: list[tuple[str, torch.Tensor]], full: bool, exact: bool = False, totals: bool = False
+    ) -> None:
+        """Fingerprints of the local shards of `named`: per row (accumulated in float64 if
+        `exact`), or per tensor if `totals` (see fingerprints.py); the shards whole where asked.
+        Layout entry: [name, rows here, first row, rows in all, full shape, kind], kind "rows",
+        "total" (a shard's total: compare adds the ranks') or "total-replica" (a whole tensor on
+        every rank: compare takes one)."""
         layout, locals_ = [], []
         for name, t in named:
             local, offset, rows = local_view(t)
             locals_.append(local)
-            layout.append([name, int(local.shape[0]) if local.ndim else 1, int(offset), int(rows), list(t.shape)])
+            kind = "rows"
+            if totals:
+                kind = "total-replica" if local.shape == t.shape else "total"
+            layout.append([name, int(local.shape[0]) if local.ndim else 1, int(offset), int(rows), list(t.shape), kind])
             self.dtypes.setdefault(prefix.split("/", 1)[1], set()).add(_dtype(local))
             if self._wants_full(name, full):
                 self._pending[f"full/{prefix}/{name}"] = local.detach().cpu().clone()
-        self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = row_stats(locals_)
+        stats = total_stats(locals_) if totals else row_stats(locals_, exact)
+        self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = stats
         self._header[prefix] = layout
 
     @torch.no_grad()
@@ -119,19 +130,20 @@ class Recorder:
         if self.perturbation is not None:
             for _, g in named:
                 self.perturbation.move(local_view(g)[0])
-        self._group(f"opt{self.opt_step}/grads", named, full=self.call + 1 in self.full_steps)
+        # The first optimizer step's gradients are held to the bound: fingerprints in float64.
+        self._group(f"opt{self.opt_step}/grads", named, self.call + 1 in self.full_steps, exact=self.opt_step == 1)
 
     @torch.no_grad()
     def _after_optimizer(self, optimizer, args, kwargs) -> None:
         k, full = self.opt_step, self.call + 1 in self.full_steps
-        self._group(f"opt{k}/params", self.params, full)
+        self._group(f"opt{k}/params", self.params, full, totals=True)
         by_key: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, p in self.params:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.is_floating_point():
                     by_key.setdefault(key, []).append((name, value))
         for key, named in sorted(by_key.items()):
-            self._group(f"opt{k}/optim.{key}", named, full)
+            self._group(f"opt{k}/optim.{key}", named, full, totals=True)
         self._header["opt_steps"].append(k)
 
     @torch.no_grad()
@@ -146,7 +158,9 @@ class Recorder:
             if isinstance(loss, torch.Tensor):
                 self.dtypes.setdefault("loss", set()).add(_dtype(loss))
         if logits is not None:
-            rows, squares = row_stats([logits])
+            # Logits computed before any update are held to the bound: fingerprints in float64.
+            before_update = self.opt_step == len([k for k in self._header["opt_steps"] if k > 0])
+            rows, squares = row_stats([logits], exact=before_update)
             self._pending["logits/row_sum"], self._pending["logits/row_sq"] = rows, squares
             self._header["logits"] = list(logits.shape)
             self.dtypes.setdefault("logits", set()).add(_dtype(logits))
@@ -158,7 +172,10 @@ class Recorder:
         self._header["call"] = self.call
         write_step(self.out, self.rank, self.call, self._pending, self._header)
         self._pending, self._header = {}, {"opt_steps": []}
-        self._write_meta()
+        dtypes = {k: sorted(v) for k, v in self.dtypes.items()}
+        if dtypes != self._meta_dtypes:  # meta.json when something in it changed, and at close()
+            self._meta_dtypes = dtypes
+            self._write_meta()
 
     def _write_meta(self) -> None:
         from fsdp_verify import __version__
@@ -189,6 +206,7 @@ class Recorder:
         )
 
     def close(self) -> None:
+        self._write_meta()
         for h in self._hooks:
             h.remove()
         self._hooks = []
