@@ -103,25 +103,32 @@ class Recorder:
     def _group(
         self, prefix: str, named: list[tuple[str, torch.Tensor]], full: bool, exact: bool = False, totals: bool = False
     ) -> None:
-        """Fingerprints of the local shards of `named`: per row (accumulated in float64 if
-        `exact`), or per tensor if `totals` (see fingerprints.py); the shards whole where asked.
+        self._groups([(prefix, named)], full, exact, totals)
+
+    def _groups(self, groups: list[tuple[str, list]], full: bool, exact: bool = False, totals: bool = False) -> None:
+        """Fingerprints of the local shards of each group's tensors: per row (accumulated in
+        float64 if `exact`), or per tensor if `totals` (see fingerprints.py), all groups in one
+        pass of fused kernels and one transfer; the shards whole where asked.
         Layout entry: [name, rows here, first row, rows in all, full shape, kind], kind "rows",
         "total" (a shard's total: compare adds the ranks') or "total-replica" (a whole tensor on
         every rank: compare takes one)."""
-        layout, locals_ = [], []
-        for name, t in named:
-            local, offset, rows = local_view(t)
-            locals_.append(local)
-            kind = "rows"
-            if totals:
-                kind = "total-replica" if local.shape == t.shape else "total"
-            layout.append([name, int(local.shape[0]) if local.ndim else 1, int(offset), int(rows), list(t.shape), kind])
-            self.dtypes.setdefault(prefix.split("/", 1)[1], set()).add(_dtype(local))
-            if self._wants_full(name, full):
-                self._pending[f"full/{prefix}/{name}"] = local.detach().cpu().clone()
-        stats = total_stats(locals_) if totals else row_stats(locals_, exact)
-        self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = stats
-        self._header[prefix] = layout
+        locals_, counts = [], []
+        for prefix, named in groups:
+            layout = []
+            for name, t in named:
+                local, offset, rows = local_view(t)
+                locals_.append(local)
+                kind = "rows" if not totals else ("total-replica" if local.shape == t.shape else "total")
+                shape = list(t.shape)
+                layout.append([name, int(local.shape[0]) if local.ndim else 1, int(offset), int(rows), shape, kind])
+                if full or (self.full_params and self._wants_full(name, False)):
+                    self._pending[f"full/{prefix}/{name}"] = local.detach().cpu().clone()
+            self.dtypes.setdefault(prefix.split("/", 1)[1], set()).update({_dtype(t) for t in locals_[-len(named) :]})
+            self._header[prefix] = layout
+            counts.append(sum(entry[1] for entry in layout) if not totals else len(layout))
+        sums, squares = total_stats(locals_) if totals else row_stats(locals_, exact)
+        for (prefix, _), a, b in zip(groups, sums.split(counts), squares.split(counts)):
+            self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = a.clone(), b.clone()
 
     @torch.no_grad()
     def _before_optimizer(self, optimizer, args, kwargs) -> None:
@@ -136,14 +143,13 @@ class Recorder:
     @torch.no_grad()
     def _after_optimizer(self, optimizer, args, kwargs) -> None:
         k, full = self.opt_step, self.call + 1 in self.full_steps
-        self._group(f"opt{k}/params", self.params, full, totals=True)
         by_key: dict[str, list[tuple[str, torch.Tensor]]] = {}
         for name, p in self.params:
             for key, value in optimizer.state.get(p, {}).items():
                 if isinstance(value, torch.Tensor) and value.shape == p.shape and value.is_floating_point():
                     by_key.setdefault(key, []).append((name, value))
-        for key, named in sorted(by_key.items()):
-            self._group(f"opt{k}/optim.{key}", named, full, totals=True)
+        groups = [(f"opt{k}/params", self.params)] + [(f"opt{k}/optim.{key}", v) for key, v in sorted(by_key.items())]
+        self._groups(groups, full, totals=True)
         self._header["opt_steps"].append(k)
 
     @torch.no_grad()
