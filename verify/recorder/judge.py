@@ -158,9 +158,8 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             phase, name = key
             base = dict(step=r_step.call, phase=phase, name=name, comparator=COMPARATORS[phase])
             if (key not in got_rec or key not in ref_rec) and name.endswith(" (whole)"):
-                one_sided += (
-                    1  # stored whole by one run only (other full_steps/full_params): fingerprints still compared
-                )
+                # Stored whole by one run only (other full_steps/full_params): the fingerprints still compare.
+                one_sided += 1
                 continue
             if key not in got_rec or key not in ref_rec:
                 side = "the sharded run" if key not in got_rec else "the reference"
