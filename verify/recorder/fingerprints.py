@@ -66,18 +66,21 @@ def row_stats(tensors: Sequence[torch.Tensor], exact: bool = True) -> tuple[torc
     return both[:n].clone(), both[n:].clone()  # two storages: safetensors refuses shared ones
 
 
-def total_stats(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Each tensor's sum and sum of squares (one "row" per tensor), accumulated in its own dtype
-    by fused kernels: a fifth of `row_stats`' cost, for records that need no row to localise
-    (parameters after an update, optimizer state: judged by calibration; the gradients' rows
-    localise a bug first)."""
+def total_stats(tensors: Sequence[torch.Tensor], sums: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each tensor's sum and sum of squares (one "row" per tensor), accumulated in its own dtype:
+    the squares by one fused kernel, the sums one kernel each, so only the first `sums` tensors
+    get one (the parameters after an update: seed 004's param sums; optimizer state is recorded
+    by its norm, its sum stored as 0). For records that need no row to localise (judged by
+    calibration; the gradients' rows localise a bug first) at a fifth of `row_stats`' cost."""
     if not tensors:
         empty = torch.zeros(0, dtype=torch.float64)
         return empty, empty
-    norms = torch._foreach_norm(list(tensors), 2) if hasattr(torch, "_foreach_norm") else [t.norm() for t in tensors]
-    both = torch.stack([t.sum() for t in tensors] + [n.square() for n in norms]).double().cpu()
     n = len(tensors)
-    return both[:n].clone(), both[n:].clone()
+    sums = n if sums is None else sums
+    norms = torch._foreach_norm(list(tensors), 2) if hasattr(torch, "_foreach_norm") else [t.norm() for t in tensors]
+    parts = [t.sum() for t in tensors[:sums]] + [n.square() for n in norms]
+    both = torch.stack(parts).double().cpu()
+    return torch.cat([both[:sums], torch.zeros(n - sums, dtype=torch.float64)]), both[sums:].clone()
 
 
 def _batch_tensors(batch) -> list[torch.Tensor]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 import fnmatch
 import platform
 from collections.abc import Iterable
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 
@@ -90,6 +91,8 @@ class Recorder:
         self.dtypes: dict[str, set[str]] = {}
         self._pending: dict[str, torch.Tensor] = {}
         self._meta_dtypes: dict | None = None
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-verify-recorder")
+        self._written = None
         self._header: dict = {"opt_steps": []}
         self._hooks = [
             optimizer.register_step_pre_hook(self._before_optimizer),
@@ -133,7 +136,8 @@ class Recorder:
             self.dtypes.setdefault(prefix.split("/", 1)[1], set()).update({_dtype(t) for t in locals_[-len(named) :]})
             self._header[prefix] = layout
             counts.append(sum(entry[1] for entry in layout) if not totals else len(layout))
-        sums, squares = total_stats(locals_) if totals else row_stats(locals_, exact)
+        # Totals: sums for the first group only (the parameters), norms for all (see total_stats).
+        sums, squares = total_stats(locals_, counts[0]) if totals else row_stats(locals_, exact)
         for (prefix, _), a, b in zip(groups, sums.split(counts), squares.split(counts)):
             self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = a.clone(), b.clone()
 
@@ -183,7 +187,11 @@ class Recorder:
 
     def _flush(self) -> None:
         self._header["call"] = self.call
-        write_step(self.out, self.rank, self.call, self._pending, self._header)
+        # Written by one background thread, so the loop does not wait on the disk (a step's file
+        # is ~140 kB of fingerprints); an error surfaces at the next step or at close().
+        if self._written is not None:
+            self._written.result()
+        self._written = self._writer.submit(write_step, self.out, self.rank, self.call, self._pending, self._header)
         self._pending, self._header = {}, {"opt_steps": []}
         dtypes = {k: sorted(v) for k, v in self.dtypes.items()}
         if dtypes != self._meta_dtypes:  # meta.json when something in it changed, and at close()
@@ -219,6 +227,11 @@ class Recorder:
         )
 
     def close(self) -> None:
+        """Wait for the last step's file, write meta.json, remove the optimizer hooks."""
+        if self._written is not None:
+            self._written.result()
+            self._written = None
+        self._writer.shutdown(wait=True)
         self._write_meta()
         for h in self._hooks:
             h.remove()
