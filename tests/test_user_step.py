@@ -112,3 +112,12 @@ def test_checkpointing_without_the_rng_state_is_caught():
     verdict = run(ac_case("fsdp_verify.zoo.mutants:checkpoint_without_rng_state", checkpointing=False))
     assert not verdict.ok
     assert verdict.first_divergence.phase in ("grads", "rng")
+
+
+def test_fuzz_draws_cases_around_a_user_step(tmp_path):
+    require("transformers")
+    args = ["fuzz", "--model", LLAMA.factory, "--step", f"{STEPS}:train_step", "--world-sizes", "2"]
+    assert main([*args, "--max-examples", "2", "--seed", "11", "--out", str(tmp_path)]) == 0
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counts"] == {"cases": 2, "passed": 2, "failed": 0}
+    assert report["closest_pass"]["case"]["step"] == f"{STEPS}:train_step"

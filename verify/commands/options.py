@@ -244,6 +244,7 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
     add_precisions(p)
     p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
     add_model_arguments(p)
+    add_step_arguments(p)
     p.add_argument(
         "--pin",
         action="append",
@@ -287,6 +288,11 @@ def strategy_from_args(args: argparse.Namespace, **options):
     resolve_engine(args.engine)
     model = model_from_args(args)
     custom = model if model is not None and model.is_custom else None
+    pins = pins_from_args(args.pin)
+    if getattr(args, "step", None):  # a user's step reduces in fp32 (verify/case.py says why)
+        pins = {"step": args.step, "precision.reduce_dtype": "fp32", **pins}
+    if getattr(args, "activation_checkpointing", False):
+        pins = {"activation_checkpointing": True, **pins}
     return cases(
         engine=args.engine,
         world_sizes=args.world_sizes,
@@ -294,5 +300,5 @@ def strategy_from_args(args: argparse.Namespace, **options):
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
         custom_model=custom,
         **options,
-        **pins_from_args(args.pin),
+        **pins,
     )
