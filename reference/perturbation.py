@@ -53,16 +53,11 @@ class Perturbation:
     def reduction(self, result: torch.Tensor, terms: list[torch.Tensor], where: str) -> torch.Tensor:
         """`result` = the average of `terms` (one per rank) as the emulation computed it, moved by
         2 u sum_r|x_r| (u of `result`'s dtype) with a random sign per element."""
-        magnitude = torch.stack([t.detach().to(result.dtype).double().abs() for t in terms]).sum(0)
-        return self.move(result, magnitude, unit_roundoff(result.dtype), where)
-
-    def move(self, result: torch.Tensor, magnitude: torch.Tensor, u: float, where: str) -> torch.Tensor:
-        """`result`, an average over the ranks of terms whose magnitudes sum to `magnitude`,
-        reduced in a dtype of unit roundoff `u`, moved by 2 u magnitude with a random sign."""
         if self.world_size <= 2:
             return result
         self.moved.add(where)
-        moved = result.detach().double() + self._signs(result.shape) * 2 * u * magnitude
+        magnitude = torch.stack([t.detach().to(result.dtype).double().abs() for t in terms]).sum(0)
+        moved = result.detach().double() + self._signs(result.shape) * 2 * unit_roundoff(result.dtype) * magnitude
         return moved.to(result.dtype)
 
     def norm(self, norm: torch.Tensor, grads: list[torch.Tensor], where: str) -> torch.Tensor:

@@ -1,21 +1,19 @@
 """The reference for a user's own training step (verify/training/user_step.py).
 
-The step runs unchanged, once per step, on one device with the global batch; its model is the
-user's model inside `VirtualRanks`, which runs each forward's rows rank by rank as the sharded
-ranks run them: with that rank's dropout generator, on parameters cast to `param_dtype` per rank
-(so each rank's gradient rounds in `param_dtype` on its own, as FSDP2's per-rank backward does)
-through one cast to `reduce_dtype` shared by all ranks, where autograd adds the ranks' gradients
-(the reduction, in `reduce_dtype`). The user's loss is the one-device loss (normalised by the
-global item count, `ctx.world_size == 1`) instead of W per-rank losses each scaled by W and
-averaged: the same gradient in exact arithmetic, a few roundings apart. What the step does
-between forward and optimizer (accumulation, clipping, the step itself) is the user's code on
-both sides, so nothing else is emulated.
+The step runs unchanged, once per step, on one device with the global batch (`ctx.world_size ==
+1`); its model is the user's model inside `VirtualRanks`, which runs each forward's rows rank by
+rank as the sharded ranks run them: with that rank's dropout generator, on that rank's own copy of
+the parameters in `param_dtype` (a leaf, as FSDP2's all-gathered parameter), and at the end of
+every backward reduces the ranks' gradients with the trainer's own emulation of the engine's
+reduction (`_average` in gloo's ring order, or a flat engine's `_FlatLayout`), in `reduce_dtype`,
+into the parameters' fp32 `.grad`; inside `ctx.no_sync()` each rank accumulates its own instead,
+as FSDP2 does, until a synced backward reduces the sums. Every backward is seeded with W instead of
+1 (`_backward_scaled_by`), so each rank's backward runs at the scale it has on a rank (a correct
+step scales its loss by W / global items there). What the step does between forward and optimizer
+(accumulation, clipping, the step itself) is the user's code on both sides.
 
-`order="reverse"` runs the ranks' rows in reverse order (autograd then adds their gradients in
-another order), `unit_input_node=False` leaves FSDP2's identity node out, and `perturb=SEED` moves
-each step's reduced gradients by their derived error bound 2 u(reduce_dtype) sum_r|g_r| and the
-clip's norm by its bound (reference/perturbation.py), before the step clips or steps: the
-calibration runs and the floor, as for the toolkit's own loop.
+`order` ("rank", "reverse"), `unit_input_node=False` and `perturb=SEED` are the calibration runs
+and the floor, as for the toolkit's own loop (reference/trainer.py, reference/perturbation.py).
 """
 
 from __future__ import annotations
@@ -28,13 +26,11 @@ from torch import nn
 from torch.func import functional_call
 
 from fsdp_verify.case import Case
-from fsdp_verify.compare.tolerance import unit_roundoff
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
-from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.perturbation import Perturbation
-from fsdp_verify.reference.trainer import _install_precision_hooks, _record_buffers, _record_params
+from fsdp_verify.reference.trainer import _average, _FlatLayout, _record_buffers, _record_params, reference_model
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.data import global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
@@ -44,26 +40,35 @@ from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
 class VirtualRanks(nn.Module):
     """The user's model, each forward's rows split into `world_size` equal blocks run one rank
-    after the other (see the module docstring); everything else is the model's own."""
+    after the other on that rank's own compute copy of the parameters (see the module docstring);
+    at the end of every backward the ranks' gradients are reduced as the engine reduces them
+    (`reduce`), or kept per rank while the step is in `ctx.no_sync()`; everything else is the
+    model's own."""
 
-    def __init__(self, module: nn.Module, case: Case, order: str, rng_states: list[torch.Tensor]):
+    def __init__(self, module: nn.Module, case: Case, order: str, rng_states: list[torch.Tensor], reduce):
         super().__init__()
         self.module = module
         self.world = case.world_size
         self.param_dtype = to_torch(case.precision.param_dtype)
-        self.reduce_dtype = to_torch(case.precision.reduce_dtype) or self.param_dtype
+        self.reduce_dtype = to_torch(case.precision.reduce_dtype) or self.param_dtype or torch.float32
         self.order = order
         self.rng_states = rng_states
+        self.reduce = reduce  # (per-rank gradients) -> None: averages them into the parameters' .grad
         self.fingerprints: dict[str, list[int]] = {}
         self.forwards = 0
-        self.magnitude: dict[str, torch.Tensor] = {}  # sum over ranks of |g_r|, when asked for
-        self.track_magnitude = False
+        self.sync = True
+        self.pending: list[list[dict[str, torch.Tensor]]] = []  # per forward, per rank: compute copies
+        self.local: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world)]  # no-sync accumulators
+        self.queued = False
 
     def __getattr__(self, name: str):
         try:
             return super().__getattr__(name)
         except AttributeError:
             return getattr(self.__dict__["_modules"]["module"], name)
+
+    def set_sync(self, sync: bool) -> None:
+        self.sync = sync
 
     def forward(self, *args, **kwargs):
         rows = _rows((args, kwargs))
@@ -73,8 +78,9 @@ class VirtualRanks(nn.Module):
                 " (split the batch with ctx.split(batch))"
             )
         blocks = list(zip(split_rows(args, self.world), split_rows(kwargs, self.world)))
-        reduced = {n: p if self.reduce_dtype is None else p.to(self.reduce_dtype) for n, p in self._params().items()}
+        params = dict(self.module.named_parameters())
         outs: list = [None] * self.world
+        copies: list[dict[str, torch.Tensor]] = [{} for _ in range(self.world)]
         m = self.forwards
         self.forwards += 1
         for r in reversed(range(self.world)) if self.order == "reverse" else range(self.world):
@@ -82,31 +88,46 @@ class VirtualRanks(nn.Module):
                 self.rng_states[r]
             )
             torch.set_rng_state(self.rng_states[r])
-            compute = {n: self._per_rank(n, t) for n, t in reduced.items()}
-            outs[r] = functional_call(self.module, compute, blocks[r][0], blocks[r][1])
+            copies[r] = {n: self._compute_copy(p) for n, p in params.items()}
+            outs[r] = functional_call(self.module, copies[r], blocks[r][0], blocks[r][1])
             self.rng_states[r] = torch.get_rng_state()
             self.fingerprints.setdefault(f"after_forward.{m}", [0] * self.world)[r] = rng_fingerprint(
                 self.rng_states[r]
             )
+        self.pending.append(copies)
         return _cat_outputs(outs)
 
-    def _params(self) -> dict[str, torch.Tensor]:
-        return dict(self.module.named_parameters())
-
-    def _per_rank(self, name: str, shared: torch.Tensor) -> torch.Tensor:
-        """This rank's compute copy: cast to param_dtype (its own rounding of its own gradient),
-        or a view (its own autograd node, so that its gradient can be watched on its own)."""
-        if self.param_dtype is not None and self.param_dtype != shared.dtype:
-            t = shared.to(self.param_dtype)
-        else:
-            t = shared.view_as(shared)
-        if self.track_magnitude and t.requires_grad:
-            t.register_hook(lambda g, n=name: self._add_magnitude(n, g))
+    def _compute_copy(self, p: torch.Tensor) -> torch.Tensor:
+        """A rank's unsharded parameter in param_dtype, a leaf of its own: its gradient is this
+        rank's alone (as FSDP2's all-gathered parameter), reduced at the end of the backward."""
+        t = p.detach().to(self.param_dtype or p.dtype).requires_grad_(p.requires_grad)
+        if t.requires_grad:
+            t.register_hook(self._queue_reduction)
         return t
 
-    def _add_magnitude(self, name: str, grad: torch.Tensor) -> None:
-        g = grad.detach().double().abs()
-        self.magnitude[name] = self.magnitude[name] + g if name in self.magnitude else g
+    def _queue_reduction(self, grad: torch.Tensor) -> torch.Tensor:
+        if not self.queued:
+            self.queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+        return grad
+
+    def _after_backward(self) -> None:
+        """Each rank's gradients of this backward, added to its local accumulator (in
+        reduce_dtype, as FSDP2 accumulates an unsynced gradient); reduced when the step syncs."""
+        self.queued = False
+        for copies in self.pending:
+            for r, copy in enumerate(copies):
+                for n, t in copy.items():
+                    if t.grad is None:
+                        continue
+                    g = t.grad.to(self.reduce_dtype)
+                    self.local[r][n] = self.local[r][n] + g if n in self.local[r] else g
+                    t.grad = None
+        self.pending = []
+        if self.sync:
+            rank_grads, self.local = self.local, [{} for _ in range(self.world)]
+            if rank_grads[0]:
+                self.reduce(rank_grads)
 
 
 def train_reference_step(
@@ -116,25 +137,36 @@ def train_reference_step(
     perturb: int | None = None,
     arithmetic: Arithmetic = FSDP2,
 ) -> Trace:
-    model = build_model(case.model, case.seed, init="eager")
-    _install_precision_hooks(
-        model,
-        case,
-        arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
-        arithmetic.casts_inputs_without_params,
-    )
+    """`order`, `unit_input_node`, `perturb` and `arithmetic` as for `train_reference`: the ranks'
+    gradients are averaged by the same code, in the same orders."""
+    model = reference_model(case, arithmetic, unit_input_node)
     params = dict(model.named_parameters())
     optimizer = make_optimizer(case.optim, params.values())
-    rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
-    ranks = VirtualRanks(model, case, order, rng_states)
     jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
-    ranks.track_magnitude = jolt is not None
+    reduce_dtype = to_torch(case.precision.reduce_dtype) or to_torch(case.precision.param_dtype) or torch.float32
+    layout = _FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
+    current = {"step": 0}
+
+    def reduce(rank_grads: list[dict[str, torch.Tensor]]) -> None:
+        """ReduceOp.AVG of the ranks' gradients as the engine issues it, added to `.grad` in fp32."""
+        if layout is not None:
+            averaged = layout.average(rank_grads, reduce_dtype)
+        else:
+            averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+        for n, avg in averaged.items():
+            if jolt is not None:
+                avg = jolt.reduction(avg, [g[n] for g in rank_grads], f"{current['step']}/grads")
+            p = params[n]
+            p.grad = avg.float() if p.grad is None else p.grad + avg.float()
+
+    rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    ranks = VirtualRanks(model, case, order, rng_states, reduce)
     step_fn = load_step(case.step)
     trace = Trace("reference", meta={"case": case.hash, "step": case.step, "order": order, "perturbed": perturb})
     _record_params(trace, 0, params, initial=True)
     _record_buffers(trace, 0, model)
-
     for step in range(1, case.steps + 1):
+        current["step"] = step
         _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
     if jolt is not None:
         trace.meta["moved"] = sorted(jolt.moved)
@@ -143,7 +175,6 @@ def train_reference_step(
 
 def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace) -> None:
     """One call of the user's step on the global batch, recorded as the sharded side records it."""
-    reduce_u = unit_roundoff(to_torch(case.precision.reduce_dtype or case.precision.param_dtype) or torch.float32)
     inputs, targets = global_batch(case, step)
     # Micro-batch m of the reference = every rank's micro-batch m, in rank order.
     per_rank = [microbatch_slices(case, r) for r in range(case.world_size)]
@@ -152,17 +183,12 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
     )
     batch = (take(inputs, rows), targets[rows])
     logits: list[torch.Tensor] = []
-    ranks.fingerprints, ranks.forwards, ranks.magnitude = {}, 0, {}
+    ranks.fingerprints, ranks.forwards = {}, 0
 
     def on_grads() -> None:
         for n, p in params.items():
-            if p.grad is None:
-                continue
-            if case.world_size > 1:  # the average of the ranks' W-scaled gradients (_backward_scaled_by)
-                p.grad = p.grad / case.world_size
-            if jolt is not None and n in ranks.magnitude:
-                p.grad = jolt.move(p.grad, ranks.magnitude[n] / case.world_size, reduce_u, f"{step}/grads")
-            trace.add(step, "grads", n, p.grad)
+            if p.grad is not None:
+                trace.add(step, "grads", n, p.grad)
 
     def on_norm(norm: torch.Tensor) -> torch.Tensor:
         if jolt is not None:
@@ -174,7 +200,15 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
     def clip(max_norm: float) -> torch.Tensor:
         return torch.nn.utils.clip_grad_norm_([p for p in params.values() if p.grad is not None], max_norm)
 
-    ctx = StepContext(1, 0, case.microbatches, item_count(case, targets), case.sync_every_microbatch, _clip=clip)
+    ctx = StepContext(
+        1,
+        0,
+        case.microbatches,
+        item_count(case, targets),
+        case.sync_every_microbatch,
+        _set_sync=ranks.set_sync,
+        _clip=clip,
+    )
     recording = StepRecording(
         ranks, optimizer, lambda out: logits.append(logits_of(case.model, out).detach()), on_grads, on_norm
     )

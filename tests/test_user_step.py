@@ -10,13 +10,15 @@ from __future__ import annotations
 import json
 
 import pytest
+from hypothesis import HealthCheck, example, given, settings
 
 from fsdp_verify.case import Case, CaseError, DataSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
-from tests.conftest import require
+from tests.conftest import regression, require
 
 STEPS = "tests/user/steps.py"
 LLAMA = ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", seq_len=6)
@@ -43,7 +45,8 @@ def run(case: Case):
 
 
 @pytest.mark.parametrize(
-    ("world_size", "precision"), [(1, None), (2, BF16_FP32), (3, None), (3, BF16_FP32), (4, BF16_FP32)]
+    ("world_size", "precision"),
+    [(1, None), (2, BF16_FP32), (3, None), (3, BF16_FP32), (4, BF16_FP32), (3, PrecisionSpec(param_dtype="bf16"))],
 )
 def test_a_correct_step_with_accumulation_normalised_by_global_tokens_passes(world_size, precision):
     verdict = run(step_case("train_step", world_size, precision))
@@ -78,14 +81,29 @@ def test_a_step_that_forgets_the_world_size_in_its_scale_is_caught():
     assert grads and all(f.ratio > 1e3 for f in grads)
 
 
+# A fresh-seed false alarm: the reference let autograd add the ranks' micro-batch gradients in
+# another grouping than FSDP2's per-rank accumulation without sync (tests/regressions/README.md).
+@settings(max_examples=3, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@example(case=regression("cd5af77c255a"))
+@given(
+    cases(
+        world_sizes=(2, 3),
+        custom_model=LLAMA,
+        step=f"{STEPS}:train_step",
+        steps=1,
+    )
+)
+def test_a_correct_step_passes_on_generated_cases(fsdp_property, case):
+    require("transformers")
+    assert fsdp_property(case).ok
+
+
 def test_step_cases_round_trip_and_bad_steps_are_bad_input(capsys):
     case = step_case("train_step")
     assert Case.from_json(case.to_json()) == case and json.loads(case.to_json())["step"] == f"{STEPS}:train_step"
     assert Case().hash == "fd77d80f9b93"  # the optional fields stay out of built-in cases
     with pytest.raises(CaseError, match="step"):
         step_case("no_such_step")
-    with pytest.raises(CaseError, match="precision.reduce_dtype"):
-        step_case("train_step", precision=PrecisionSpec(param_dtype="bf16"))
     assert main(["check", "--step", f"{STEPS}:no_such_step", "--model", LLAMA.factory]) == 2
     assert "step" in capsys.readouterr().err
 

@@ -163,8 +163,8 @@ def fsdp_cases(request: pytest.FixtureRequest) -> Callable:
         "precisions": config.getoption("--fsdp-precisions"),
     }
     step = config.getoption("--fsdp-step")
-    if step is not None:  # a user's step reduces in fp32 (verify/case.py says why)
-        defaults.update({"step": step, "precision.reduce_dtype": "fp32"})
+    if step is not None:
+        defaults["step"] = step
     return lambda **pins: cases(**{**defaults, **pins})
 
 

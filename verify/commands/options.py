@@ -289,8 +289,8 @@ def strategy_from_args(args: argparse.Namespace, **options):
     model = model_from_args(args)
     custom = model if model is not None and model.is_custom else None
     pins = pins_from_args(args.pin)
-    if getattr(args, "step", None):  # a user's step reduces in fp32 (verify/case.py says why)
-        pins = {"step": args.step, "precision.reduce_dtype": "fp32", **pins}
+    if getattr(args, "step", None):
+        pins = {"step": args.step, **pins}
     if getattr(args, "activation_checkpointing", False):
         pins = {"activation_checkpointing": True, **pins}
     return cases(
