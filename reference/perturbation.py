@@ -60,6 +60,16 @@ class Perturbation:
         moved = result.detach().double() + self._signs(result.shape) * 2 * unit_roundoff(result.dtype) * magnitude
         return moved.to(result.dtype)
 
+    def rank_rounding(self, result: torch.Tensor, terms: list[torch.Tensor], u: float, where: str) -> torch.Tensor:
+        """`result` = the average of `terms`, each of which a correct rank may have rounded one
+        way or the other in a dtype of unit roundoff `u` (a rank's gradient computed at a loss
+        scale an ulp away from the reference's: reference/user_step.py), moved by
+        2 u sum_r|x_r| / W with a random sign per element."""
+        self.moved.add(where)
+        magnitude = torch.stack([t.detach().double().abs() for t in terms]).sum(0) / len(terms)
+        moved = result.detach().double() + self._signs(result.shape) * 2 * u * magnitude
+        return moved.to(result.dtype)
+
     def norm(self, norm: torch.Tensor, grads: list[torch.Tensor], where: str) -> torch.Tensor:
         """The clip's total norm, moved by (log2 N + P + 5) u of itself, with a random sign."""
         self.moved.add(where)

@@ -26,6 +26,7 @@ from torch import nn
 from torch.func import functional_call
 
 from fsdp_verify.case import Case
+from fsdp_verify.compare.tolerance import unit_roundoff
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models.custom import logits_of
@@ -136,9 +137,15 @@ def train_reference_step(
     unit_input_node: bool | None = None,
     perturb: int | None = None,
     arithmetic: Arithmetic = FSDP2,
+    scale_ulp: bool = False,
 ) -> Trace:
     """`order`, `unit_input_node`, `perturb` and `arithmetic` as for `train_reference`: the ranks'
-    gradients are averaged by the same code, in the same orders."""
+    gradients are averaged by the same code, in the same orders. `scale_ulp=True` seeds each
+    backward with W four fp32 units of roundoff up: a calibration run. A rank's loss scale is the step's own
+    arithmetic (W / N in one rounding, or W * (1 / N) in two, ...), which the reference cannot
+    know: measured, fl(3 * fl(1 / N)) and fl(3 / N) differ by an ulp for some N, and in bf16 compute
+    that flips the roundings of gradients near a tie (a tiny Llama's lm_head gradient at step 2,
+    6.6x the floor)."""
     model = reference_model(case, arithmetic, unit_input_node)
     params = dict(model.named_parameters())
     optimizer = make_optimizer(case.optim, params.values())
@@ -146,6 +153,13 @@ def train_reference_step(
     reduce_dtype = to_torch(case.precision.reduce_dtype) or to_torch(case.precision.param_dtype) or torch.float32
     layout = _FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
     current = {"step": 0}
+    # A rank's loss scale is W / N; the seed W times the one-device 1 / N is an ulp away from it
+    # for some N unless W is a power of two, and in a compute dtype coarser than fp32 that flips
+    # the rounding of gradients near a tie (a tiny Llama's lm_head gradient, one bf16 ulp of one
+    # rank's term at step 2: 6.6x its floor before this term): no seed reproduces W / N for every
+    # N (fl32(s * fl32(1/30)) skips fl32(0.1)), so the floor includes that rounding.
+    compute_dtype = to_torch(case.precision.param_dtype) or torch.float32
+    inexact_scale = case.world_size & (case.world_size - 1) != 0 and compute_dtype != torch.float32
 
     def reduce(rank_grads: list[dict[str, torch.Tensor]]) -> None:
         """ReduceOp.AVG of the ranks' gradients as the engine issues it, added to `.grad` in fp32."""
@@ -155,7 +169,10 @@ def train_reference_step(
             averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
         for n, avg in averaged.items():
             if jolt is not None:
-                avg = jolt.reduction(avg, [g[n] for g in rank_grads], f"{current['step']}/grads")
+                terms, where = [g[n] for g in rank_grads], f"{current['step']}/grads"
+                avg = jolt.reduction(avg, terms, where)
+                if inexact_scale:
+                    avg = jolt.rank_rounding(avg, terms, unit_roundoff(compute_dtype), where)
             p = params[n]
             p.grad = avg.float() if p.grad is None else p.grad + avg.float()
 
@@ -167,15 +184,16 @@ def train_reference_step(
     _record_buffers(trace, 0, model)
     for step in range(1, case.steps + 1):
         current["step"] = step
-        _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
+        _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace, scale_ulp)
     if jolt is not None:
         trace.meta["moved"] = sorted(jolt.moved)
     return trace
 
 
-def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace) -> None:
+def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace, scale_ulp: bool) -> None:
     """One call of the user's step on the global batch, recorded as the sharded side records it."""
     inputs, targets = global_batch(case, step)
+    seed = float(case.world_size) * (1 + 4 * 2.0**-24 if scale_ulp and case.world_size > 1 else 1)
     # Micro-batch m of the reference = every rank's micro-batch m, in rank order.
     per_rank = [microbatch_slices(case, r) for r in range(case.world_size)]
     rows = torch.cat(
@@ -213,7 +231,7 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
         ranks, optimizer, lambda out: logits.append(logits_of(case.model, out).detach()), on_grads, on_norm
     )
     try:
-        with recording.around_step(), _backward_scaled_by(case.world_size):
+        with recording.around_step(), _backward_scaled_by(seed):
             loss = step_fn(ranks, optimizer, batch, ctx)
     finally:
         recording.remove()
@@ -234,7 +252,7 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace)
 
 
 @contextlib.contextmanager
-def _backward_scaled_by(factor: int) -> Iterator[None]:
+def _backward_scaled_by(factor: float) -> Iterator[None]:
     """Each rank of a correct step scales its loss by W (W / global items, the ranks' gradients
     averaged over W again); the step on one device scales by 1 (`ctx.world_size == 1`). Seeding
     every backward of the step with W instead of 1, and dividing the ranks' summed gradients by W

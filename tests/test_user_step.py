@@ -81,10 +81,12 @@ def test_a_step_that_forgets_the_world_size_in_its_scale_is_caught():
     assert grads and all(f.ratio > 1e3 for f in grads)
 
 
-# A fresh-seed false alarm: the reference let autograd add the ranks' micro-batch gradients in
-# another grouping than FSDP2's per-rank accumulation without sync (tests/regressions/README.md).
+# Fresh-seed false alarms (tests/regressions/README.md): the reference let autograd add the ranks'
+# micro-batch gradients in another grouping than FSDP2's per-rank accumulation without sync; a
+# rank's loss scale an ulp from the reference's flipped a bf16 rounding at world size 3.
 @settings(max_examples=3, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 @example(case=regression("cd5af77c255a"))
+@example(case=regression("4b66120e6c3d"))
 @given(
     cases(
         world_sizes=(2, 3),

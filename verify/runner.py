@@ -56,11 +56,12 @@ def calibration_runs(case: Case) -> list[Trace]:
     bound (reference/perturbation.py), so that an order none of the runs above samples cannot
     collapse a tolerance below what the arithmetic allows."""
     arithmetic = engine_arithmetic(case.engine)
-    if case.step is not None:  # the same freedoms, around a user's step (no flat layout to sample)
+    if case.step is not None:  # the same freedoms around a user's step, and its own loss scale
         with rank_like_threads():
             return [
                 train_reference_step(case, order="rank", arithmetic=arithmetic),
                 train_reference_step(case, order="reverse", arithmetic=arithmetic),
+                train_reference_step(case, scale_ulp=True, arithmetic=arithmetic),
                 train_reference_step(case, unit_input_node=False, arithmetic=arithmetic),
                 train_reference_step(case, perturb=int(case.hash[:8], 16), arithmetic=arithmetic),
             ]
