@@ -343,6 +343,12 @@ def _cases(
         "data_seed": field("data_seed", st.integers(0, 2**16)),
         "init": field("init", st.sampled_from(("eager", "meta"))),
         "engine": field("engine", st.just(engine)),
+        "step": field("step", st.just(None)),
+        # Checkpointing recomputes each unit's forward in backward; drawn for FSDP2 (the others
+        # take it as a pin).
+        "activation_checkpointing": field(
+            "activation_checkpointing", st.booleans() if engine == "fsdp2" else st.just(False)
+        ),
     }
     try:
         return Case(**values)

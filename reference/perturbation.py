@@ -38,7 +38,7 @@ import math
 
 import torch
 
-UNIT_ROUNDOFF = {torch.float64: 2.0**-53, torch.float32: 2.0**-24, torch.bfloat16: 2.0**-8, torch.float16: 2.0**-11}
+from fsdp_verify.compare.tolerance import unit_roundoff
 
 
 class Perturbation:
@@ -56,8 +56,17 @@ class Perturbation:
         if self.world_size <= 2:
             return result
         self.moved.add(where)
-        u = UNIT_ROUNDOFF.get(result.dtype, 2.0**-24)
         magnitude = torch.stack([t.detach().to(result.dtype).double().abs() for t in terms]).sum(0)
+        moved = result.detach().double() + self._signs(result.shape) * 2 * unit_roundoff(result.dtype) * magnitude
+        return moved.to(result.dtype)
+
+    def rank_rounding(self, result: torch.Tensor, terms: list[torch.Tensor], u: float, where: str) -> torch.Tensor:
+        """`result` = the average of `terms`, each of which a correct rank may have rounded one
+        way or the other in a dtype of unit roundoff `u` (a rank's gradient computed at a loss
+        scale an ulp away from the reference's: reference/user_step.py), moved by
+        2 u sum_r|x_r| / W with a random sign per element."""
+        self.moved.add(where)
+        magnitude = torch.stack([t.detach().double().abs() for t in terms]).sum(0) / len(terms)
         moved = result.detach().double() + self._signs(result.shape) * 2 * u * magnitude
         return moved.to(result.dtype)
 
@@ -66,7 +75,7 @@ class Perturbation:
         self.moved.add(where)
         numel = sum(g.numel() for g in grads)
         pieces = len(grads) * self.world_size
-        u = UNIT_ROUNDOFF.get(norm.dtype, 2.0**-24)
+        u = unit_roundoff(norm.dtype)
         relative = (math.ceil(math.log2(max(numel, 2))) + pieces + 5) * u
         moved = norm.double() * (1 + self._signs(norm.shape) * relative)
         return moved.to(norm.dtype)

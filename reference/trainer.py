@@ -50,13 +50,7 @@ def train_reference(
     `arithmetic` is what the engine under test declares (verify/engines/arithmetic.py): with a
     "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
     reduction and the clip's norm, and its `unit_input_node` is the default."""
-    model = build_model(case.model, case.seed, init="eager")
-    _install_precision_hooks(
-        model,
-        case,
-        arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
-        arithmetic.casts_inputs_without_params,
-    )
+    model = reference_model(case, arithmetic, unit_input_node)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
     flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
@@ -160,6 +154,19 @@ def train_reference(
     if jolt is not None:
         trace.meta["moved"] = sorted(jolt.moved)
     return trace
+
+
+def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None) -> nn.Module:
+    """The case's model as built (eager, from its seed) with the casts and the unit-input node of
+    the engine's arithmetic installed: what every reference run computes with."""
+    model = build_model(case.model, case.seed, init="eager")
+    _install_precision_hooks(
+        model,
+        case,
+        arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
+        arithmetic.casts_inputs_without_params,
+    )
+    return model
 
 
 def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -> torch.Tensor:

@@ -147,8 +147,14 @@ class Case:
     # A user's `loss(logits, targets) -> sum over items`; divided by the global count of
     # targets that are not ignore_index (-100). None: next-token cross-entropy (token models).
     loss: str | None = None
+    # A user's training step `NAME(model, optimizer, batch, ctx) -> loss` run unchanged on both
+    # sides (verify/training/user_step.py) instead of the toolkit's own loop. None: the toolkit's.
+    step: str | None = None
+    # Activation checkpointing (torch.utils.checkpoint, RNG state preserved) on every wrapped unit
+    # but the root: recomputation in backward must replay the forward's dropout masks.
+    activation_checkpointing: bool = False
 
-    OPTIONAL_FIELDS = ("loss",)
+    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -218,6 +224,13 @@ class Case:
             rsf,
         )
         check(self.loss is None or is_import_path(self.loss), "loss", f"null or {IMPORT_PATH}", self.loss)
+        check(self.step is None or is_import_path(self.step), "step", f"null or {IMPORT_PATH}", self.step)
+        check(
+            isinstance(self.activation_checkpointing, bool),
+            "activation_checkpointing",
+            "true or false",
+            self.activation_checkpointing,
+        )
         self._validate_custom()
         self._validate_wrap()
         if self.data.kind == "cancellation":
@@ -229,6 +242,15 @@ class Case:
             )
 
     def _validate_custom(self) -> None:
+        if self.step is not None:
+            from fsdp_verify.imports import load_object
+
+            check(
+                callable(load_object(self.step, "step")),
+                "step",
+                "a callable NAME(model, optimizer, batch, ctx)",
+                self.step,
+            )
         if self.data.padded:
             check(self.model.kind != "mlp", "data.padded", "false for an MLP (padding needs token sequences)", True)
         if not self.model.is_custom:

@@ -31,6 +31,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     register_profiles()  # before any plugin's pytest_configure loads --hypothesis-profile
     group = parser.getgroup("fsdp-verify")
     group.addoption("--fsdp-engine", default="fsdp2", help=f"engine under test ({ENGINE_HELP})")
+    group.addoption(
+        "--fsdp-step",
+        default=None,
+        help="your training step pkg.module:NAME or file.py:NAME for generated cases (fsdp_cases)",
+    )
     group.addoption("--fsdp-timeout", type=float, default=120.0, help="seconds before a rank counts as hung")
     group.addoption(
         "--fsdp-world-sizes",
@@ -157,6 +162,9 @@ def fsdp_cases(request: pytest.FixtureRequest) -> Callable:
         "world_sizes": config.getoption("--fsdp-world-sizes"),
         "precisions": config.getoption("--fsdp-precisions"),
     }
+    step = config.getoption("--fsdp-step")
+    if step is not None:
+        defaults["step"] = step
     return lambda **pins: cases(**{**defaults, **pins})
 
 

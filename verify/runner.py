@@ -14,7 +14,7 @@ from fsdp_verify.checks import run_checks
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.hints import hint
-from fsdp_verify.reference import train_reference
+from fsdp_verify.reference import train_reference, train_reference_step
 from fsdp_verify.sharded.pool import RankPool, get_pool
 from fsdp_verify.trace import Trace
 from fsdp_verify.verdict import Verdict
@@ -34,7 +34,10 @@ def rank_like_threads() -> Iterator[None]:
 
 def emulating_reference(case: Case) -> Trace:
     """The reference run that emulates the engine under test: FSDP2's arithmetic unless the
-    engine declares its own (verify/engines/arithmetic.py)."""
+    engine declares its own (verify/engines/arithmetic.py); with a user's step, that step on the
+    global batch (reference/user_step.py)."""
+    if case.step is not None:
+        return train_reference_step(case, arithmetic=engine_arithmetic(case.engine))
     return train_reference(case, arithmetic=engine_arithmetic(case.engine))
 
 
@@ -53,6 +56,15 @@ def calibration_runs(case: Case) -> list[Trace]:
     bound (reference/perturbation.py), so that an order none of the runs above samples cannot
     collapse a tolerance below what the arithmetic allows."""
     arithmetic = engine_arithmetic(case.engine)
+    if case.step is not None:  # the same freedoms around a user's step, and its own loss scale
+        with rank_like_threads():
+            return [
+                train_reference_step(case, order="rank", arithmetic=arithmetic),
+                train_reference_step(case, order="reverse", arithmetic=arithmetic),
+                train_reference_step(case, scale_ulp=True, arithmetic=arithmetic),
+                train_reference_step(case, unit_input_node=False, arithmetic=arithmetic),
+                train_reference_step(case, perturb=int(case.hash[:8], 16), arithmetic=arithmetic),
+            ]
     with rank_like_threads():
         return [
             train_reference(case, order="rank", arithmetic=arithmetic),

@@ -110,12 +110,28 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--data", metavar="IMPORT", help="a data function pkg.module:NAME, fn(case, step, generator)")
     p.add_argument("--loss", metavar="IMPORT", help="a loss pkg.module:NAME, loss(logits, targets) -> sum over items")
+    add_step_arguments(p)
     p.add_argument("--param-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
     p.add_argument("--reduce-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
     p.add_argument("--output-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
     p.add_argument("--seed", type=int, help="the case's seed (initial values and dropout masks)")
     p.add_argument("--data-seed", type=int, help="the seed of the generated batches")
     p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
+
+
+def add_step_arguments(p: argparse.ArgumentParser) -> None:
+    """`--step` and `--activation-checkpointing` (check, fuzz, sweep)."""
+    p.add_argument(
+        "--step",
+        metavar="IMPORT",
+        help="your training step pkg.module:NAME or file.py:NAME, NAME(model, optimizer, batch, ctx) -> loss,"
+        " run unchanged on the reference and on every rank",
+    )
+    p.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="checkpoint every wrapped unit but the root (recomputation must replay dropout masks)",
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -196,6 +212,10 @@ def case_from_args(args: argparse.Namespace) -> Case:
         changes["data.fn"] = args.data
     if args.loss:
         changes["loss"] = args.loss
+    if getattr(args, "step", None):
+        changes["step"] = args.step
+    if getattr(args, "activation_checkpointing", False):
+        changes["activation_checkpointing"] = True
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(args, name):
             changes[f"precision.{name}"] = getattr(args, name)
@@ -224,6 +244,7 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
     add_precisions(p)
     p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
     add_model_arguments(p)
+    add_step_arguments(p)
     p.add_argument(
         "--pin",
         action="append",
@@ -267,6 +288,11 @@ def strategy_from_args(args: argparse.Namespace, **options):
     resolve_engine(args.engine)
     model = model_from_args(args)
     custom = model if model is not None and model.is_custom else None
+    pins = pins_from_args(args.pin)
+    if getattr(args, "step", None):
+        pins = {"step": args.step, **pins}
+    if getattr(args, "activation_checkpointing", False):
+        pins = {"activation_checkpointing": True, **pins}
     return cases(
         engine=args.engine,
         world_sizes=args.world_sizes,
@@ -274,5 +300,5 @@ def strategy_from_args(args: argparse.Namespace, **options):
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
         custom_model=custom,
         **options,
-        **pins_from_args(args.pin),
+        **pins,
     )

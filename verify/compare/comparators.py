@@ -219,7 +219,20 @@ class CompareContext:
         the pool was moved directly (rather than only through what it depends on)."""
         if self._floor is None:
             self._calibrate()
-        return self._floor.get((key[0], key[1]), 0.0), f"{key[0]}/{key[1]}" in self._moved
+        return self._floor.get((key[0], key[1]), 0.0), self._moved_only_directly(key[0], key[1])
+
+    def _moved_only_directly(self, step: int, phase: str) -> bool:
+        """Whether the perturbed run's deviation in this pool is its own direct move alone. A pool
+        moved directly whose inputs were moved too (the gradients of a step after moved
+        parameters, the clip norm of moved gradients) also carries what it inherited through
+        rounding flips and through the random signs of the moves (a sample, not a bound; a user
+        step's reference showed both: gradients at step 2 of an fp32 world-size-3 run 3.8x their
+        step-2 floor, a bf16 clip norm 2.9x its floor) and takes the noise multiple as
+        inherited-only pools do."""
+        if f"{step}/{phase}" not in self._moved:
+            return False
+        first = min(int(m.split("/")[0]) for m in self._moved)
+        return step == first and not (phase == "grad_norm" and f"{step}/grads" in self._moved)
 
     def names(self, step: int, phase: str) -> list[str]:
         """Record names of one step and phase of the reference, indexed once."""

@@ -50,6 +50,8 @@ NOISE_MULTIPLE = 10.0
 # The perturbed run moves every order-dependent result by the worst case in magnitude with random
 # signs (reference/perturbation.py). At the reduction itself that is already the bound; downstream
 # a real reordering's errors are smaller and no more aligned than random signs: 2 for the signs.
+# Only for a pool whose inputs were not moved too (CompareContext._moved_only_directly); a pool
+# that also inherits earlier moves holds a sample and gets NOISE_MULTIPLE.
 FLOOR_MULTIPLE = 2.0
 # A record past this fraction of its bound is judged against the calibrated tolerance instead:
 # the bound is the tightest limit, not the one the arithmetic allows, and a correct engine should

@@ -21,10 +21,12 @@ from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
+from fsdp_verify.training.checkpointing import checkpoint_units
+from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_seed
+from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
 
 @dataclass
@@ -45,6 +47,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_build(model)
     if any(getattr(probe, "stop", False) for probe in probes):
         return trace  # the ranks built different models (the build check names how)
+    if case.activation_checkpointing:
+        checkpoint_units(model, case.wrap_plan)
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
@@ -60,8 +64,22 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("step 0 gather initial params")
     _record_params(trace, 0, view, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
-    dtypes: dict[str, str] = {}
+    run_steps = _user_steps if case.step is not None else _toolkit_steps
+    dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, trace)
+    for probe in probes:
+        probe.finish()
+    ctx.phase("done")
+    if trace is not None:
+        trace.meta["dtypes"] = dtypes
+        trace.meta["items"] = items  # per step, rank and micro-batch: what the loss averages over
+    return trace
+
+
+def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
+    """The toolkit's own loop: micro-batches, the loss normalised by the global item count,
+    the engine's clip, the optimizer step; returns (dtypes seen, items per rank and micro-batch)."""
     loss_scale = getattr(sharded, "loss_scale", None) or _global_mean
+    dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
     for step in range(1, case.steps + 1):
         inputs, targets = global_batch(case, step)
@@ -104,20 +122,91 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         ctx.phase(f"step {step} optimizer step")
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        ctx.phase(f"step {step} gather params and optimizer state")
-        _record_params(trace, step, view)
-        for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
-            _add(trace, step, "optim_state", key, whole)
-        ctx.phase(f"step {step} probes after the step")
+        _after_step(case, ctx, step, view, optimizer, params, probes, trace)
+    return dtypes, items
+
+
+def _user_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
+    """A user's own step (verify/training/user_step.py) on this rank's block of the global batch."""
+    step_fn = load_step(case.step)
+    dtypes: dict[str, str] = {}
+    items: dict[str, list[list[int]]] = {}
+    for step in range(1, case.steps + 1):
+        _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace, dtypes, items)
+        _after_step(case, ctx, step, view, optimizer, params, probes, trace)
+    return dtypes, items
+
+
+def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace, dtypes, items) -> None:
+    """One call of the step, recorded around: logits at every forward, gradients before the clip
+    or the optimizer, the clip's norm (this rank's), the loss it returns averaged over ranks."""
+    inputs, targets = global_batch(case, step)
+    block = rank_slice(case, ctx.rank)
+    batch = (take(inputs, block, ctx.device), targets[block].to(ctx.device))
+    items[str(step)] = [
+        [item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(ctx.world_size)
+    ]
+    logits: list[torch.Tensor] = []
+    forwards = [0]
+
+    def before_forward() -> None:
+        ctx.phase(f"step {step} user step: forward {forwards[0]}")
         for probe in probes:
-            probe.after_step(step)
+            probe.before_forward(step, forwards[0])
+
+    def on_forward(out) -> None:
+        out = logits_of(case.model, out)
+        for probe in probes:
+            probe.after_forward(step, forwards[0], out)
+        logits.append(out.detach())
+        dtypes["logits"] = str(out.dtype)
+        forwards[0] += 1
+
+    def on_grads() -> None:
+        ctx.phase(f"step {step} gather gradients")
+        for probe in probes:
+            probe.after_backward(step, case.microbatches - 1)
+        for name, whole in view.full_grads().items():
+            dtypes["grads"] = str(whole.dtype)
+            _add(trace, step, "grads", name, whole)
+
+    def on_norm(norm: torch.Tensor) -> None:
+        full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        _add(trace, step, "grad_norm", "total_norm", full.detach())
+
+    step_ctx = StepContext(
+        ctx.world_size,
+        ctx.rank,
+        case.microbatches,
+        item_count(case, targets),
+        case.sync_every_microbatch,
+        ctx.device,
+        _set_sync=view.set_requires_gradient_sync,
+        _clip=view.clip_grad_norm_,
+    )
+    recording = StepRecording(sharded, optimizer, on_forward, on_grads, on_norm, before_forward)
+    ctx.phase(f"step {step} user step")
+    try:
+        with recording.around_step():
+            loss = step_fn(sharded, optimizer, batch, step_ctx)
+    finally:
+        recording.remove()
+    ctx.phase(f"step {step} gather logits and loss")
+    if logits:
+        _add(trace, step, "logits", "logits", _all_gather_rows(torch.cat(logits)))
+    local = torch.as_tensor(loss).detach().float().reshape(()).to(ctx.device)
+    dist.all_reduce(local)
+    _add(trace, step, "loss", "loss", local / ctx.world_size)
+
+
+def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None:
+    ctx.phase(f"step {step} gather params and optimizer state")
+    _record_params(trace, step, view)
+    for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
+        _add(trace, step, "optim_state", key, whole)
+    ctx.phase(f"step {step} probes after the step")
     for probe in probes:
-        probe.finish()
-    ctx.phase("done")
-    if trace is not None:
-        trace.meta["dtypes"] = dtypes
-        trace.meta["items"] = items  # per step, rank and micro-batch: what the loss averages over
-    return trace
+        probe.after_step(step)
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:

@@ -127,6 +127,15 @@ ZOO: list[ZooBug] = [
         pins={**_CHEAP, "microbatches": _MICROBATCHES, "sync_every_microbatch": False},
     ),
     ZooBug(
+        "checkpoint_without_rng_state",
+        _mutant("checkpoint_without_rng_state"),
+        "activation checkpointing with preserve_rng_state=False: backward recomputes dropout with new masks",
+        "issue 11: activation checkpointing that recomputes dropout with another RNG state",
+        ("grads", "rng"),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "model.dropout": st.sampled_from((0.1, 0.5)), "activation_checkpointing": False},
+    ),
+    ZooBug(
         "clip_with_local_norm",
         _mutant("clip_with_local_norm"),
         "gradients clipped by each rank's local norm, not the global one",

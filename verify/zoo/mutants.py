@@ -16,6 +16,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
+from fsdp_verify.training.checkpointing import checkpoint_units
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -171,6 +172,14 @@ def same_dropout_mask_on_every_rank(model: nn.Module, mesh: DeviceMesh, spec: Sh
         torch.manual_seed(seed)
 
     model.register_forward_pre_hook(reseed)
+    return fully_shard_engine(model, mesh, spec)
+
+
+def checkpoint_without_rng_state(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Activation checkpointing on every unit with `preserve_rng_state=False` ("it is faster"):
+    the recomputation in backward draws new dropout masks, so the gradients belong to a forward
+    that never ran, and each rank's generator ends the step further on than it should."""
+    checkpoint_units(model, spec.case.wrap_plan if spec.case is not None else (), preserve_rng_state=False)
     return fully_shard_engine(model, mesh, spec)
 
 
