@@ -34,6 +34,11 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "fsdp_verify.commands.sweep",
         "the nightly sweep: generated cases, sharded, resumable; zero false alarms",
     ),
+    (
+        "compare",
+        "fsdp_verify.commands.compare",
+        "compare two recorded runs (your script and its sharded twin) step by step; the data check",
+    ),
     ("report", "fsdp_verify.commands.report", "merge shards' reports, diff two nights, a trend page over nights"),
 ]
 

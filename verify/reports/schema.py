@@ -1,4 +1,4 @@
-"""The one report format (`report.json` of check, fuzz, sweep and selftest): its version, the JSON
+"""The one report format (`report.json` of check, fuzz, sweep, selftest and compare): its version, the JSON
 Schema shipped beside this module, and loading a report with a clear error naming the bad field.
 Readers (merge, diff, trend) refuse a report of another schema_version rather than guess."""
 
@@ -12,7 +12,7 @@ from typing import Any
 
 SCHEMA_VERSION = 1
 SCHEMA_PATH = Path(__file__).with_name("report.schema.json")
-KINDS = ("check", "fuzz", "sweep", "selftest")
+KINDS = ("check", "fuzz", "sweep", "selftest", "compare")
 
 
 class ReportError(ValueError):

@@ -1,0 +1,327 @@
+"""Your loop, recorded: the Recorder around a user's own step and `fsdp-verify compare`.
+
+End to end (real torchrun, real FSDP2 on gloo, the example scripts as a user runs them): the
+correct pair passes, an unsharded sampler is named by the data check, a gradient moved by 2e-6 on
+one rank is caught at step 1. Unit tests: names, storage, bad input, the data check's diagnoses,
+gradient accumulation, perturbation mode.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jsonschema
+import pytest
+import torch
+from torch import nn
+
+from fsdp_verify.commands.cli import main
+from fsdp_verify.recorder import Recorder
+from fsdp_verify.recorder.datacheck import check as data_check
+from fsdp_verify.recorder.names import strip_wrappers
+from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
+from fsdp_verify.recorder.store import Run
+from fsdp_verify.reports.schema import SCHEMA_PATH
+
+ROOT = Path(__file__).resolve().parent.parent
+EXAMPLES = ROOT / "examples" / "loop"
+BIN = Path(sys.executable).parent
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+
+
+def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
+    assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
+    return r
+
+
+def single(out: Path, *extra: str, env: dict | None = None) -> None:
+    _run([sys.executable, str(EXAMPLES / "train_single.py"), "--out", str(out), *extra], env)
+
+
+def sharded(out: Path, *extra: str) -> None:
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    _run([*torchrun, str(EXAMPLES / "train_fsdp.py"), "--out", str(out), *extra])
+
+
+def compare(*args, capsys) -> tuple[int, str]:
+    code = main(["compare", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out + out.err
+
+
+# ---- end to end: the example scripts under torchrun ------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> Path:
+    """The reference, its perturbed rerun, the correct sharded twin and two planted bugs."""
+    d = tmp_path_factory.mktemp("runs")
+    single(d / "ref", "--full-steps", "0", "1")
+    single(d / "ref-perturbed", "--full-steps", "0", "1", env={"FSDP_VERIFY_PERTURB": "1"})
+    sharded(d / "sharded", "--full-steps", "0", "1")
+    sharded(d / "unsharded-sampler", "--bug", "unsharded-sampler")
+    sharded(d / "grad-noise", "--bug", "grad-noise")
+    return d
+
+
+def test_the_correct_pair_is_equivalent_and_every_rule_is_reported(runs, tmp_path, capsys):
+    code, out = compare(
+        runs / "ref", runs / "sharded", "--calibration", runs / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 0, out
+    assert "EQUIVALENT" in out and "calibrated" in out and "bound" in out and "exact" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))  # the raw file, kind compare
+    assert report["kind"] == "compare" and report["ok"] and report["compare"]["unjudged"] == 0
+    with pytest.raises(jsonschema.ValidationError):  # kind compare without its block is refused
+        jsonschema.validate({k: v for k, v in report.items() if k != "compare"}, json.loads(SCHEMA_PATH.read_text()))
+    records = report["compare"]["records"]
+    # Each rank's shard put back at its offset: the initial parameters stored whole match bit for bit.
+    whole = [r for r in records if r["phase"] == "init" and r["name"].endswith("(whole)")]
+    assert len(whole) == 21 and all(r["deviation"] == 0 for r in whole)
+    assert {r["rule"] for r in records if r["step"] == 1 and r["phase"] == "grads"} == {"bound"}
+    assert all(r["ok"] for r in records)
+    assert (tmp_path / "report.html").read_text().startswith("<!DOCTYPE html>")
+
+
+def test_without_calibration_later_records_are_shown_not_judged(runs, tmp_path, capsys):
+    code, out = compare(runs / "ref", runs / "sharded", "--out", tmp_path, capsys=capsys)
+    assert code == 0, out
+    assert "were not judged" in out and "FSDP_VERIFY_PERTURB=1" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["compare"]["unjudged"] > 0 and report["compare"]["calibration"] is None
+
+
+def test_an_unsharded_sampler_is_named_by_the_data_check(runs, tmp_path, capsys):
+    code, out = compare(
+        runs / "ref",
+        runs / "unsharded-sampler",
+        "--calibration",
+        runs / "ref-perturbed",
+        "--out",
+        tmp_path,
+        capsys=capsys,
+    )
+    assert code == 1, out
+    summary = out.split("DIVERGED:", 1)[1]
+    assert "First divergence at step 1, data" in summary
+    assert "samples 0-3 seen by ranks 0 and 1" in summary and "is the sampler sharded" in summary
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["compare"]["first_divergence"]["phase"] == "data"
+    assert report["failures"][0]["first_divergence"] == "DataCheck @ 1/data batch"
+
+
+def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path, capsys):
+    code, out = compare(
+        runs / "ref", runs / "grad-noise", "--calibration", runs / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 1, out
+    first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
+    assert (first["step"], first["phase"], first["rule"]) == (1, "grads", "bound"), first
+    assert "First divergence at step 1, gradients" in out
+
+
+def test_runs_record_per_rank_with_placements_and_meta(runs):
+    run = Run(runs / "sharded", "RUN")
+    assert run.world_size == 2 and [m["rank"] for m in run.meta] == [0, 1]
+    meta = run.meta[1]
+    assert meta["schema_version"] == 1 and meta["torch"] == torch.__version__
+    assert meta["dtypes_seen"]["grads"] == ["float32"] and meta["optimizer"] == "Adam"
+    _, header = run.load(1, 1)
+    layout = {name: (rows, offset, full) for name, rows, offset, full, *_ in header["opt1/grads"]}
+    rows, offset, full = layout["tok_embeddings.weight"]
+    assert (rows, offset, full) == (128, 128, 256)  # rank 1 holds rows 128..255 of the 256
+
+
+# ---- storage, names and bad input -----------------------------------------------------------------
+
+
+class Inner(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 3)
+        self.out = nn.Linear(3, 2)
+
+    def forward(self, x):
+        return self.out(torch.relu(self.lin(x)))
+
+
+class DDPLike(nn.Module):
+    """What DDP and DataParallel look like from outside: the user's model under `.module`."""
+
+    def __init__(self, inner: nn.Module):
+        super().__init__()
+        self.module = inner
+
+    def forward(self, x):
+        return self.module(x)
+
+
+def train(
+    out: Path, model: nn.Module | None = None, steps: int = 3, accumulate: int = 1, batch: int = 6, **kwargs
+) -> Recorder:
+    torch.manual_seed(0)
+    model = model or Inner()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, out=out, **kwargs)
+    g = torch.Generator().manual_seed(5)
+    for step in range(1, steps * accumulate + 1):
+        x = torch.randn(batch, 4, generator=g)
+        logits = model(x)
+        loss = logits.square().mean()
+        loss.backward()
+        if step % accumulate == 0:
+            opt.step()
+            opt.zero_grad()
+        rec.step(loss=loss, logits=logits, batch={"x": x})
+    rec.close()
+    return rec
+
+
+def test_wrapper_prefixes_are_stripped():
+    assert strip_wrappers("_orig_mod.layers.0._fsdp_wrapped_module.attn.wq.weight") == "layers.0.attn.wq.weight"
+    assert strip_wrappers("module.layers.0._checkpoint_wrapped_module.w") == "layers.0.w"
+    assert strip_wrappers("module.module.encoder.module.w") == "encoder.module.w"  # a user's own `module` is kept
+
+
+def test_a_wrapped_model_pairs_with_the_plain_one(tmp_path, capsys):
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    inner = Inner()
+    inner.lin = checkpoint_wrapper(inner.lin)
+    wrapped = DDPLike(inner)
+    assert any("_checkpoint_wrapped_module" in n for n, _ in wrapped.named_parameters())
+    train(tmp_path / "a")
+    train(tmp_path / "b", model=wrapped)
+    assert Run(tmp_path / "b", "b").param_names == ["lin.weight", "lin.bias", "out.weight", "out.bias"]
+    code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 0, out
+
+
+def test_storage_is_safetensors_and_json_only(tmp_path):
+    train(tmp_path / "run", full_steps=[1], full_params=["out.*"])
+    files = [p for p in (tmp_path / "run").rglob("*") if p.is_file()]
+    assert files and {p.suffix for p in files} == {".json", ".safetensors"}
+    for p in files:
+        assert not p.read_bytes().startswith(b"\x80"), f"{p} looks like a pickle"
+    tensors, header = Run(tmp_path / "run", "run").load(0, 2)
+    assert "full/opt2/params/out.weight" in tensors and "full/opt2/params/lin.weight" not in tensors
+    tensors, _ = Run(tmp_path / "run", "run").load(0, 1)
+    assert "full/opt1/params/lin.weight" in tensors and "full/opt1/optim.exp_avg/lin.weight" in tensors
+
+
+def test_gradient_accumulation_records_per_call_and_per_optimizer_step(tmp_path, capsys):
+    train(tmp_path / "a", steps=2, accumulate=2)
+    run = Run(tmp_path / "a", "a")
+    assert run.calls[0] == [0, 1, 2, 3, 4]
+    assert [run.load(0, c)[1]["opt_steps"] for c in run.calls[0]] == [[0], [], [1], [], [2]]
+    assert run.meta[0]["optimizer_steps"] == 2 and run.meta[0]["steps"] == 4
+    train(tmp_path / "b", steps=2, accumulate=2)
+    code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 0 and "EQUIVALENT" in out, out
+
+
+def test_a_mutated_gradient_is_caught_in_one_process_too(tmp_path, capsys):
+    """The single-process twin of the torchrun test: the same loop, one gradient scaled by 1 + 2e-6."""
+    train(tmp_path / "ref")
+    torch.manual_seed(0)
+    model = Inner()
+    model.lin.weight.register_hook(lambda g: g * (1 + 2e-6))
+    train(tmp_path / "bad", model=model)
+    code, out = compare(tmp_path / "ref", tmp_path / "bad", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, gradients, 'lin.weight'" in out, out
+
+
+def test_a_batch_of_another_size_is_a_divergence_named_not_a_crash(tmp_path, capsys):
+    train(tmp_path / "a")
+    train(tmp_path / "b", batch=5)
+    code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, data" in out, out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    logits = [r for r in report["compare"]["records"] if r["phase"] == "logits"][0]
+    assert (
+        not logits["ok"]
+        and "samples (5,) on the sharded run's ranks together, (6,) in the reference" in logits["message"]
+    )
+
+
+@pytest.mark.parametrize(
+    "setup, message",
+    [
+        (lambda d: None, "RUN_REF: {d}/missing: no such directory"),
+        (lambda d: (d / "missing").mkdir(), "no rank*/meta.json"),
+        (
+            lambda d: train(d / "missing", model=nn.Sequential(nn.Linear(4, 2))),
+            "params: the runs record different parameters",
+        ),
+    ],
+)
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, setup, message):
+    train(tmp_path / "good")
+    setup(tmp_path)
+    code, out = compare(tmp_path / "missing", tmp_path / "good", "--out", tmp_path / "r", capsys=capsys)
+    assert code == 2 and message.format(d=tmp_path) in out, out
+
+
+def test_bad_meta_and_calibration_exit_2(tmp_path, capsys):
+    train(tmp_path / "good")
+    train(tmp_path / "other")
+    code, out = compare(tmp_path / "good", tmp_path / "other", "--calibration", tmp_path / "other", capsys=capsys)
+    assert code == 2 and "--calibration" in out and "settings.perturb" in out, out
+    meta = tmp_path / "other" / "rank0" / "meta.json"
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "schema_version": 9}))
+    code, out = compare(tmp_path / "good", tmp_path / "other", capsys=capsys)
+    assert code == 2 and "RUN_SHARDED" in out and "schema_version: expected 1, got 9" in out, out
+    meta.write_text(json.dumps({**json.loads(meta.read_text()), "schema_version": 1, "world_size": 2}))
+    code, out = compare(tmp_path / "good", tmp_path / "other", capsys=capsys)
+    assert code == 2 and "world_size is 2 but the ranks recorded are [0]" in out, out
+
+
+# ---- the data check and perturbation mode -----------------------------------------------------------
+
+
+def _h(*xs: int) -> torch.Tensor:
+    return torch.tensor(xs, dtype=torch.int64)
+
+
+def test_the_data_check_passes_each_sample_once_in_any_order():
+    assert data_check(1, [_h(1, 2, 3, 4)], [_h(3, 1), _h(4, 2)]).ok
+
+
+@pytest.mark.parametrize(
+    "got, expected",
+    [
+        (
+            [_h(1, 2), _h(1, 2)],
+            "samples 0-1 seen by ranks 0 and 1; samples 2-3 of the reference's batch seen by no rank",
+        ),
+        ([_h(1, 2), _h(1, 2)], "is the sampler sharded"),
+        ([_h(1, 2, 3), _h(4, 1)], "DistributedSampler(drop_last=False) pads"),
+        ([_h(1, 5), _h(2, 6)], "another shuffle seed, a set_epoch"),
+    ],
+)
+def test_the_data_check_names_the_classic_bugs(got, expected):
+    f = data_check(3, [_h(1, 2, 3, 4)], got)
+    assert not f.ok and f.step == 3 and expected in f.message, f.message
+
+
+def test_perturbation_moves_each_nonzero_element_by_its_bound_and_leaves_zeros(tmp_path):
+    g = torch.tensor([[1.0, -0.5, 0.0], [1e-9, 2.0, -3.0]])
+    moved = g.clone()
+    GradientPerturbation(7).move(moved)
+    step = MOVE_ULPS * 2.0**-24 * 3.0
+    assert moved[0, 2] == 0
+    nz = g != 0
+    assert (((moved - g).abs()[nz] - step).abs() <= g.abs()[nz] * 2.0**-23).all()  # the move, rounded once
+    os.environ["FSDP_VERIFY_PERTURB"] = "3"
+    try:
+        rec = train(tmp_path / "p", steps=1)
+    finally:
+        del os.environ["FSDP_VERIFY_PERTURB"]
+    assert rec.perturbation.seed == 3 and Run(tmp_path / "p", "p").meta[0]["settings"]["perturb"] == 3

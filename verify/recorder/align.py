@@ -1,0 +1,113 @@
+"""A recorded run read back as global records: each step's loss, logits, batch hashes and each
+optimizer step's fingerprints put back together from the ranks' shards (rows at their offsets),
+so a reference recorded on one process and a sharded run on W line up record by record."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from fsdp_verify.recorder.store import Run
+
+
+@dataclass
+class Rows:
+    """One tensor's fingerprint: per row (dim 0) its sum and sum of squares, in float64."""
+
+    sum: torch.Tensor
+    sq: torch.Tensor
+    row_len: int
+    full: torch.Tensor | None = None  # the tensor whole, where it was recorded so
+
+    @property
+    def norms(self) -> torch.Tensor:
+        return self.sq.clamp_min(0).sqrt()
+
+    @property
+    def total(self) -> float:
+        return float(self.sum.sum())
+
+
+@dataclass
+class Step:
+    call: int
+    opt_steps: list[int]
+    opt_before: int  # optimizer steps recorded in earlier calls: 0 means this step's forward saw the initial parameters
+    loss: float | None = None
+    logits: Rows | None = None
+    hashes: list[torch.Tensor] | None = None  # per rank, samples in order
+    groups: dict[tuple[int, str], dict[str, Rows]] = field(default_factory=dict)  # (opt step, kind) -> name -> rows
+
+
+def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
+    out: dict[str, Rows] = {}
+    filled: dict[str, torch.Tensor] = {}
+    for t, h in zip(tensors, headers):
+        layout = h.get(prefix)
+        if layout is None:
+            continue
+        sums, squares, start = t[f"{prefix}/row_sum"], t[f"{prefix}/row_sq"], 0
+        for name, rows, offset, full_rows, shape, kind in layout:
+            numel = 1
+            for d in shape:
+                numel *= d
+            if kind != "rows":  # a total per rank: one row of the whole tensor
+                if name not in out:
+                    zero = torch.zeros(1, dtype=torch.float64)
+                    out[name] = Rows(zero.clone(), zero.clone(), numel)
+                    filled[name] = torch.zeros(1, dtype=torch.bool)
+                if kind == "total" or not filled[name][0]:  # shards add up; a replica counts once
+                    out[name].sum += sums[start]
+                    out[name].sq += squares[start]
+                filled[name][0] = True
+                start += 1
+            else:
+                if name not in out:
+                    zeros = torch.zeros(full_rows, dtype=torch.float64)
+                    out[name] = Rows(zeros.clone(), zeros.clone(), numel // max(full_rows, 1))
+                    filled[name] = torch.zeros(full_rows, dtype=torch.bool)
+                sl = slice(offset, offset + rows)
+                new = ~filled[name][sl]  # replicas (plain tensors on every rank): the first rank's rows
+                out[name].sum[sl][new] = sums[start : start + rows][new]
+                out[name].sq[sl][new] = squares[start : start + rows][new]
+                filled[name][sl] = True
+                start += rows
+            full = t.get(f"full/{prefix}/{name}")
+            if full is not None:
+                if out[name].full is None:
+                    out[name].full = torch.zeros(shape, dtype=full.dtype)
+                out[name].full.reshape(full_rows, -1)[offset : offset + rows] = full.reshape(rows, -1)
+    return out
+
+
+def load_step(run: Run, call: int, opt_before: int) -> Step:
+    loaded = [run.load(r, call) for r in range(run.world_size)]
+    tensors, headers = [t for t, _ in loaded], [h for _, h in loaded]
+    step = Step(call=call, opt_steps=list(headers[0].get("opt_steps", [])), opt_before=opt_before)
+    if all("loss" in t for t in tensors):
+        step.loss = float(torch.stack([t["loss"] for t in tensors]).mean())
+    if all("data/hashes" in t for t in tensors):
+        step.hashes = [t["data/hashes"] for t in tensors]
+    if all("logits/row_sum" in t for t in tensors):
+        shape = headers[0]["logits"]
+        row_len = 1
+        for d in shape[1:]:
+            row_len *= d
+        step.logits = Rows(
+            torch.cat([t["logits/row_sum"] for t in tensors]), torch.cat([t["logits/row_sq"] for t in tensors]), row_len
+        )
+    for k in step.opt_steps:
+        kinds = sorted({key.split("/", 1)[1] for h in headers for key in h if key.startswith(f"opt{k}/")})
+        for kind in kinds:
+            step.groups[(k, kind)] = _reassemble(tensors, headers, f"opt{k}/{kind}")
+    return step
+
+
+def steps(run: Run):
+    """The run's steps in order, loaded one at a time (a long run need not fit in memory)."""
+    before = 0
+    for call in run.calls[0]:
+        step = load_step(run, call, before)
+        yield step
+        before += len([k for k in step.opt_steps if k > 0])

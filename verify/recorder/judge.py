@@ -1,0 +1,224 @@
+"""Two recorded runs compared record by record: paired by step and stripped parameter name, each
+deviation held to the rule rules.py derives for it, the data check first in every step."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.compare.tolerance import measure
+from fsdp_verify.recorder import datacheck, rules
+from fsdp_verify.recorder.align import Rows, Step, steps
+from fsdp_verify.recorder.store import Run, RunError
+
+PHASES = ("init", "data", "logits", "loss", "grads", "params", "optim_state")
+COMPARATORS = {
+    "init": "InitFingerprint",
+    "logits": "LogitsFingerprint",
+    "loss": "LossRecord",
+    "grads": "GradsFingerprint",
+    "params": "ParamsFingerprint",
+    "optim_state": "OptimStateFingerprint",
+}
+DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def deviation(ref, got) -> float:
+    """Normwise: the largest change relative to the largest magnitude. For row fingerprints, the
+    row norms relative to the largest row norm, and the row sums relative to the largest value a
+    row's sum can take at that norm (sqrt(row length) x norm): both at most the elements'
+    relative change, so one rule fits both."""
+    if isinstance(ref, float):
+        if ref == got:
+            return 0.0
+        return abs(ref - got) / abs(ref) if ref else math.inf
+    if isinstance(ref, torch.Tensor):
+        return measure(ref, got).normwise
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
+    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
+    if scale == 0:
+        return 0.0 if d_norm == d_sum == 0 else math.inf
+    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
+
+
+def _records(step: Step, order: list[int] | None) -> dict[tuple[str, str], object]:
+    """(phase, name) -> value: a float (loss), Rows (fingerprints) or a tensor (recorded whole)."""
+    out: dict[tuple[str, str], object] = {}
+    if step.loss is not None:
+        out[("loss", "loss")] = step.loss
+    if step.logits is not None:
+        lg = step.logits
+        if order is not None:
+            lg = Rows(lg.sum[order], lg.sq[order], lg.row_len)
+        out[("logits", "logits")] = lg
+    for (k, kind), named in step.groups.items():
+        phase = "init" if k == 0 else ("optim_state" if kind.startswith("optim.") else kind)
+        suffix = f" [{kind.split('.', 1)[1]}]" if kind.startswith("optim.") else ""
+        for name, rows in named.items():
+            out[(phase, name + suffix)] = rows
+            if rows.full is not None:
+                out[(phase, name + suffix + " (whole)")] = rows.full
+    return out
+
+
+def _order(ref: Step, got: Step) -> list[int] | None:
+    """The permutation that puts the sharded run's samples in the reference's order."""
+    if ref.hashes is None or got.hashes is None:
+        return None
+    where: dict[int, list[int]] = {}
+    for i, h in enumerate(torch.cat(got.hashes).tolist()):
+        where.setdefault(h, []).append(i)
+    order = []
+    for h in torch.cat(ref.hashes).tolist():
+        if not where.get(h):
+            return None
+        order.append(where[h].pop(0))
+    return order
+
+
+@dataclass
+class Comparison:
+    ref: Run
+    got: Run
+    calibration: Run | None
+    findings: list[Finding] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def judged(self) -> list[Finding]:
+        return [f for f in self.findings if f.mode != "unjudged"]
+
+    @property
+    def ok(self) -> bool:
+        return all(f.ok for f in self.findings)
+
+    @property
+    def first_divergence(self) -> Finding | None:
+        return next((f for f in self.findings if not f.ok), None)
+
+    def rules_used(self) -> dict[str, int]:
+        counts: dict[str, int] = {}
+        for f in self.findings:
+            counts[f.mode or "check"] = counts.get(f.mode or "check", 0) + 1
+        return counts
+
+
+def _dtype(run: Run, kind: str) -> torch.dtype:
+    seen = [DTYPES.get(d, torch.float32) for m in run.meta for d in m.get("dtypes_seen", {}).get(kind, [])]
+    return max(seen or [torch.float32], key=rules.unit_roundoff)
+
+
+def _check_pair(ref: Run, other: Run, what: str) -> None:
+    a, b = {p[0]: p[1] for p in ref.meta[0]["params"]}, {p[0]: p[1] for p in other.meta[0]["params"]}
+    if a.keys() != b.keys():
+        only_a, only_b = sorted(a.keys() - b.keys()), sorted(b.keys() - a.keys())
+        raise RunError(
+            f"{what}: params: the runs record different parameters (names after stripping wrapper prefixes):"
+            f" only in {ref.path}: {only_a[:5]}; only in {other.path}: {only_b[:5]}"
+        )
+    for name in a:
+        if a[name] != b[name]:
+            raise RunError(f"{what}: params: {name!r} has shape {b[name]} in {other.path}, {a[name]} in {ref.path}")
+
+
+def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Comparison:
+    ref, got = Run(ref_path, "RUN_REF"), Run(got_path, "RUN_SHARDED")
+    cal = Run(calibration_path, "--calibration") if calibration_path else None
+    _check_pair(ref, got, "RUN_SHARDED")
+    if cal is not None:
+        _check_pair(ref, cal, "--calibration")
+        if cal.meta[0]["settings"].get("perturb") is None:
+            raise RunError(
+                f"--calibration: {cal.path}: settings.perturb: not a perturbed run (set FSDP_VERIFY_PERTURB=1)"
+            )
+    result = Comparison(ref, got, cal)
+    common = sorted(set(ref.calls[0]) & set(got.calls[0]))
+    if set(ref.calls[0]) != set(got.calls[0]):
+        result.notes.append(
+            f"the runs recorded {len(ref.calls[0])} and {len(got.calls[0])} steps; compared the {len(common)} both have"
+        )
+    cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
+    world = got.world_size
+    unjudged = one_sided = 0
+    for r_step, g_step in zip(steps(ref), steps(got)):
+        if r_step.call not in common:
+            continue
+        if progress:
+            progress(r_step.call)
+        if r_step.hashes is not None and g_step.hashes is not None:
+            result.findings.append(datacheck.check(r_step.call, r_step.hashes, g_step.hashes))
+        ref_rec, got_rec = _records(r_step, None), _records(g_step, _order(r_step, g_step))
+        c_step = cal_steps.get(r_step.call)
+        cal_rec = _records(c_step, None) if c_step is not None else {}
+        for key in sorted(ref_rec.keys() | got_rec.keys(), key=lambda k: (PHASES.index(k[0]), k[1])):
+            phase, name = key
+            base = dict(step=r_step.call, phase=phase, name=name, comparator=COMPARATORS[phase])
+            if (key not in got_rec or key not in ref_rec) and name.endswith(" (whole)"):
+                # Stored whole by one run only (other full_steps/full_params): the fingerprints still compare.
+                one_sided += 1
+                continue
+            if key not in got_rec or key not in ref_rec:
+                side = "the sharded run" if key not in got_rec else "the reference"
+                result.findings.append(Finding(ok=False, kind="missing", message=f"not recorded by {side}", **base))
+                continue
+            a, b = ref_rec[key], got_rec[key]
+            shapes = [tuple(x.sum.shape) if isinstance(x, Rows) else tuple(getattr(x, "shape", ())) for x in (a, b)]
+            if shapes[0] != shapes[1]:
+                what = "samples" if phase == "logits" else "shape"
+                msg = f"{what} {shapes[1]} on the sharded run's ranks together, {shapes[0]} in the reference"
+                result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
+                continue
+            dtype = _dtype(got, "logits" if phase == "logits" else ("loss" if phase == "loss" else "params"))
+            before_update = phase == "init" or (phase in ("logits", "loss") and r_step.opt_before == 0)
+            before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps
+            if phase == "init":
+                tol = rules.exact_fp64(a.row_len if isinstance(a, Rows) else 1)
+                if not isinstance(a, Rows):
+                    tol = rules.Tolerance("exact", 0.0, "the same values: sharding moves bits, nothing rounds")
+            elif before_update:
+                tol = rules.bound(dtype, world)
+            elif key in cal_rec:
+                tol = rules.calibrated(dtype, world, deviation(a, cal_rec[key]))
+            else:
+                tol = rules.unjudged(dtype, world)
+                unjudged += 1
+            dev = deviation(a, b)
+            ok = dev <= tol.limit or tol.mode == "unjudged"
+            if isinstance(a, Rows):
+                msg = f"sum {a.total:.10g} vs {b.total:.10g}, norm {math.sqrt(float(a.sq.sum())):.10g} vs {math.sqrt(float(b.sq.sum())):.10g}"
+            elif isinstance(a, float):
+                msg = f"{a:.10g} vs {b:.10g}"
+            else:
+                msg = "recorded whole"
+            result.findings.append(
+                Finding(
+                    ok=ok,
+                    kind="deviation",
+                    normwise=dev,
+                    tolerance=tol.limit,
+                    mode=tol.mode,
+                    why=tol.why,
+                    message=msg,
+                    **base,
+                )
+            )
+    if one_sided:
+        result.notes.append(
+            f"{one_sided} tensors were stored whole by one run only (full_steps/full_params differ): compared by fingerprint"
+        )
+    if unjudged and cal is None:
+        result.notes.append(
+            f"{unjudged} records after the first optimizer step were not judged (shown against the step-1 bound for"
+            " information): without a calibration run there is no derived limit for rounding compounded through the"
+            " optimizer. Record the reference script again with FSDP_VERIFY_PERTURB=1 and pass it as --calibration."
+        )
+    elif unjudged:
+        result.notes.append(
+            f"{unjudged} records after the first optimizer step have no twin in the calibration run and were not judged:"
+            " record it with the same full_steps and full_params as the reference."
+        )
+    return result

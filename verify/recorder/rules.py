@@ -1,0 +1,73 @@
+"""Tolerances for a user's own loop, derived from the run itself (no emulation is possible: the
+loop is the user's). Four rules; every record says which one held it.
+
+* exact: the initial parameters (step 0). Both scripts start from the same values (same seed or
+  checkpoint), sharding moves bits, nothing rounds; the fingerprints are float64 sums of those
+  values, so they may differ only by the order of a float64 sum: 2 n u64 of the row's norm.
+* bound: records computed before any optimizer update can differ (the loss and logits of the
+  steps before the first optimizer step, the gradients of the first one). The sharded run computes
+  each as the same sums in another order: per-rank partial sums over its share of the batch, then
+  the data-parallel average over W ranks in the reduce dtype. Two orders of one sum of n terms
+  differ by a few units of roundoff u of its magnitude; tolerance.py's floor, FLOOR_ULPS fp32
+  units (9.5e-7 of the largest element; one more ulp of a coarser record dtype), plus 2 u for each
+  halving of the terms the reduction adds (2 ceil(log2 W) u: a data-parallel average of W ranks).
+* calibrated (with `--calibration RUN`, the reference script rerun with FSDP_VERIFY_PERTURB=seed):
+  later records, where rounding differences compound through the optimizer (Adam divides by
+  sqrt(v): an ulp in a small gradient is not small in the update). Limit: NOISE_MULTIPLE times the
+  deviation between the reference and its perturbed rerun at that record, never below the bound.
+* unjudged (no calibration run): the same later records are shown against the bound, for
+  information, and cannot fail; the output says how many and how to judge them.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from fsdp_verify.compare.tolerance import NOISE_MULTIPLE, Tolerance, bound_tolerance, unit_roundoff
+
+U64 = unit_roundoff(torch.float64)
+
+
+def exact_fp64(row_len: int) -> Tolerance:
+    limit = 2 * max(row_len, 2) * U64
+    return Tolerance(
+        "exact", limit, f"the same values; float64 fingerprints summed in another order (2 n u64 = {limit:.2g})"
+    )
+
+
+def bound(dtype: torch.dtype, world_size: int) -> Tolerance:
+    base = bound_tolerance(dtype)
+    halvings = math.ceil(math.log2(max(world_size, 1)))
+    extra = 2 * halvings * unit_roundoff(torch.float32)
+    why = base.why + (
+        f" + 2u x {halvings} halving(s) of a data-parallel average over {world_size} ranks" if halvings else ""
+    )
+    return Tolerance("bound", base.limit + extra, why)
+
+
+def calibrated(dtype: torch.dtype, world_size: int, noise: float) -> Tolerance:
+    floor = bound(dtype, world_size)
+    if NOISE_MULTIPLE * noise <= floor.limit:
+        return Tolerance(
+            "calibrated",
+            floor.limit,
+            f"the bound {floor.limit:.3g} (above {NOISE_MULTIPLE:g}x the perturbed rerun's deviation {noise:.3g})",
+        )
+    return Tolerance(
+        "calibrated",
+        NOISE_MULTIPLE * noise,
+        f"{NOISE_MULTIPLE:g}x the deviation {noise:.3g} of the reference's perturbed rerun (every gradient"
+        " element moved by 2u max|g|, random signs, carried through the user's loop)",
+    )
+
+
+def unjudged(dtype: torch.dtype, world_size: int) -> Tolerance:
+    b = bound(dtype, world_size)
+    return Tolerance(
+        "unjudged",
+        b.limit,
+        "after an optimizer step rounding compounds beyond any a-priori bound; shown against the bound"
+        " for information only (record the reference again with FSDP_VERIFY_PERTURB=1 and pass --calibration)",
+    )
