@@ -79,7 +79,12 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     param_dtype = case.precision.param_dtype or "fp32"
     reduce_dtype = case.precision.reduce_dtype or param_dtype
     rsf = case.reshard_after_forward
-    backward_group = shard if rsf is True or rsf == shard else (None if rsf is False or rsf == 1 else int(rsf))
+    if rsf is True or rsf == shard:
+        backward_group: int | None = shard
+    elif rsf is False or rsf == 1:  # an int 1 reshards to one rank: nothing to gather (FSDP2)
+        backward_group = None
+    else:
+        backward_group = int(rsf)
     units = params_by_unit(case, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):

@@ -46,13 +46,23 @@ class Budget:
     optim: int  # at most
     unsharded_by_unit: dict[str, int]  # a unit's padded full parameters in param_dtype
     unsharded_total: int  # the whole model unsharded, in its own dtype (what one device would hold)
+    unsharded_grads: int  # the full gradients of the parameters with one
     shard: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.sharded + self.grads + self.optim
+
+    def single_device(self, case: Case) -> int:
+        """Params, grads and optimizer state of the unsharded model: one device's persistent bytes."""
+        return self.unsharded_total + self.unsharded_grads * (1 + STATES[case.optim.name])
 
     def allowed_after(self, case: Case, unit: str, done: list[str]) -> int:
         """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
         finished before it in this micro-batch."""
         live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
-        if case.reshard_after_forward is False or case.reshard_after_forward == 1:
+        rsf = case.reshard_after_forward
+        if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
             live |= set(done) | {unit}
         return sum(self.unsharded_by_unit.get(v, 0) for v in live)
 
@@ -62,7 +72,7 @@ def budget(case: Case, got: Trace) -> Budget:
     param_size = _size(case.precision.param_dtype or "fp32")
     dtypes = {name: dtype for name, _shape, dtype, *_ in got.meta.get("build", [[]])[0]}
     with_grad = {n for s, phase, n in got.records if phase == "grads"}
-    sharded = grads = full = 0
+    sharded = grads = full = full_grads = 0
     by_unit: dict[str, int] = {}
     for unit, params in params_by_unit(case, got).items():
         for name, shape in params:
@@ -71,9 +81,10 @@ def budget(case: Case, got: Trace) -> Budget:
             sharded += rows * own
             grads += rows * own if name in with_grad else 0
             full += padded_shard_numel(shape, 1) * own
+            full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
             by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
     optim = STATES[case.optim.name] * grads
-    return Budget(sharded, grads, optim, by_unit, full, shard)
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard)
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -146,9 +157,8 @@ def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     if raw is None or not engine_contracts(case.engine).memory:
         return None
     b = budget(case, got)
-    held = b.sharded + b.grads + b.optim
-    full = b.unsharded_total * (1 + 1 + STATES[case.optim.name])
     return (
-        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state as sharded;"
-        f" {full / held:.2f}x less than unsharded; nothing unsharded left after resharding"
+        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state as sharded"
+        f" over {b.shard} ranks: {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
+        " nothing unsharded left after resharding"
     )
