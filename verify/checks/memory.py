@@ -6,8 +6,8 @@ allows (seeds 003 and 004), per rank:
 | sharded parameters                | exactly the padded shards: dim 0 padded to a multiple of S, /S  |
 | gradients after reduction         | at most the padded shards of the parameters with a gradient     |
 | optimizer state                   | at most one padded shard per state tensor (SGD 1, Adam(W) 2)    |
-| unsharded, before forward / after | nothing                                                         |
-|   the optimizer step              |                                                                 |
+| anything else, before forward and | nothing (neither unsharded parameters nor other floating-point |
+|   after the optimizer step        |   storage the module holds)                                    |
 | unsharded, after unit u's forward | u's wrapped ancestors (still computing), and with               |
 |                                   | reshard_after_forward=False every unit whose forward has run,  |
 |                                   | u included: each unit's padded full parameters in param_dtype  |
@@ -116,8 +116,19 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                         step,
                         f"unsharded:{unit or where}",
                         f"rank {rank}, micro-batch {m}, {where}: {held:,} B of unsharded parameters alive"
-                        f" ({len(shapes)} full-shape tensors, e.g. {shapes[:3]}), the plan allows {allowed:,} B"
+                        f" ({len(shapes)} full-shape parameters, e.g. {shapes[:3]}), the plan allows {allowed:,} B"
                         " (an unsharded copy kept after resharding?)",
+                    )
+                )
+                break
+        for step, m, where, _held, _shapes, other in rec["boundaries"]:
+            if not where.startswith("after forward") and other and (m == 0 or case.sync_every_microbatch):
+                findings.append(
+                    _finding(
+                        step,
+                        f"other:{where}",
+                        f"rank {rank}, micro-batch {m}, {where}: the module holds {other:,} B of floating-point"
+                        " storage beyond its shards, gradients and buffers; the plan allows none here",
                     )
                 )
                 break
@@ -129,7 +140,7 @@ def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, 
     out = []
     done: list[str] = []
     last = None
-    for step, m, where, held, shapes in rec["boundaries"]:
+    for step, m, where, held, shapes, _other in rec["boundaries"]:
         if (step, m) != last:
             done, last = [], (step, m)
         if m > 0 and not case.sync_every_microbatch:

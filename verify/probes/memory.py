@@ -6,15 +6,16 @@ On CPU there is no allocator peak to read (`torch.cuda.max_memory_allocated` has
 so the probe counts storage instead: every tensor the engine's module can reach (its attributes,
 its FSDP state, the closures of its hooks; not the toolkit's probes or trace), each storage once,
 classified as the sharded parameters (the tensors the optimizer steps), their gradients, buffers,
-and *unsharded*: a tensor with the full shape of one of the model's parameters that is none of
-those. Storage resized to zero (FSDP2's freed all-gather outputs) counts zero. Activations that
+*unsharded*: an `nn.Parameter` with the full shape of one of the model's parameters that is
+none of those (FSDP2's unsharded parameters are Parameters; activations are not), and *other*
+floating-point storage (a flat copy, a detached clone, a gather buffer). Storage resized to zero (FSDP2's freed all-gather outputs) counts zero. Activations that
 only autograd's C++ graph holds are not reachable and not counted.
 
 Boundaries: before each step's first forward and after the optimizer step (nothing may be
-unsharded), and after each unit's forward (a forward hook registered after the engine's own, so
+held beyond the sharded state: neither unsharded nor other), and after each unit's forward (a forward hook registered after the engine's own, so
 it sees the unit after its reshard). Each rank records its own; `finish` gathers them into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
-"boundaries": [[step, microbatch, where, unsharded B, [shape, ...]], ...]}, ...]}`.
+"boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...]}, ...]}`.
 """
 
 from __future__ import annotations
@@ -109,24 +110,31 @@ class MemoryProbe(Probe):
             known[ptr] = n
         return known
 
-    def unsharded(self) -> tuple[int, list[list[int]]]:
-        """Bytes of full-shape tensors the module holds beyond its sharded state, and their shapes."""
+    def unsharded(self) -> tuple[int, list[list[int]], int]:
+        """What the module holds beyond its sharded state and buffers: bytes of full-shape
+        parameters (FSDP2's unsharded parameters, a kept original) and their shapes, and bytes
+        of any other floating-point storage (a flat copy, a detached clone, a gather buffer)."""
         known = self._known()
-        counted: dict[int, int] = {}
+        params: dict[int, int] = {}
+        other: dict[int, int] = {}
         shapes: list[list[int]] = []
         for t in held_tensors(self.model, skip=(Probe, Trace, EngineView, torch.optim.Optimizer)):
-            if getattr(t, "_local_tensor", None) is not None or tuple(t.shape) not in self.full_shapes:
-                continue
+            if getattr(t, "_local_tensor", None) is not None or not t.is_floating_point():
+                continue  # a DTensor is counted by its shard; a mesh's rank tensor is no parameter
             ptr, n = _storage(t)
-            if n == 0 or ptr in known or ptr in counted:
+            if n == 0 or ptr in known or ptr in params:
                 continue
-            counted[ptr] = n
-            shapes.append(list(t.shape))
-        return sum(counted.values()), sorted(shapes)
+            if isinstance(t, nn.Parameter) and tuple(t.shape) in self.full_shapes:
+                params[ptr] = n
+                other.pop(ptr, None)
+                shapes.append(list(t.shape))
+            else:
+                other[ptr] = n
+        return sum(params.values()), sorted(shapes), sum(other.values())
 
     def _boundary(self, where: str) -> None:
-        n, shapes = self.unsharded()
-        self.record["boundaries"].append([self.step, self.microbatch, where, n, shapes])
+        n, shapes, other = self.unsharded()
+        self.record["boundaries"].append([self.step, self.microbatch, where, n, shapes, other])
 
     @staticmethod
     def _bytes(tensors: list[torch.Tensor]) -> int:
