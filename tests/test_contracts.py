@@ -119,7 +119,9 @@ def test_comm_prints_the_table_for_the_default_case(capsys):
 
 
 def test_comm_exits_1_on_the_all_reduce_mutant(capsys):
-    assert main(["comm", "--steps", "1", "--engine", "fsdp_verify.zoo.mutants:all_reduce_instead_of_reduce_scatter"]) == 1
+    assert (
+        main(["comm", "--steps", "1", "--engine", "fsdp_verify.zoo.mutants:all_reduce_instead_of_reduce_scatter"]) == 1
+    )
     out = capsys.readouterr().out
     assert "reduce_scatter / all_reduce" in out and "CONTRACT BROKEN" in out
 

@@ -100,7 +100,11 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     for rank, rec in enumerate(raw["ranks"]):
         if rec["sharded"] != b.sharded:
             findings.append(
-                _finding(0, "sharded", f"rank {rank} holds {rec['sharded']:,} B of sharded parameters, the plan {b.sharded:,} B")
+                _finding(
+                    0,
+                    "sharded",
+                    f"rank {rank} holds {rec['sharded']:,} B of sharded parameters, the plan {b.sharded:,} B",
+                )
             )
         for what, cap, label in (("grads", b.grads, "gradients"), ("optim", b.optim, "optimizer state")):
             for step, n in sorted(rec[what].items(), key=lambda kv: int(kv[0])):

@@ -70,7 +70,9 @@ def report(case, got) -> tuple[list[str], list]:
     ranks = measured_collectives(got) or [[]]
     expected = expected_collectives(case, got) if contracts.comm else []
     lines = [f"Communication: {describe(case)}"]
-    lines.append("bytes: per rank, the unsharded side (an all-gather's output, a reduce-scatter's input, an all-reduce's)")
+    lines.append(
+        "bytes: per rank, the unsharded side (an all-gather's output, a reduce-scatter's input, an all-reduce's)"
+    )
     if not contracts.comm:
         lines.append(f"contract: n/a for {case.engine} ({contracts.why}); measured only")
     rows = [["micro-batch", "phase", "unit", "collective", "dtype", "group", "expected B", "measured B", ""]]
@@ -101,9 +103,11 @@ def report(case, got) -> tuple[list[str], list]:
     for key in sorted(set(want) | set(got_bytes)):
         totals.append([str(key[0]), key[1], key[2], str(key[3]), f"{want[key]:,}", f"{got_bytes[key]:,}"])
     lines += ["", "per step:"] + table(totals)
-    same = all([(g.step, g.microbatch, g.phase, g.kind, g.dtype, g.group, g.bytes) for g in r] == [
-        (g.step, g.microbatch, g.phase, g.kind, g.dtype, g.group, g.bytes) for g in ranks[0]
-    ] for r in ranks)
+    same = all(
+        [(g.step, g.microbatch, g.phase, g.kind, g.dtype, g.group, g.bytes) for g in r]
+        == [(g.step, g.microbatch, g.phase, g.kind, g.dtype, g.group, g.bytes) for g in ranks[0]]
+        for r in ranks
+    )
     lines.append(f"ranks: {len(ranks)} measured; every rank issued what rank 0 did: {'yes' if same else 'NO'}")
     findings = check_comm(case, Trace("reference"), got)
     if findings:

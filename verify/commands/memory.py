@@ -47,7 +47,9 @@ def report(case, got) -> tuple[list[str], list]:
     lines += ["", "unsharded parameters alive (full-shape tensors the module holds beyond its shards):"] + table(rows)
     peak_allowed = b.per_rank + max((j[5] for j in judged[0]), default=0) if judged else b.per_rank
     peak = [
-        r["sharded"] + max(r["grads"].values(), default=0) + max(r["optim"].values(), default=0)
+        r["sharded"]
+        + max(r["grads"].values(), default=0)
+        + max(r["optim"].values(), default=0)
         + max((x[3] for x in j), default=0)
         for r, j in zip(ranks, judged)
     ]

@@ -111,7 +111,7 @@ def _install_wrappers() -> None:
             if log is None or log.depth > 0:
                 return _original(*args, **kwargs)
             big = kwargs.get(_kw, args[_index] if len(args) > _index else None)
-            group = kwargs.get("group", None)
+            group = kwargs.get("group")
             log.seen(_kind, _tensors(big), dist.get_world_size(group))
             log.depth += 1
             try:

@@ -53,7 +53,7 @@ def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor
     stack: list[Any] = [root]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, _ATOMS) or isinstance(obj, skip):
+        if id(obj) in seen or isinstance(obj, (*_ATOMS, *skip)):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):

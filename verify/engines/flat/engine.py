@@ -6,8 +6,8 @@ from __future__ import annotations
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.arithmetic import Arithmetic
+from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
 from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
 from fsdp_verify.engines.flat.view import FlatView, Holding
