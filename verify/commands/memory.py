@@ -44,7 +44,7 @@ def report(case, got) -> tuple[list[str], list]:
     for i, (step, m, where, _held, _shapes, allowed, _unit) in enumerate(judged[0] if judged else []):
         if step == 1:
             rows.append([where, str(m), f"{allowed:,}"] + [f"{j[i][3]:,}" for j in judged])
-    lines += ["", "unsharded parameters alive (full-shape tensors the module holds beyond its shards):"] + table(rows)
+    lines += ["", "unsharded parameters alive (full-shape Parameters the module holds beyond its shards):"] + table(rows)
     peak_allowed = b.per_rank + max((j[5] for j in judged[0]), default=0) if judged else b.per_rank
     peak = [
         r["sharded"]
@@ -55,7 +55,7 @@ def report(case, got) -> tuple[list[str], list]:
     ]
     lines += [
         "",
-        f"peak (sharded state + the largest unsharded total at a boundary; activations not counted on CPU):"
+        f"peak (sharded state + the largest unsharded total at a boundary, after each unit's reshard; activations not counted on CPU):"
         f" plan {peak_allowed:,} B, measured {', '.join(f'{p:,}' for p in peak)} B",
         f"one device would hold {b.single_device(case):,} B (params, grads, optimizer state unsharded);"
         f" each rank {b.per_rank:,} B: {b.single_device(case) / b.per_rank:.2f}x less per rank at {b.shard} ranks",
