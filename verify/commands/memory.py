@@ -44,7 +44,9 @@ def report(case, got) -> tuple[list[str], list]:
     for i, (step, m, where, _held, _shapes, allowed, _unit) in enumerate(judged[0] if judged else []):
         if step == 1:
             rows.append([where, str(m), f"{allowed:,}"] + [f"{j[i][3]:,}" for j in judged])
-    lines += ["", "unsharded parameters alive (full-shape Parameters the module holds beyond its shards):"] + table(rows)
+    lines += ["", "unsharded parameters alive (full-shape Parameters the module holds beyond its shards):"] + table(
+        rows
+    )
     peak_allowed = b.per_rank + max((j[5] for j in judged[0]), default=0) if judged else b.per_rank
     peak = [
         r["sharded"]

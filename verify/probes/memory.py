@@ -94,6 +94,7 @@ class MemoryProbe(Probe):
         self.sharded_params: list[torch.Tensor] = []
         self.step = 0
         self.microbatch = 0
+        self.baseline: set[int] = set()
 
     # ---- counting -----------------------------------------------------------------------------
     def _known(self) -> dict[int, int]:
@@ -122,7 +123,7 @@ class MemoryProbe(Probe):
             if getattr(t, "_local_tensor", None) is not None or not t.is_floating_point():
                 continue  # a DTensor is counted by its shard; a mesh's rank tensor is no parameter
             ptr, n = _storage(t)
-            if n == 0 or ptr in known or ptr in params:
+            if n == 0 or ptr in known or ptr in params or ptr in self.baseline:
                 continue
             if isinstance(t, nn.Parameter) and tuple(t.shape) in self.full_shapes:
                 params[ptr] = n
@@ -144,6 +145,15 @@ class MemoryProbe(Probe):
     # ---- hooks of the loop ----------------------------------------------------------------------
     def after_build(self, model: nn.Module) -> None:
         self.full_shapes = {tuple(p.shape) for p in model.parameters()}
+        # A model's own constant tensors kept as plain attributes (a mask, a table) are the
+        # user's, not the engine's: what the model held as built, beyond its parameters and
+        # buffers, is never counted as "other".
+        mine = {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        self.baseline = {
+            _storage(t)[0]
+            for t in held_tensors(model, skip=(Probe, Trace))
+            if t.is_floating_point() and not isinstance(t, nn.Parameter) and _storage(t)[0] not in mine
+        }
 
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         self.model, self.view = model, view
