@@ -136,3 +136,25 @@ def test_memory_prints_the_per_rank_saving(capsys):
 def test_memory_exits_1_on_a_retained_replica(capsys):
     assert main(["memory", "--steps", "1", "--engine", "fsdp_verify.zoo.mutants:retains_full_params"]) == 1
     assert "CONTRACT BROKEN" in capsys.readouterr().out
+
+
+def test_a_copy_that_is_no_parameter_is_caught_at_the_quiet_boundaries():
+    verdict = check_case(lm_case(2, engine="tests/engines/memory_faults.py:retains_flat_copy"))
+    failing = [f for f in verdict.findings if not f.ok]
+    assert {f.comparator for f in failing} == {"MemoryContract"}, verdict.summary()
+    assert all(f.name.startswith("other:") for f in failing), verdict.summary()
+    assert "beyond its shards, gradients and buffers" in failing[0].message
+
+
+def test_a_models_own_constant_tensor_is_not_the_engines():
+    from fsdp_verify.case import DataSpec
+    from fsdp_verify.models import ModelSpec
+
+    model = ModelSpec(kind="custom", factory="tests.user.models:constant_scaled_lm", seq_len=8)
+    case = Case(model=model, world_size=2, steps=2, data=DataSpec(batch_size=4))
+    verdict = check_case(case)
+    assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.kind for f in contract_findings(verdict)} == {
+        "CommContract": "check",
+        "MemoryContract": "check",
+    }
