@@ -8,12 +8,15 @@ its FSDP state, the closures of its hooks; not the toolkit's probes or trace), e
 classified as the sharded parameters (the tensors the optimizer steps), their gradients, buffers,
 *unsharded*: an `nn.Parameter` with the full shape of one of the model's parameters that is
 none of those (FSDP2's unsharded parameters are Parameters; activations are not), and *other*
-floating-point storage (a flat copy, a detached clone, a gather buffer). Storage resized to zero (FSDP2's freed all-gather outputs) counts zero. Activations that
-only autograd's C++ graph holds are not reachable and not counted.
+floating-point storage (a flat copy, a detached clone, a gather buffer). Storage resized to zero
+(FSDP2's freed all-gather outputs) counts zero. Activations that only autograd's C++ graph
+holds are not reachable and not counted.
 
-Boundaries: before each step's first forward and after the optimizer step (nothing may be
-held beyond the sharded state: neither unsharded nor other), and after each unit's forward (a forward hook registered after the engine's own, so
-it sees the unit after its reshard). Each rank records its own; `finish` gathers them into
+Boundaries: before each step's first forward and after the optimizer step (nothing may be held
+beyond the sharded state: neither unsharded nor other), and after each unit's forward in the
+first step (a forward hook registered after the engine's own, so it sees the unit after its
+reshard; the pattern repeats every step, and walking the module at every unit of every step
+costs more than the rest of the case). Each rank records its own; `finish` gathers them into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
 "boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...]}, ...]}`.
 """
@@ -166,7 +169,7 @@ class MemoryProbe(Probe):
 
             def after_unit(_m: nn.Module, _a: Any, _o: Any, _unit: str = unit) -> None:
                 p = probe()
-                if p is not None:
+                if p is not None and p.step == 1:  # first step only (see the module docstring)
                     p._boundary(f"after forward of {_unit or '<root>'}")
 
             module.register_forward_hook(after_unit)
