@@ -25,6 +25,8 @@ from safetensors.torch import save as st_save
 # initialised differently").
 # "build" (every rank built the same model) comes first: nothing later can agree without it.
 # "build", "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
+# "comm" and "memory" (the resource contracts) come last: a wrong number explains more than the
+# traffic or the bytes it took.
 PHASES = (
     "build",
     "ownership",
@@ -39,6 +41,8 @@ PHASES = (
     "params",
     "param_sums",
     "optim_state",
+    "comm",
+    "memory",
 )
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 

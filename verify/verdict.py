@@ -25,6 +25,8 @@ PHASE_TITLES = {
     "params": "parameters after the step",
     "param_sums": "parameter sums",
     "optim_state": "optimizer state",
+    "comm": "communication contract",
+    "memory": "memory contract",
 }
 
 

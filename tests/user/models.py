@@ -97,3 +97,19 @@ def smoothed_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(
         logits.float().flatten(0, -2), targets.flatten(), ignore_index=-100, reduction="sum", label_smoothing=0.1
     )
+
+
+class ConstantScaledLM(UserLM):
+    """Keeps a constant as a plain tensor attribute (not a buffer), as many users' models do: the
+    memory contract must count it as the model's own, not as something the engine kept."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.scale = torch.linspace(0.5, 1.5, self.head.out_features)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return super().forward(tokens) * self.scale
+
+
+def constant_scaled_lm(**kwargs) -> nn.Module:
+    return ConstantScaledLM(**kwargs)

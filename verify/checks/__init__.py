@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks.build import build_summary, check_build
+from fsdp_verify.checks.comm import check_comm, comm_summary
+from fsdp_verify.checks.memory import check_memory, memory_summary
 from fsdp_verify.checks.ownership import check_ownership
 from fsdp_verify.checks.precision import check_precision, precision_summary
 from fsdp_verify.checks.rng import check_rng, rng_summary
@@ -60,6 +62,8 @@ CHECKS: list[Check] = [
     Check("RngCheck", "rng", check_rng, rng_summary),
     Check("BufferRanksCheck", "buffers", check_buffers_across_ranks, _buffers_summary, optional=True),
     Check("FrozenParamsCheck", "params", check_frozen_params, _frozen_summary, optional=True),
+    Check("CommContract", "comm", check_comm, comm_summary),
+    Check("MemoryContract", "memory", check_memory, memory_summary),
 ]
 
 

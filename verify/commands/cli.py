@@ -21,6 +21,12 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "fsdp_verify.commands.ownership",
         "print which shard unit owns each parameter and check it is a partition",
     ),
+    ("comm", "fsdp_verify.commands.comm", "print a case's collectives per unit and step against FSDP2's model"),
+    (
+        "memory",
+        "fsdp_verify.commands.memory",
+        "print what each rank holds (sharded state, unsharded params) against the plan",
+    ),
     ("shrink", "fsdp_verify.commands.shrink", "reduce a failing case to a minimal one that fails the same way"),
     ("repro", "fsdp_verify.commands.repro", "replay a repro file; exit 0 / 1 / 125 for `git bisect run`"),
     ("selftest", "fsdp_verify.commands.selftest", "run the bug zoo: every injected bug must be caught (exit 1 if not)"),

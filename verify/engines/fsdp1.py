@@ -32,6 +32,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
 from fsdp_verify.engines.arithmetic import Arithmetic
+from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.view import FlatView, Holding
 from fsdp_verify.engines.spec import ShardSpec
 
@@ -84,6 +85,9 @@ fsdp1_engine.arithmetic = Arithmetic(
     unit_input_node=False,
     casts_inputs_without_params=False,
     plain_norm_unsharded=True,
+)
+fsdp1_engine.contracts = Contracts(
+    comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"
 )
 
 

@@ -9,10 +9,12 @@ from __future__ import annotations
 from fsdp_verify.probes.base import Probe
 from fsdp_verify.probes.buffers import BuffersProbe
 from fsdp_verify.probes.build import BuildProbe
+from fsdp_verify.probes.comm import CommProbe
+from fsdp_verify.probes.memory import MemoryProbe
 from fsdp_verify.probes.ownership import OwnershipProbe
 from fsdp_verify.probes.precision import PrecisionProbe
 from fsdp_verify.probes.rng import RngProbe
 
-PROBES: list[type[Probe]] = [BuildProbe, OwnershipProbe, RngProbe, BuffersProbe, PrecisionProbe]
+PROBES: list[type[Probe]] = [BuildProbe, OwnershipProbe, RngProbe, BuffersProbe, PrecisionProbe, CommProbe, MemoryProbe]
 
 __all__ = ["PROBES", "Probe"]

@@ -209,6 +209,35 @@ ZOO: list[ZooBug] = [
         pins={**_CHEAP, **_PADDED},
     ),
     ZooBug(
+        "all_reduce_instead_of_reduce_scatter",
+        _mutant("all_reduce_instead_of_reduce_scatter"),
+        "gradients all-reduced in full, each rank keeping its shard: the right sums at twice the bytes",
+        "seed 001: per step a reduce-scatter of the gradients, not an all-reduce (DDP habits in FSDP)",
+        ("comm",),
+        # At two ranks an all-reduce adds in the reduce-scatter's order (a + b = b + a): the numbers
+        # are bit for bit the correct engine's, so only the contract can tell.
+        world_sizes=(2,),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "all_gather_in_fp32",
+        _mutant("all_gather_in_fp32"),
+        "parameters all-gathered in fp32 under a bf16 policy, cast to bf16 after the gather",
+        "seed 001: the all-gather moves param_dtype (7B model, 4 ranks: 14 GB, not 28 GB, per gather)",
+        ("comm",),
+        precisions=("bf16",),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
+        "retains_full_params",
+        _mutant("retains_full_params"),
+        "the unsharded parameters kept alive after sharding: a full replica on every rank",
+        "seeds 003/004: 1/N of the weights per rank (3.9x less at 8 ranks), unsharded only while computing",
+        ("memory",),
+        world_sizes=(1, 2, 3, 4),
+        pins=dict(_CHEAP),
+    ),
+    ZooBug(
         "flat_nested_double_ownership",
         _mutant("flat_nested_double_ownership"),
         "the root's FlatParameter collects parameters(recurse=True): wrapped children's params held twice",

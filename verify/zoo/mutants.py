@@ -12,7 +12,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as _DefaultAllGather
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _DefaultReduceScatter
 
+from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
@@ -225,6 +228,9 @@ def meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) 
     return fully_shard_engine(model, mesh, spec)
 
 
+_FLAT_CONTRACTS = Contracts(comm=False, memory=False, why="the flat engine's FlatParameters: not FSDP2's model")
+
+
 # ---- the bundled flat engine's bugs (seed 004; tests/test_engine_flat.py) -------------------------
 def _every_param_recursively(module: nn.Module):
     """`module.parameters(recurse=True)`, as (relative FQN, owner, attribute, parameter)."""
@@ -240,6 +246,9 @@ def flat_nested_double_ownership(model: nn.Module, mesh: DeviceMesh, spec: Shard
     from fsdp_verify.engines.flat.engine import flat_engine
 
     return flat_engine(model, mesh, spec, collect=_every_param_recursively)
+
+
+flat_nested_double_ownership.contracts = _FLAT_CONTRACTS
 
 
 def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
@@ -258,6 +267,9 @@ def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardS
         model = _construct(spec.case.model)
     wrap_per_plan(model, mesh, spec)
     return with_view(materialize(model, lambda m: m.init_weights(torch.default_generator), device))
+
+
+flat_meta_init_consumes_rng.contracts = _FLAT_CONTRACTS
 
 
 class _ScaleGradOnce(torch.autograd.Function):
@@ -305,4 +317,57 @@ def loss_normalised_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec
     ranks with fewer tokens weigh each token more."""
     fully_shard_engine(model, mesh, spec)
     model.loss_scale = lambda mb_items, rank_items, global_items, dp: 1.0 / max(rank_items, 1)
+    return model
+
+
+# ---- resource contracts (issue 14): every number right, the reason for sharding defeated -------
+class _AllReduceThenKeepMine(_DefaultReduceScatter):
+    """A "reduce-scatter" that all-reduces the whole gradient buffer and keeps this rank's chunk:
+    the same sums (at two ranks bit for bit: a + b is b + a), twice the bytes on the wire."""
+
+    def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
+        dist.all_reduce(input_tensor, op=op, group=group)
+        output_tensor.copy_(input_tensor.view(group.size(), -1)[group.rank()])
+        return None
+
+
+def all_reduce_instead_of_reduce_scatter(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Gradients all-reduced in full, then each rank keeps its shard (DDP habits in a sharded
+    engine; seed 001: a reduce-scatter moves half of an all-reduce's bytes)."""
+    fully_shard_engine(model, mesh, spec)
+    for unit in _units(model):
+        if unit._get_fsdp_state()._fsdp_param_groups:
+            unit.set_custom_reduce_scatter(_AllReduceThenKeepMine())
+    return model
+
+
+class _GatherMasterWeights(_DefaultAllGather):
+    """Gathers the fp32 master shards and casts to the compute dtype after gathering: the values
+    the policy's bf16 all-gather gives (bf16 -> fp32 -> bf16 is exact), at twice the bytes."""
+
+    def __call__(self, output_tensor, input_tensor, group, async_op=False):
+        if output_tensor.dtype == torch.float32:
+            return super().__call__(output_tensor, input_tensor, group, async_op)
+        wide = torch.empty(output_tensor.shape, dtype=torch.float32, device=output_tensor.device)
+        dist.all_gather_single(wide, input_tensor.float(), group=group)
+        output_tensor.copy_(wide)
+        return None
+
+
+def all_gather_in_fp32(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Parameters all-gathered in fp32 under a bf16 policy, cast to bf16 after the gather
+    (seed 001: the all-gather moves param_dtype, half an fp32 gather's bytes)."""
+    fully_shard_engine(model, mesh, spec)
+    for unit in _units(model):
+        if unit._get_fsdp_state()._fsdp_param_groups:
+            unit.set_custom_all_gather(_GatherMasterWeights())
+    return model
+
+
+def retains_full_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Keeps the model's original, unsharded parameters alive after sharding (a list kept for a
+    state-dict fallback): every rank holds a full replica besides its shards (seeds 003/004)."""
+    originals = list(model.parameters())
+    fully_shard_engine(model, mesh, spec)
+    model._pre_shard_params = originals  # type: ignore[attr-defined]
     return model

@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.engines.arithmetic import Arithmetic
+from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
 from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
 from fsdp_verify.engines.flat.view import FlatView, Holding
@@ -34,6 +35,9 @@ def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Co
 # Units in creation order (the plan's), every trainable parameter's (maybe empty) shard view has
 # a gradient, and, like FSDP2, an identity node on unit inputs (verify/engines/flat/unit.py).
 flat_engine.arithmetic = Arithmetic(layout="flat", unit_order="plan", empty_pieces_in_norm=True)
+flat_engine.contracts = Contracts(
+    comm=False, memory=False, why="the flat engine gathers one padded FlatParameter per unit: not FSDP2's model"
+)
 
 
 def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> None:

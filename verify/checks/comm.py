@@ -1,0 +1,223 @@
+"""Communication contract: each rank's collectives (verify/probes/comm.py) against the volume the
+Case implies for FSDP2 (seed 001), per unit, step and micro-batch:
+
+| phase    | collective     | dtype                         | group    | bytes (unsharded side)       |
+|----------|----------------|-------------------------------|----------|------------------------------|
+| forward  | all_gather     | param_dtype                   | S        | S x sum of padded shards      |
+| backward | all_gather     | param_dtype, if resharded     | S, or k  | as forward                   |
+| backward | reduce_scatter | reduce_dtype (else param's)   | S        | S x padded shards with grads |
+| backward | all_reduce     | reduce_dtype, HSDP only       | R        | padded shards with grads     |
+| clip     | all_reduce     | fp32                          | S        | 4 B x parameters with grads  |
+
+S is the shard group (the mesh's last dimension), R the replicas (HSDP's first), k an int
+`reshard_after_forward` (1 means False, S means True). A parameter's shard is dim 0 padded up to
+a multiple of S, cut in S rows (FSDP2's Shard(0)); a unit's collective carries all its
+parameters at once. The backward all-gather is absent for a unit kept unsharded after forward;
+the reduce-scatter (and HSDP all-reduce) happens on every micro-batch when syncing every
+micro-batch, else on the last only. At S = 1 FSDP2 issues no all-gather or reduce-scatter. The
+clip's all-reduce is what `clip_grad_norm_` on DTensors does in torch 2.13: the per-parameter
+norms, stacked (seed 001 pictures one scalar), partial over the shard dimension.
+
+Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
+is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
+What stays unmatched is a finding naming the unit and the collective: an all-reduce where a
+reduce-scatter belongs (twice the traffic), an all-gather in fp32 under a bf16 policy.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from fsdp_verify.case import Case
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.dtypes import to_torch
+from fsdp_verify.probes.comm import padded_shard_numel
+from fsdp_verify.probes.precision import owning_unit
+from fsdp_verify.trace import Trace
+
+COMPARATOR = "CommContract"
+PHASE_ORDER = {"forward": 0, "backward": 1, "clip": 2, "optimizer": 3}
+
+
+@dataclass(frozen=True)
+class Collective:
+    step: int
+    microbatch: int
+    phase: str
+    kind: str
+    dtype: str
+    group: int
+    bytes: int
+    unit: str = ""  # "" unattributed (measured); "<root>" is the root unit
+
+    @property
+    def window(self) -> tuple[int, int, int]:
+        return (self.step, self.microbatch, PHASE_ORDER.get(self.phase, 9))
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.dtype} of {self.bytes:,} B over {self.group} ranks"
+
+
+def _size(dtype: str) -> int:
+    import torch
+
+    return torch.empty((), dtype=to_torch(dtype)).element_size()
+
+
+def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int]]]]:
+    """Unit -> (parameter, full shape) in model order, from the model as rank 0 built it."""
+    units: dict[str, list[tuple[str, list[int]]]] = {u: [] for u in case.wrap_plan}
+    for name, shape, *_ in got.meta.get("build", [[]])[0]:
+        units[owning_unit(case.wrap_plan, name)].append((name, list(shape)))
+    return units
+
+
+def expected_collectives(case: Case, got: Trace) -> list[Collective]:
+    """What FSDP2 issues for this case on every rank (see the table above)."""
+    replicas, shard = (case.mesh[0], case.mesh[1]) if len(case.mesh) == 2 else (1, case.mesh[0])
+    param_dtype = case.precision.param_dtype or "fp32"
+    reduce_dtype = case.precision.reduce_dtype or param_dtype
+    rsf = case.reshard_after_forward
+    if rsf is True or rsf == shard:
+        backward_group: int | None = shard
+    elif rsf is False or rsf == 1:  # an int 1 reshards to one rank: nothing to gather (FSDP2)
+        backward_group = None
+    else:
+        backward_group = int(rsf)
+    units = params_by_unit(case, got)
+    out: list[Collective] = []
+    for step in range(1, case.steps + 1):
+        with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
+        for m in range(case.microbatches):
+            synced = case.sync_every_microbatch or m == case.microbatches - 1
+            for unit, params in units.items():
+                name = unit or "<root>"
+                shards = sum(padded_shard_numel(s, shard) for _, s in params)
+                grad_shards = sum(padded_shard_numel(s, shard) for n, s in params if n in with_grad)
+                if shard > 1 and shards:
+                    gathered = shard * shards * _size(param_dtype)
+                    out.append(Collective(step, m, "forward", "all_gather", param_dtype, shard, gathered, name))
+                    if backward_group is not None:
+                        out.append(
+                            Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
+                        )
+                if synced and grad_shards and shard > 1:
+                    rs = shard * grad_shards * _size(reduce_dtype)
+                    out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))
+                if synced and grad_shards and replicas > 1:
+                    ar = grad_shards * _size(reduce_dtype)
+                    out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
+        if case.clip_norm is not None and shard > 1 and with_grad:
+            out.append(Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>"))
+    return out
+
+
+def measured_collectives(got: Trace) -> list[list[Collective]] | None:
+    raw = got.meta.get("comm")
+    if raw is None:
+        return None
+    return [[Collective(*rec) for rec in records] for records in raw["ranks"]]
+
+
+@dataclass
+class Row:
+    """One expected collective and what was measured for it (or a measured one nobody expected)."""
+
+    expected: Collective | None
+    measured: Collective | None
+
+    @property
+    def ok(self) -> bool:
+        return self.expected == _as_unit(self.measured, self.expected)
+
+    @property
+    def unit(self) -> str:
+        return self.expected.unit if self.expected else "?"
+
+
+def _as_unit(measured: Collective | None, expected: Collective | None) -> Collective | None:
+    if measured is None or expected is None:
+        return measured
+    from dataclasses import replace
+
+    return replace(measured, unit=expected.unit)
+
+
+def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
+    """Pair each measured collective with an expected one: first equal in everything but the
+    unit (same window), then what is left in a window, in order of size (the differing pairs),
+    then the unpaired on either side."""
+    by_window: dict[tuple, tuple[list[Collective], list[Collective]]] = defaultdict(lambda: ([], []))
+    for e in expected:
+        by_window[e.window][0].append(e)
+    for g in measured:
+        by_window[g.window][1].append(g)
+    rows: list[Row] = []
+    for window in sorted(by_window):
+        want, got = by_window[window]
+        left = list(got)
+        pending: list[Collective] = []
+        for e in want:
+            twin = next((g for g in left if _as_unit(g, e) == e), None)
+            if twin is None:
+                pending.append(e)
+            else:
+                left.remove(twin)
+                rows.append(Row(e, twin))
+        pending.sort(key=lambda c: (-c.bytes, c.kind))
+        left.sort(key=lambda c: (-c.bytes, c.kind))
+        for i in range(max(len(pending), len(left))):
+            rows.append(Row(pending[i] if i < len(pending) else None, left[i] if i < len(left) else None))
+    return rows
+
+
+def check_comm(case: Case, ref: Trace, got: Trace) -> list[Finding]:
+    from fsdp_verify.engines.contracts import engine_contracts
+
+    if not engine_contracts(case.engine).comm:
+        return []
+    ranks = measured_collectives(got)
+    if ranks is None:
+        return [_finding(0, "<probe>", "the sharded trace holds no communication record (was the CommProbe run?)")]
+    expected = expected_collectives(case, got)
+    findings: list[Finding] = []
+    reported: set[tuple[str, str, str]] = set()
+    for rank, measured in enumerate(ranks):
+        for row in match(expected, measured):
+            if row.ok:
+                continue
+            e, g = row.expected, row.measured
+            key = (row.unit, (e or g).phase, (e or g).kind)
+            if key in reported:
+                continue
+            reported.add(key)
+            where = (e or g).window
+            text = f"rank {rank}, micro-batch {where[1]}, {(e or g).phase}: "
+            if e is not None and g is not None:
+                text += f"unit {e.unit!r}: {g.describe()}, the model says {e.describe()}"
+            elif e is not None:
+                text += f"unit {e.unit!r}: expected {e.describe()}, none issued"
+            else:
+                text += f"unexpected {g.describe()} (no unit of the plan accounts for it)"
+            name = f"{row.unit}:{(e or g).phase}:{(e or g).kind}"
+            findings.append(_finding((e or g).step, name, text))
+    return findings
+
+
+def _finding(step: int, name: str, message: str) -> Finding:
+    return Finding(step, "comm", name, False, "contract", COMPARATOR, message)
+
+
+def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    from fsdp_verify.engines.contracts import engine_contracts
+
+    contracts = engine_contracts(case.engine)
+    if not contracts.comm:
+        return None
+    ranks = measured_collectives(got)
+    if ranks is None:
+        return None
+    n = len(expected_collectives(case, got))
+    total = sum(c.bytes for c in ranks[0])
+    return f"{n} collectives per rank as FSDP2's model implies, {total:,} B on rank 0 (kind, dtype, group, bytes)"

@@ -1,0 +1,179 @@
+"""Memory contract: what each rank holds (verify/probes/memory.py) against what FSDP2's plan
+allows (seeds 003 and 004), per rank:
+
+| what                              | allowed                                                        |
+|-----------------------------------|----------------------------------------------------------------|
+| sharded parameters                | exactly the padded shards: dim 0 padded to a multiple of S, /S  |
+| gradients after reduction         | at most the padded shards of the parameters with a gradient     |
+| optimizer state                   | at most one padded shard per state tensor (SGD 1, Adam(W) 2)    |
+| anything else, before forward and | nothing (neither unsharded parameters nor other floating-point |
+|   after the optimizer step        |   storage the module holds)                                    |
+| unsharded, after unit u's forward | u's wrapped ancestors (still computing), and with               |
+|                                   | reshard_after_forward=False every unit whose forward has run,  |
+|                                   | u included: each unit's padded full parameters in param_dtype  |
+
+S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
+(fp32 master weights). A finding names the boundary and the unit when more is held: an engine
+that keeps an unsharded copy alive after resharding, or holds full gradients. Under
+`sync_every_microbatch=False` the unsharded gradients accumulated between micro-batches are
+legitimate (seed 000), so the boundaries of later micro-batches are recorded but not judged.
+Activations (held by autograd's C++ graph) are not counted on CPU; the peak printed is the
+sharded state plus the largest unsharded total seen at a boundary.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_verify.case import Case
+from fsdp_verify.checks.comm import _size, params_by_unit
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.probes.comm import padded_shard_numel
+from fsdp_verify.trace import Trace
+
+COMPARATOR = "MemoryContract"
+STATES = {"sgd": 1, "adam": 2, "adamw": 2}
+
+
+@dataclass
+class Budget:
+    """Bytes one rank may hold, from the Case and the model's parameter shapes."""
+
+    sharded: int  # exactly
+    grads: int  # at most
+    optim: int  # at most
+    unsharded_by_unit: dict[str, int]  # a unit's padded full parameters in param_dtype
+    unsharded_total: int  # the whole model unsharded, in its own dtype (what one device would hold)
+    unsharded_grads: int  # the full gradients of the parameters with one
+    shard: int
+
+    @property
+    def per_rank(self) -> int:
+        return self.sharded + self.grads + self.optim
+
+    def single_device(self, case: Case) -> int:
+        """Params, grads and optimizer state of the unsharded model: one device's persistent bytes."""
+        return self.unsharded_total + self.unsharded_grads * (1 + STATES[case.optim.name])
+
+    def allowed_after(self, case: Case, unit: str, done: list[str]) -> int:
+        """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
+        finished before it in this micro-batch."""
+        live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
+        rsf = case.reshard_after_forward
+        if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
+            live |= set(done) | {unit}
+        return sum(self.unsharded_by_unit.get(v, 0) for v in live)
+
+
+def budget(case: Case, got: Trace) -> Budget:
+    shard = case.mesh[-1]
+    param_size = _size(case.precision.param_dtype or "fp32")
+    dtypes = {name: dtype for name, _shape, dtype, *_ in got.meta.get("build", [[]])[0]}
+    with_grad = {n for s, phase, n in got.records if phase == "grads"}
+    sharded = grads = full = full_grads = 0
+    by_unit: dict[str, int] = {}
+    for unit, params in params_by_unit(case, got).items():
+        for name, shape in params:
+            own = getattr(torch, dtypes[name].removeprefix("torch.")).itemsize
+            rows = padded_shard_numel(shape, shard)
+            sharded += rows * own
+            grads += rows * own if name in with_grad else 0
+            full += padded_shard_numel(shape, 1) * own
+            full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
+            by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
+    optim = STATES[case.optim.name] * grads
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard)
+
+
+def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
+    from fsdp_verify.engines.contracts import engine_contracts
+
+    if not engine_contracts(case.engine).memory:
+        return []
+    raw = got.meta.get("memory")
+    if raw is None:
+        return [_finding(0, "<probe>", "the sharded trace holds no memory record (was the MemoryProbe run?)")]
+    b = budget(case, got)
+    findings: list[Finding] = []
+    for rank, rec in enumerate(raw["ranks"]):
+        if rec["sharded"] != b.sharded:
+            findings.append(
+                _finding(
+                    0,
+                    "sharded",
+                    f"rank {rank} holds {rec['sharded']:,} B of sharded parameters, the plan {b.sharded:,} B",
+                )
+            )
+        for what, cap, label in (("grads", b.grads, "gradients"), ("optim", b.optim, "optimizer state")):
+            for step, n in sorted(rec[what].items(), key=lambda kv: int(kv[0])):
+                if n > cap:
+                    findings.append(
+                        _finding(int(step), what, f"rank {rank} holds {n:,} B of {label}, the shards allow {cap:,} B")
+                    )
+                    break
+        for step, m, where, held, shapes, allowed, unit in judged_boundaries(case, b, rec):
+            if held > allowed:
+                findings.append(
+                    _finding(
+                        step,
+                        f"unsharded:{unit or where}",
+                        f"rank {rank}, micro-batch {m}, {where}: {held:,} B of unsharded parameters alive"
+                        f" ({len(shapes)} full-shape parameters, e.g. {shapes[:3]}), the plan allows {allowed:,} B"
+                        " (an unsharded copy kept after resharding?)",
+                    )
+                )
+                break
+        for step, m, where, _held, _shapes, other in rec["boundaries"]:
+            if not where.startswith("after forward") and other and (m == 0 or case.sync_every_microbatch):
+                findings.append(
+                    _finding(
+                        step,
+                        f"other:{where}",
+                        f"rank {rank}, micro-batch {m}, {where}: the module holds {other:,} B of floating-point"
+                        " storage beyond its shards, gradients and buffers; the plan allows none here",
+                    )
+                )
+                break
+    return findings
+
+
+def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, str, int, list, int, str | None]]:
+    """Each judged boundary with what it held and what it may hold (unit: None when quiet)."""
+    out = []
+    done: list[str] = []
+    last = None
+    for step, m, where, held, shapes, _other in rec["boundaries"]:
+        if (step, m) != last:
+            done, last = [], (step, m)
+        if m > 0 and not case.sync_every_microbatch:
+            continue  # accumulated unsharded gradients are allowed here (see the module docstring)
+        prefix = "after forward of "
+        if where.startswith(prefix):
+            unit = where.removeprefix(prefix)
+            unit = "" if unit == "<root>" else unit
+            allowed = b.allowed_after(case, unit, done)
+            done.append(unit)
+            out.append((step, m, where, held, shapes, allowed, unit or "<root>"))
+        else:
+            out.append((step, m, where, held, shapes, 0, None))
+    return out
+
+
+def _finding(step: int, name: str, message: str) -> Finding:
+    return Finding(step, "memory", name, False, "contract", COMPARATOR, message)
+
+
+def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
+    from fsdp_verify.engines.contracts import engine_contracts
+
+    raw = got.meta.get("memory")
+    if raw is None or not engine_contracts(case.engine).memory:
+        return None
+    b = budget(case, got)
+    return (
+        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state as sharded"
+        f" over {b.shard} ranks: {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
+        " nothing unsharded left after resharding"
+    )

@@ -1,0 +1,37 @@
+"""Contracts: which of the resource contracts (communication, memory) an engine is held to, as
+it declares them, the way it declares its arithmetic (verify/engines/arithmetic.py).
+
+The communication and memory models (verify/checks/comm.py, verify/checks/memory.py) are
+FSDP2's: per unit, an all-gather of its Shard(0)-padded parameters, a reduce-scatter of their
+gradients, sharded state of 1/shard-group-size each. An engine that shards otherwise (FSDP1's
+and the flat engine's one FlatParameter per unit, aligned and padded as a whole) states that
+those models do not describe it, `fn.contracts = Contracts(comm=False, memory=False, why=...)`,
+and the checks say `n/a` with its reason instead of a finding. An engine that declares nothing
+is held to FSDP2's models, as it is emulated with FSDP2's arithmetic.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Contracts:
+    comm: bool = True  # held to FSDP2's communication model
+    memory: bool = True  # held to FSDP2's memory model
+    why: str = ""  # why not, when either is off
+
+
+FSDP2 = Contracts()
+
+
+def engine_contracts(name: str) -> Contracts:
+    """What engine `name` is held to (FSDP2's models when it declares nothing or does not import
+    here: the ranks will report that failure themselves)."""
+    from fsdp_verify.engines import resolve_engine
+
+    try:
+        declared = getattr(resolve_engine(name), "contracts", None)
+    except Exception:
+        return FSDP2
+    return declared if isinstance(declared, Contracts) else FSDP2

@@ -1,0 +1,206 @@
+"""Memory probe: the bytes each rank holds, at phase boundaries, for verify/checks/memory.py to
+hold against what the wrap plan allows (seeds 003 and 004: sharded params, grads and optimizer
+state of 1/N each; unsharded parameters only while a unit computes).
+
+On CPU there is no allocator peak to read (`torch.cuda.max_memory_allocated` has no CPU twin),
+so the probe counts storage instead: every tensor the engine's module can reach (its attributes,
+its FSDP state, the closures of its hooks; not the toolkit's probes or trace), each storage once,
+classified as the sharded parameters (the tensors the optimizer steps), their gradients, buffers,
+*unsharded*: an `nn.Parameter` with the full shape of one of the model's parameters that is
+none of those (FSDP2's unsharded parameters are Parameters; activations are not), and *other*
+floating-point storage (a flat copy, a detached clone, a gather buffer). Storage resized to zero
+(FSDP2's freed all-gather outputs) counts zero. Activations that only autograd's C++ graph
+holds are not reachable and not counted.
+
+Boundaries: before each step's first forward and after the optimizer step (nothing may be held
+beyond the sharded state: neither unsharded nor other), and after each unit's forward in the
+first step (a forward hook registered after the engine's own, so it sees the unit after its
+reshard; the pattern repeats every step, and walking the module at every unit of every step
+costs more than the rest of the case). Each rank records its own; `finish` gathers them into
+`trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
+"boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...]}, ...]}`.
+"""
+
+from __future__ import annotations
+
+import gc
+import types
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.ownership import gather_objects
+from fsdp_verify.trace import Trace
+
+_ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+
+
+def _storage(t: torch.Tensor) -> tuple[int, int]:
+    s = _local(t).untyped_storage()
+    return s.data_ptr(), s.nbytes()
+
+
+def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
+    """Every tensor reachable from `root` through attributes, containers and hook closures
+    (functions are followed through their closures only, never their globals)."""
+    seen: set[int] = set()
+    out: list[torch.Tensor] = []
+    stack: list[Any] = [root]
+    while stack:
+        obj = stack.pop()
+        if id(obj) in seen or isinstance(obj, (*_ATOMS, *skip)):
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            out.append(obj)
+            local = getattr(obj, "_local_tensor", None)
+            if local is not None:
+                stack.append(local)
+            if obj.is_leaf and obj.grad is not None:
+                stack.append(obj.grad)
+            continue
+        if isinstance(obj, types.FunctionType):
+            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+            continue
+        if isinstance(obj, (torch.dtype, torch.device)):
+            continue
+        stack.extend(gc.get_referents(obj))
+    return out
+
+
+def _filled(cell: types.CellType) -> bool:
+    try:
+        cell.cell_contents  # noqa: B018
+    except ValueError:
+        return False
+    return True
+
+
+class MemoryProbe(Probe):
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.record: dict[str, Any] = {"sharded": 0, "grads": {}, "optim": {}, "boundaries": []}
+        self.model: nn.Module | None = None
+        self.view: EngineView | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.full_shapes: set[tuple[int, ...]] = set()
+        # The tensors the optimizer steps, as sharding left them: FSDP2 registers the unsharded
+        # parameters on the module while a unit computes, so `view.parameters()` then names those.
+        self.sharded_params: list[torch.Tensor] = []
+        self.step = 0
+        self.microbatch = 0
+        self.baseline: set[int] = set()
+
+    # ---- counting -----------------------------------------------------------------------------
+    def _known(self) -> dict[int, int]:
+        """Storages that are sharded state or buffers (never counted as unsharded)."""
+        known: dict[int, int] = {}
+        assert self.model is not None
+        for p in self.sharded_params:
+            for t in (p, p.grad):
+                if t is not None:
+                    ptr, n = _storage(t)
+                    known[ptr] = n
+        for b in self.model.buffers():
+            ptr, n = _storage(b)
+            known[ptr] = n
+        return known
+
+    def unsharded(self) -> tuple[int, list[list[int]], int]:
+        """What the module holds beyond its sharded state and buffers: bytes of full-shape
+        parameters (FSDP2's unsharded parameters, a kept original) and their shapes, and bytes
+        of any other floating-point storage (a flat copy, a detached clone, a gather buffer)."""
+        known = self._known()
+        params: dict[int, int] = {}
+        other: dict[int, int] = {}
+        shapes: list[list[int]] = []
+        for t in held_tensors(self.model, skip=(Probe, Trace, EngineView, torch.optim.Optimizer)):
+            if getattr(t, "_local_tensor", None) is not None or not t.is_floating_point():
+                continue  # a DTensor is counted by its shard; a mesh's rank tensor is no parameter
+            ptr, n = _storage(t)
+            if n == 0 or ptr in known or ptr in params or ptr in self.baseline:
+                continue
+            if isinstance(t, nn.Parameter) and tuple(t.shape) in self.full_shapes:
+                params[ptr] = n
+                other.pop(ptr, None)
+                shapes.append(list(t.shape))
+            else:
+                other[ptr] = n
+        return sum(params.values()), sorted(shapes), sum(other.values())
+
+    def _boundary(self, where: str) -> None:
+        n, shapes, other = self.unsharded()
+        self.record["boundaries"].append([self.step, self.microbatch, where, n, shapes, other])
+
+    @staticmethod
+    def _bytes(tensors: list[torch.Tensor]) -> int:
+        storages = dict(_storage(t) for t in tensors)
+        return sum(storages.values())
+
+    # ---- hooks of the loop ----------------------------------------------------------------------
+    def after_build(self, model: nn.Module) -> None:
+        self.full_shapes = {tuple(p.shape) for p in model.parameters()}
+        # A model's own constant tensors kept as plain attributes (a mask, a table) are the
+        # user's, not the engine's: what the model held as built, beyond its parameters and
+        # buffers, is never counted as "other".
+        mine = {_storage(t)[0] for t in [*model.parameters(), *model.buffers()]}
+        self.baseline = {
+            _storage(t)[0]
+            for t in held_tensors(model, skip=(Probe, Trace))
+            if t.is_floating_point() and not isinstance(t, nn.Parameter) and _storage(t)[0] not in mine
+        }
+
+    def after_shard(self, model: nn.Module, view: EngineView) -> None:
+        self.model, self.view = model, view
+        self.sharded_params = list(view.parameters().values())
+        self.record["sharded"] = self._bytes(self.sharded_params)
+        probe = weakref.ref(self)
+        for unit in self.case.wrap_plan:
+            module = model.get_submodule(unit)
+            module = getattr(module, "_fsdp_wrapped_module", module)
+
+            def after_unit(_m: nn.Module, _a: Any, _o: Any, _unit: str = unit) -> None:
+                p = probe()
+                if p is not None and p.step == 1:  # first step only (see the module docstring)
+                    p._boundary(f"after forward of {_unit or '<root>'}")
+
+            module.register_forward_hook(after_unit)
+
+    def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
+        self.optimizer = optimizer
+
+    def before_forward(self, step: int, microbatch: int) -> None:
+        self.step, self.microbatch = step, microbatch
+        if microbatch == 0:
+            self._boundary("before forward")
+
+    def after_backward(self, step: int, microbatch: int) -> None:
+        if self.case.sync_every_microbatch or microbatch == self.case.microbatches - 1:
+            assert self.view is not None
+            grads = [p.grad for p in self.view.parameters().values() if p.grad is not None]
+            self.record["grads"][str(step)] = self._bytes(grads)
+
+    def after_step(self, step: int) -> None:
+        assert self.optimizer is not None and self.view is not None
+        states = [
+            v
+            for p in self.view.parameters().values()
+            for v in self.optimizer.state.get(p, {}).values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0  # not the scalar step count
+        ]
+        self.record["optim"][str(step)] = self._bytes(states)
+        self.microbatch = 0
+        self._boundary("after the optimizer step")
+
+    def finish(self) -> None:
+        self.meta("memory", {"ranks": gather_objects(self.record)})
+        self.model = self.view = self.optimizer = None
+        self.sharded_params = []
