@@ -173,9 +173,9 @@ def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
 
 
 def check_comm(case: Case, ref: Trace, got: Trace) -> list[Finding]:
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
 
-    if not engine_contracts(case.engine).comm:
+    if not case_contracts(case).comm:
         return []
     ranks = measured_collectives(got)
     if ranks is None:
@@ -210,9 +210,9 @@ def _finding(step: int, name: str, message: str) -> Finding:
 
 
 def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
 
-    contracts = engine_contracts(case.engine)
+    contracts = case_contracts(case)
     if not contracts.comm:
         return None
     ranks = measured_collectives(got)

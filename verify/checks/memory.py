@@ -88,9 +88,9 @@ def budget(case: Case, got: Trace) -> Budget:
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
 
-    if not engine_contracts(case.engine).memory:
+    if not case_contracts(case).memory:
         return []
     raw = got.meta.get("memory")
     if raw is None:
@@ -166,10 +166,10 @@ def _finding(step: int, name: str, message: str) -> Finding:
 
 
 def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
 
     raw = got.meta.get("memory")
-    if raw is None or not engine_contracts(case.engine).memory:
+    if raw is None or not case_contracts(case).memory:
         return None
     b = budget(case, got)
     return (

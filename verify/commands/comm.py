@@ -63,10 +63,10 @@ def run_sharded(args: argparse.Namespace):
 
 def report(case, got) -> tuple[list[str], list]:
     from fsdp_verify.checks.comm import check_comm, expected_collectives, match, measured_collectives
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
     from fsdp_verify.trace import Trace
 
-    contracts = engine_contracts(case.engine)
+    contracts = case_contracts(case)
     ranks = measured_collectives(got) or [[]]
     expected = expected_collectives(case, got) if contracts.comm else []
     lines = [f"Communication: {describe(case)}"]

@@ -23,10 +23,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def report(case, got) -> tuple[list[str], list]:
     from fsdp_verify.checks.memory import budget, check_memory, judged_boundaries
-    from fsdp_verify.engines.contracts import engine_contracts
+    from fsdp_verify.engines.contracts import case_contracts
     from fsdp_verify.trace import Trace
 
-    contracts = engine_contracts(case.engine)
+    contracts = case_contracts(case)
     ranks = got.meta.get("memory", {}).get("ranks", [])
     b = budget(case, got)
     lines = [f"Memory: {describe(case)}"]

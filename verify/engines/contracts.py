@@ -35,3 +35,16 @@ def engine_contracts(name: str) -> Contracts:
     except Exception:
         return FSDP2
     return declared if isinstance(declared, Contracts) else FSDP2
+
+
+USER_STEP = Contracts(
+    comm=False,
+    memory=False,
+    why="a user's step (--step) issues collectives and holds tensors of its own (a loss all-reduced for"
+    " logging, a gradient kept for a metric); the models describe the toolkit's loop",
+)
+
+
+def case_contracts(case) -> Contracts:
+    """What a case is held to: its engine's declaration, none around a user's own step."""
+    return USER_STEP if getattr(case, "step", None) is not None else engine_contracts(case.engine)
