@@ -46,5 +46,14 @@ USER_STEP = Contracts(
 
 
 def case_contracts(case) -> Contracts:
-    """What a case is held to: its engine's declaration, none around a user's own step."""
-    return USER_STEP if getattr(case, "step", None) is not None else engine_contracts(case.engine)
+    """What a case is held to: its engine's declaration, none around a user's own step, and no
+    memory model under activation checkpointing (not modelled: with a checkpointed unit nested in
+    another, the inner unit's unsharded parameters were measured alive after its forward, 128 B
+    over the plan on a fresh-seed sweep; the communication model still holds there)."""
+    if getattr(case, "step", None) is not None:
+        return USER_STEP
+    declared = engine_contracts(case.engine)
+    if getattr(case, "activation_checkpointing", False) and declared.memory:
+        why = "activation checkpointing is not in the memory model"
+        return Contracts(comm=declared.comm, memory=False, why="; ".join(w for w in (declared.why, why) if w))
+    return declared
