@@ -43,6 +43,20 @@ class EngineView:
     def full_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(state, gather_full(list(state.values()))))
 
+    def full_params_and_optimizer_state(
+        self, state: dict[str, torch.Tensor]
+    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+        """`full_params()` and `full_optimizer_state(state)` after a step; for DTensors in one
+        collective (each one is a round trip between the rank processes). A view that overrides
+        either gets both called."""
+        own = type(self).full_params is EngineView.full_params
+        own = own and type(self).full_optimizer_state is EngineView.full_optimizer_state
+        if not own:
+            return self.full_params(), self.full_optimizer_state(state)
+        params = self.parameters()
+        whole = gather_full([p.detach() for p in params.values()] + list(state.values()))
+        return dict(zip(params, whole[: len(params)])), dict(zip(state, whole[len(params) :]))
+
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm; returns the full total norm."""
         with_grad = [p for p in self.parameters().values() if p.grad is not None]

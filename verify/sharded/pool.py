@@ -57,6 +57,9 @@ class RankPool:
         self._board: PhaseBoard | None = None
         self._dir: Path | None = None
         self.starts = 0  # how many times processes were spawned (1 = never recovered)
+        # Seconds per kind of phase of the last case: rank 0's (verify/sharded/worker.py PhaseClock)
+        # and this side's ("decode trace").
+        self.last_profile: dict[str, float] = {}
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -136,7 +139,11 @@ class RankPool:
 
     def result(self, timeout_s: float | None = None) -> Trace:
         replies = self._collect("run", timeout_s or self.timeout_s)
-        return Trace.from_bytes(replies[0])
+        t = time.perf_counter()
+        blob, seconds = replies[0]
+        trace = Trace.from_bytes(blob)
+        self.last_profile = {**seconds, "decode trace": time.perf_counter() - t}
+        return trace
 
     def run(self, case: Case, timeout_s: float | None = None) -> Trace:
         self.submit(case)
@@ -169,7 +176,7 @@ class RankPool:
                         if dead is not None:  # the root cause: the error was its peers' collective failing
                             raise self._crash(dead, what) from None
                         raise RankFailure("error", rank, phase, f"{detail}\n{tb}", self._phases())
-                    replies[rank] = message[1]
+                    replies[rank] = message[1:] if what == "run" else message[1]
                     pending.discard(rank)
         except RankFailure:
             self.close()  # the process group is unusable after a failure; start afresh next case

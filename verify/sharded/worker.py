@@ -96,7 +96,7 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def groups_released() -> Iterator[None]:
+def groups_released(clock=None) -> Iterator[None]:
     """Destroys the process groups made while a case ran. FSDP2 builds a new DeviceMesh, so new
     groups, in every `fully_shard` call with an int `reshard_after_forward`; a gloo group holds
     threads and sockets until its last reference goes, and a worker runs thousands of cases (a
@@ -108,6 +108,8 @@ def groups_released() -> Iterator[None]:
     try:
         yield
     finally:
+        if clock is not None:
+            clock.mark("release groups")
         made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
         for group in made:
             with contextlib.suppress(Exception):  # a group a crashed case left mid-collective
@@ -121,14 +123,59 @@ def groups_released() -> Iterator[None]:
             gc.collect()  # the FSDP state that holds the groups sits in reference cycles
 
 
+def phase_kind(phase: str) -> str:
+    """The profile's row for a loop phase (verify/sharded/loop.py names them)."""
+    if phase.startswith("build"):
+        return "build model"
+    if phase.startswith("shard"):
+        return "fully_shard (engine)"
+    if "gather" in phase:
+        return "record + gather"
+    if "probes" in phase:
+        return "probes"
+    if phase == "done":
+        return "finish"
+    return "training"
+
+
+class PhaseClock:
+    """The phase board plus a clock: seconds spent per kind of phase in the current case, sent
+    back with its trace (`RankPool.last_profile`). A perf_counter call per phase: free."""
+
+    def __init__(self, board):
+        self.board = board
+        self.seconds: dict[str, float] = {}
+        self._kind: str | None = None
+        self._t = time.perf_counter()
+
+    def __call__(self, phase: str, kind: str | None = None) -> None:
+        self.board(phase)
+        self.mark(kind or phase_kind(phase))
+
+    def mark(self, kind: str | None) -> None:
+        now = time.perf_counter()
+        if self._kind is not None:
+            self.seconds[self._kind] = self.seconds.get(self._kind, 0.0) + now - self._t
+        self._kind, self._t = kind, now
+
+    def read(self, rank: int) -> str:
+        return self.board.read(rank)
+
+
 def run_case(
     case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
-) -> bytes | None:
+) -> tuple[bytes | None, dict[str, float]]:
+    clock = PhaseClock(board)
+    clock.mark("decode case")
     case = Case.from_json(case_json)
-    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=board)
-    with groups_released():
+    clock.mark("mesh")
+    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=clock)
+    with groups_released(clock):
         trace = run_sharded(case, ctx)
-    return trace.to_bytes() if trace is not None else None
+    clock("serialise trace", "serialise trace")
+    blob = trace.to_bytes() if trace is not None else None
+    clock.mark(None)
+    return blob, clock.seconds
 
 
 def worker_main(
@@ -158,9 +205,9 @@ def worker_main(
             break
         _, case_json = message
         try:
-            blob = run_case(case_json, rank, world_size, device, meshes, board)
+            blob, seconds = run_case(case_json, rank, world_size, device, meshes, board)
             board("idle")
-            conn_out.send(("ok", blob))
+            conn_out.send(("ok", blob, seconds))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
             conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
     dist.destroy_process_group()
