@@ -210,7 +210,35 @@ def worker_main(
             conn_out.send(("ok", blob, seconds))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
             conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
-    dist.destroy_process_group()
+    leave_process_group()
+    exit_now(0)
+
+
+def leave_process_group() -> None:
+    """Destroy every process group and let their C++ objects go while the interpreter is fully
+    alive. `destroy_process_group()` alone only unregisters a group: the object (and gloo's
+    worker threads, which may still hold tensors of finished work) lives as long as Python
+    references to it (FSDP states in reference cycles, DTensor's sharding caches), and so could
+    be freed during interpreter finalisation, where releasing those tensors takes the GIL of a
+    dying interpreter: SIGABRT at exit (bench/overhead.py died so in one run of two)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    gc.collect()
+
+
+def exit_now(code: int) -> None:
+    """End a rank process without interpreter finalisation (no C++ static destructors racing
+    gloo's threads): flush what Python buffered and `os._exit`. Call `leave_process_group` first."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
