@@ -31,7 +31,7 @@ RANK_ROWS = (
     "fully_shard (engine)",
     "probes",
     "training",
-    "record + gather",
+    "record + gather",  # the sum of its parts, below
     "finish",
     "release groups",
     "serialise trace",
@@ -52,10 +52,16 @@ def profile(n: int, case: Case = CASE) -> dict[str, float]:
             pool.run(case)
             wall = time.perf_counter() - t
             prof = pool.last_profile
-            busy = sum(prof.get(k, 0.0) for k in RANK_ROWS)
+            prof["record + gather"] = sum(v for k, v in prof.items() if k.startswith("record + gather: "))
+            parent = ("receive trace", "decode trace")
+            busy = sum(v for k, v in prof.items() if k not in (*parent, "record + gather"))
             for k in RANK_ROWS:
                 add(f"rank 0: {k}", prof.get(k, 0.0))
-            add("dispatch + IPC (sharded wall - rank 0 busy - decode)", wall - busy - prof["decode trace"])
+            for k in sorted(prof):
+                if k.startswith("record + gather: "):
+                    add(f"rank 0:   {k}", prof[k])
+            add("dispatch (sharded wall - rank 0 busy - receive - decode)", wall - busy - sum(prof[k] for k in parent))
+            add("receive trace (pipe)", prof["receive trace"])
             add("decode trace", prof["decode trace"])
             add("sharded side alone (wall)", wall)
 

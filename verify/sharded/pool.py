@@ -140,9 +140,9 @@ class RankPool:
     def result(self, timeout_s: float | None = None) -> Trace:
         replies = self._collect("run", timeout_s or self.timeout_s)
         t = time.perf_counter()
-        blob, seconds = replies[0]
-        trace = Trace.from_bytes(blob)
-        self.last_profile = {**seconds, "decode trace": time.perf_counter() - t}
+        (header, buf), seconds, received_s = replies[0]
+        trace = Trace.unpack(header, buf)
+        self.last_profile = {**seconds, "receive trace": received_s, "decode trace": time.perf_counter() - t}
         return trace
 
     def run(self, case: Case, timeout_s: float | None = None) -> Trace:
@@ -176,7 +176,19 @@ class RankPool:
                         if dead is not None:  # the root cause: the error was its peers' collective failing
                             raise self._crash(dead, what) from None
                         raise RankFailure("error", rank, phase, f"{detail}\n{tb}", self._phases())
-                    replies[rank] = message[1:] if what == "run" else message[1]
+                    if what == "run":
+                        # rank 0's trace: a header, then its bytes (verify/sharded/worker.py)
+                        t = time.perf_counter()
+                        header, buf = message[1], None
+                        if header is not None:
+                            buf = bytearray(header["nbytes"])
+                            try:
+                                conn.recv_bytes_into(buf)
+                            except (EOFError, OSError):
+                                raise self._crash(rank, what) from None
+                        replies[rank] = ((header, buf), message[2], time.perf_counter() - t)
+                    else:
+                        replies[rank] = message[1]
                     pending.discard(rank)
         except RankFailure:
             self.close()  # the process group is unusable after a failure; start afresh next case

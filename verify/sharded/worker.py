@@ -129,10 +129,10 @@ def phase_kind(phase: str) -> str:
         return "build model"
     if phase.startswith("shard"):
         return "fully_shard (engine)"
-    if "gather" in phase:
-        return "record + gather"
     if "probes" in phase:
         return "probes"
+    if "gather" in phase:
+        return "record + gather"
     if phase == "done":
         return "finish"
     return "training"
@@ -150,7 +150,10 @@ class PhaseClock:
 
     def __call__(self, phase: str, kind: str | None = None) -> None:
         self.board(phase)
-        self.mark(kind or phase_kind(phase))
+        kind = kind or phase_kind(phase)
+        if kind == "record + gather":  # which record: "record + gather: gradients", ...
+            kind = f"{kind}: {phase.split(' gather ', 1)[-1]}"
+        self.mark(kind)
 
     def mark(self, kind: str | None) -> None:
         now = time.perf_counter()
@@ -164,7 +167,7 @@ class PhaseClock:
 
 def run_case(
     case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
-) -> tuple[bytes | None, dict[str, float]]:
+) -> tuple[tuple[dict, torch.Tensor] | None, dict[str, float]]:
     clock = PhaseClock(board)
     clock.mark("decode case")
     case = Case.from_json(case_json)
@@ -173,9 +176,9 @@ def run_case(
     with groups_released(clock):
         trace = run_sharded(case, ctx)
     clock("serialise trace", "serialise trace")
-    blob = trace.to_bytes() if trace is not None else None
+    packed = trace.pack() if trace is not None else None
     clock.mark(None)
-    return blob, clock.seconds
+    return packed, clock.seconds
 
 
 def worker_main(
@@ -205,9 +208,13 @@ def worker_main(
             break
         _, case_json = message
         try:
-            blob, seconds = run_case(case_json, rank, world_size, device, meshes, board)
+            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board)
             board("idle")
-            conn_out.send(("ok", blob, seconds))
+            # The trace as a header, then its bytes straight from the packed tensor (no pickle,
+            # no copy on this side); the pool reads them into one buffer (RankPool._collect).
+            conn_out.send(("ok", packed[0] if packed else None, seconds))
+            if packed:
+                conn_out.send_bytes(memoryview(packed[1].numpy()))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
             conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
     leave_process_group()
