@@ -16,7 +16,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
-from fsdp_verify.engines.view import EngineView, view_of
+from fsdp_verify.engines.view import view_of
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
@@ -63,7 +63,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_optimizer(optimizer, view)
 
     ctx.phase("step 0 gather initial params")
-    _record_params(trace, 0, view, initial=True)
+    full, sums, _ = view.params_sums_and_state({})
+    _record_params(trace, 0, full, sums, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     run_steps = _user_steps if case.step is not None else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, trace)
@@ -206,8 +207,8 @@ def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace
 
 def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None:
     ctx.phase(f"step {step} gather params and optimizer state")
-    full, state = view.full_params_and_optimizer_state(optimizer_state(optimizer, params))
-    _record_params(trace, step, view, full=full)
+    full, sums, state = view.params_sums_and_state(optimizer_state(optimizer, params))
+    _record_params(trace, step, full, sums)
     for key, whole in state.items():
         _add(trace, step, "optim_state", key, whole)
     ctx.phase(f"step {step} probes after the step")
@@ -228,13 +229,11 @@ def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Ten
 
 
 def _record_params(
-    trace: Trace | None, step: int, view: EngineView, initial: bool = False, full: dict | None = None
+    trace: Trace | None, step: int, full: dict[str, torch.Tensor], sums: dict[str, torch.Tensor], initial: bool = False
 ) -> None:
-    """Full params (`full`: gathered already), and per-param sums computed from the local shards
-    (sum of each shard, then reduced): a second path that sees padding leaking into shards or a
-    parameter held twice."""
-    sums = view.param_sums()
-    for name, whole in (view.full_params() if full is None else full).items():
+    """Full params, and per-param sums computed from the local shards (sum of each shard, then
+    reduced): a second path that sees padding leaking into shards or a parameter held twice."""
+    for name, whole in full.items():
         _add(trace, step, "init" if initial else "params", name, whole)
     for name, s in sums.items():
         _add(trace, step, "param_sums", name, s)
