@@ -60,6 +60,7 @@ class RankPool:
         # Seconds per kind of phase of the last case: rank 0's (verify/sharded/worker.py PhaseClock)
         # and this side's ("decode trace").
         self.last_profile: dict[str, float] = {}
+        self.exit_codes: list[int | None] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -100,12 +101,16 @@ class RankPool:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop",))
         deadline = time.monotonic() + 2.0
+        codes = []
         for p in self._procs:
             try:
                 p.wait(max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5.0)
+            codes.append(p.returncode)
+        if codes:
+            self.exit_codes = codes  # of the last workers stopped: 0 each after a polite stop
         for conn in self._to + self._from:
             conn.close()
         self._procs, self._to, self._from = [], [], []
