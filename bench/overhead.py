@@ -22,13 +22,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from _hygiene import private_tmp
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.models import build_model
 from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.loop import RankContext, run_sharded
-from fsdp_verify.sharded.worker import MeshCache
+from fsdp_verify.sharded.worker import MeshCache, exit_now, leave_process_group
 from fsdp_verify.training.data import global_batch, microbatch_slices
 from fsdp_verify.training.loss import loss_fn
 from fsdp_verify.training.optim import make_optimizer
@@ -102,7 +103,8 @@ def rank_main(rank: int, store_path: str, repeats: int, out_path: str) -> None:
         }
         with open(out_path, "w") as f:
             json.dump(result, f, indent=2)
-    dist.destroy_process_group()
+    leave_process_group()  # groups freed while the interpreter is alive, then no finalisation:
+    exit_now(0)  # the SIGABRT at exit (verify/sharded/worker.py leave_process_group)
 
 
 def main() -> None:
@@ -110,11 +112,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--json", type=str)
     args = parser.parse_args()
-    tmp = tempfile.mkdtemp(prefix="fsdp-verify-bench-")
-    out = os.path.join(tmp, "result.json")
-    mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args.repeats, out), nprocs=2)
-    with open(out) as f:
-        result = json.load(f)
+    with private_tmp("overhead"), tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "result.json")
+        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args.repeats, out), nprocs=2)
+        with open(out) as f:
+            result = json.load(f)
     print(f"case: {MEDIUM.model}")
     for k, v in result.items():
         print(f"{k:36s} {v:.4g}")

@@ -1,3 +1,5 @@
+import json
+
 import torch
 
 from fsdp_verify.trace import Trace
@@ -23,3 +25,28 @@ def test_keys_sort_in_execution_order():
     for key in [(1, "params", "a"), (1, "logits", "l"), (0, "param_sums", "a"), (0, "init", "a"), (1, "grads", "a")]:
         t.add(*key, torch.zeros(1))
     assert [k[1] for k in t.keys_sorted()] == ["init", "param_sums", "logits", "grads", "params"]
+
+
+def test_pack_unpack_is_bit_identical_across_dtypes_and_shapes():
+    """What a rank sends the pool (verify/sharded/worker.py): header + one buffer, records at
+    aligned offsets; every record comes back with its dtype, shape and bits (NaN payloads and
+    -0.0 included), whatever came before it in the buffer."""
+    t = Trace("sharded", meta={"case": "abc", "dtypes": {"grads": "torch.float32"}})
+    odd = torch.tensor([float("nan"), -0.0, 1e-45, float("inf")])
+    t.add(0, "init", "odd", odd)
+    t.add(0, "init", "w", torch.randn(3, 5, dtype=torch.float64))
+    t.add(1, "logits", "logits", torch.randn(3, 7).to(torch.bfloat16))  # 42 bytes: the next is unaligned
+    t.add(1, "loss", "loss", torch.tensor(1.5))  # 0-dim
+    t.add(1, "grads", "empty", torch.zeros(0, 4))
+    t.add(1, "rng", "r", torch.tensor([1, -(2**62)], dtype=torch.int64))
+    t.add(1, "params", "h", torch.randn(5).to(torch.float16))
+    t.add(1, "buffers", "mask", torch.tensor([True, False, True]))
+    header, buf = t.pack()
+    assert all(offset % 64 == 0 for *_, offset, _ in header["records"])
+    back = Trace.unpack(json.loads(json.dumps(header)), bytearray(buf.numpy().tobytes()))
+    assert back.side == "sharded" and back.meta == t.meta
+    assert list(back.records) == list(t.records)
+    for k, v in t.records.items():
+        got = back.records[k]
+        assert got.dtype == v.dtype and got.shape == v.shape, k
+        assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k

@@ -76,14 +76,24 @@ def calibration_runs(case: Case) -> list[Trace]:
 
 
 def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict:
-    calibrated: list[bool] = []
+    calibrated: list[float] = []
 
     def calibration() -> list[Trace]:
-        calibrated.append(True)
-        return calibration_runs(case)
+        t = time.perf_counter()
+        runs = calibration_runs(case)
+        calibrated.append(time.perf_counter() - t)
+        return runs
 
-    findings = compare_traces(ref, got, calibration if calibrate else None) + run_checks(case, ref, got)
+    t = time.perf_counter()
+    findings = compare_traces(ref, got, calibration if calibrate else None)
+    t_checks = time.perf_counter()
+    findings += run_checks(case, ref, got)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
+    verdict.seconds = {
+        "compare": t_checks - t - sum(calibrated),
+        "calibration": sum(calibrated),
+        "checks": time.perf_counter() - t_checks,
+    }
     verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
     return verdict
 
@@ -105,5 +115,5 @@ def check_case(
     got = pool.result(timeout_s)
     t2 = time.perf_counter()
     verdict = judge(case, ref, got, calibrate)
-    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, "compare": time.perf_counter() - t2}
+    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
     return verdict

@@ -47,6 +47,7 @@ PHASES = (
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 
 Key = tuple[int, str, str]
+_ALIGN = 64  # byte alignment of each record in a packed buffer
 
 
 def sort_key(key: Key) -> tuple[int, int, str]:
@@ -87,6 +88,39 @@ class Trace:
             step, phase, name = key.split("/", 2)
             records[(int(step), phase, name)] = t
         return cls(side=header.get("side", "?"), records=records, meta=json.loads(header.get("meta", "{}")))
+
+    # ---- between processes: one header and one byte buffer, no pickle, no per-tensor copies ----
+    def pack(self) -> tuple[dict[str, Any], torch.Tensor]:
+        """A JSON-able header and every record's bytes in one uint8 tensor (one copy), each at a
+        64-byte aligned offset: what a rank sends the pool over its pipe (verify/sharded/worker.py).
+        `unpack` gives back bit-identical records."""
+        entries, parts, offset = [], [], 0
+        for (step, phase, name), t in self.records.items():
+            t = t.detach().contiguous().cpu()
+            nbytes = t.numel() * t.element_size()
+            pad = -offset % _ALIGN
+            if pad:
+                parts.append(torch.zeros(pad, dtype=torch.uint8))
+                offset += pad
+            if nbytes:
+                parts.append(t.reshape(-1).view(torch.uint8))
+            entries.append([step, phase, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
+            offset += nbytes
+        buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
+        return {"side": self.side, "meta": self.meta, "records": entries, "nbytes": offset}, buf
+
+    @classmethod
+    def unpack(cls, header: dict[str, Any], buf: bytearray) -> Trace:
+        """The Trace `pack` made; records are views into `buf` (kept alive by them)."""
+        records: dict[Key, torch.Tensor] = {}
+        for step, phase, name, dtype, shape, offset, nbytes in header["records"]:
+            dt = getattr(torch, dtype)
+            if nbytes:
+                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                records[(step, phase, name)] = raw.view(dt).reshape(shape)
+            else:
+                records[(step, phase, name)] = torch.empty(shape, dtype=dt)
+        return cls(side=header["side"], records=records, meta=header["meta"])
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)

@@ -44,3 +44,12 @@ class Probe:
         """After the optimizer step (params and state already recorded)."""
 
     def finish(self) -> None: ...
+
+    def to_gather(self) -> Any:
+        """What this rank contributes to the one object gather at the end of the case (every
+        rank's, in rank order, comes back to `gathered`); None: nothing. Each collective costs a
+        round trip between rank processes, so probes gather here once rather than step by step."""
+        return None
+
+    def gathered(self, per_rank: list[Any]) -> None:
+        """Every rank's `to_gather()`, in rank order."""

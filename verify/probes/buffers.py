@@ -12,7 +12,6 @@ from torch import nn
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify.probes.ownership import gather_objects
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -23,7 +22,7 @@ def tensor_hash(t: torch.Tensor) -> str:
 class BuffersProbe(Probe):
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         self.module = model
-        self.hashes: dict[str, dict[str, list[str]]] = {}
+        self.hashes: dict[str, dict[str, str]] = {}  # this rank's, by step; gathered at the end
         self._record(0)
 
     def after_step(self, step: int) -> None:
@@ -33,6 +32,17 @@ class BuffersProbe(Probe):
         buffers = dict(self.module.named_buffers())
         for name, b in buffers.items():
             self.add(step, "buffers", name, b)
-        per_rank = gather_objects({name: tensor_hash(b) for name, b in buffers.items()})
-        self.hashes[str(step)] = {name: [h.get(name, "") for h in per_rank] for name in buffers}
-        self.meta("buffer_hashes", self.hashes)
+        self.hashes[str(step)] = {name: tensor_hash(b) for name, b in buffers.items()}
+
+    def to_gather(self):
+        return getattr(self, "hashes", {})
+
+    def gathered(self, per_rank):
+        mine = per_rank[self.rank]
+        self.meta(
+            "buffer_hashes",
+            {
+                step: {name: [h.get(step, {}).get(name, "") for h in per_rank] for name in names}
+                for step, names in mine.items()
+            },
+        )

@@ -54,4 +54,11 @@ class OwnershipProbe(Probe):
             # (e.g. the pre-sharding tensors `fully_shard` replaced)
             "stale": [n for n, p in view_params.items() if id(p) in held_ids and id(p) not in module_ids],
         }
-        self.meta("optimizer_params", gather_objects(mine))
+        self.optimizer_params = mine
+
+    def to_gather(self):
+        return getattr(self, "optimizer_params", None)
+
+    def gathered(self, per_rank) -> None:
+        if per_rank[self.rank] is not None:
+            self.meta("optimizer_params", per_rank)

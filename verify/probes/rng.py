@@ -12,7 +12,6 @@ from torch import nn
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify.probes.ownership import gather_objects
 from fsdp_verify.training.rng import rng_fingerprint
 
 
@@ -31,7 +30,9 @@ class RngProbe(Probe):
     def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None:
         self.points.append((step, f"after_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
 
-    def finish(self) -> None:
-        per_rank = gather_objects(self.points)
+    def to_gather(self):
+        return self.points
+
+    def gathered(self, per_rank) -> None:
         for i, (step, name, _) in enumerate(per_rank[0]):
             self.add(step, "rng", name, torch.tensor([points[i][2] for points in per_rank], dtype=torch.int64))

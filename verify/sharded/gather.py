@@ -28,7 +28,23 @@ def _shard_dim(t: DTensor) -> int | None:
 
 
 def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return gather_full_and_sums(tensors, 0)[0]
+
+
+def gather_full_and_sums(tensors: list[torch.Tensor], n_sums: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """`gather_full(tensors)` and `sum_full(tensors[:n_sums])` in the same one collective per
+    mesh dimension: each rank's float64 shard sums travel with its shards, and are added in
+    rank order (a collective is a round trip between rank processes, which costs more than the
+    work of a tiny case; the sums' comparator allows float64 reassociation)."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
+    sums: list[torch.Tensor | None] = [None] * n_sums
+    for i, t in enumerate(tensors[:n_sums]):
+        if not isinstance(t, DTensor):
+            sums[i] = t.double().sum()
+        elif _shard_dim(t) is None:
+            sums[i] = t.double().sum().full_tensor()
+        elif _shard_dim(t) == -1:
+            sums[i] = t.to_local().double().sum()
     buckets: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, DTensor):
@@ -45,7 +61,13 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         group = mesh.get_group(dim)
         world = group.size()
         gathered = []
+        summed = [i for i in items if i < n_sums]
+        if summed:
+            local_sums = torch.stack([tensors[i].to_local().double().sum() for i in summed])
+            all_sums = local_sums.new_empty(world * len(summed))
         with dist._coalescing_manager(group=group):
+            if summed:
+                _all_gather_single(_as_bytes(all_sums), _as_bytes(local_sums), group=group)
             for i in items:
                 t = tensors[i]
                 chunk = -(-t.shape[0] // world)
@@ -59,7 +81,14 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
                 gathered.append((i, whole))
         for i, whole in gathered:
             out[i] = whole[: tensors[i].shape[0]]
-    return out  # type: ignore[return-value]
+        if summed:
+            per_rank = all_sums.view(world, len(summed))
+            total = per_rank[0].clone()
+            for r in range(1, world):  # rank order
+                total += per_rank[r]
+            for j, i in enumerate(summed):
+                sums[i] = total[j]
+    return out, sums  # type: ignore[return-value]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:

@@ -16,10 +16,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
-from fsdp_verify.engines.view import EngineView, view_of
+from fsdp_verify.engines.view import view_of
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
+from fsdp_verify.probes.ownership import gather_objects
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import checkpoint_units
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
@@ -62,12 +63,17 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_optimizer(optimizer, view)
 
     ctx.phase("step 0 gather initial params")
-    _record_params(trace, 0, view, initial=True)
+    full, sums, _ = view.params_sums_and_state({})
+    _record_params(trace, 0, full, sums, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     run_steps = _user_steps if case.step is not None else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, trace)
     for probe in probes:
         probe.finish()
+    ctx.phase("probes: gather what they kept")
+    per_rank = gather_objects([probe.to_gather() for probe in probes])
+    for i, probe in enumerate(probes):
+        probe.gathered([mine[i] for mine in per_rank])
     ctx.phase("done")
     if trace is not None:
         trace.meta["dtypes"] = dtypes
@@ -201,8 +207,9 @@ def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace
 
 def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None:
     ctx.phase(f"step {step} gather params and optimizer state")
-    _record_params(trace, step, view)
-    for key, whole in view.full_optimizer_state(optimizer_state(optimizer, params)).items():
+    full, sums, state = view.params_sums_and_state(optimizer_state(optimizer, params))
+    _record_params(trace, step, full, sums)
+    for key, whole in state.items():
         _add(trace, step, "optim_state", key, whole)
     ctx.phase(f"step {step} probes after the step")
     for probe in probes:
@@ -221,11 +228,12 @@ def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Ten
         trace.add(step, phase, name, value)
 
 
-def _record_params(trace: Trace | None, step: int, view: EngineView, initial: bool = False) -> None:
+def _record_params(
+    trace: Trace | None, step: int, full: dict[str, torch.Tensor], sums: dict[str, torch.Tensor], initial: bool = False
+) -> None:
     """Full params, and per-param sums computed from the local shards (sum of each shard, then
     reduced): a second path that sees padding leaking into shards or a parameter held twice."""
-    sums = view.param_sums()
-    for name, whole in view.full_params().items():
+    for name, whole in full.items():
         _add(trace, step, "init" if initial else "params", name, whole)
     for name, s in sums.items():
         _add(trace, step, "param_sums", name, s)

@@ -57,6 +57,10 @@ class RankPool:
         self._board: PhaseBoard | None = None
         self._dir: Path | None = None
         self.starts = 0  # how many times processes were spawned (1 = never recovered)
+        # Seconds per kind of phase of the last case: rank 0's (verify/sharded/worker.py PhaseClock)
+        # and this side's ("decode trace").
+        self.last_profile: dict[str, float] = {}
+        self.exit_codes: list[int | None] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -97,12 +101,16 @@ class RankPool:
             with contextlib.suppress(OSError, ValueError):
                 conn.send(("stop",))
         deadline = time.monotonic() + 2.0
+        codes = []
         for p in self._procs:
             try:
                 p.wait(max(0.01, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5.0)
+            codes.append(p.returncode)
+        if codes:
+            self.exit_codes = codes  # of the last workers stopped: 0 each after a polite stop
         for conn in self._to + self._from:
             conn.close()
         self._procs, self._to, self._from = [], [], []
@@ -136,7 +144,11 @@ class RankPool:
 
     def result(self, timeout_s: float | None = None) -> Trace:
         replies = self._collect("run", timeout_s or self.timeout_s)
-        return Trace.from_bytes(replies[0])
+        t = time.perf_counter()
+        (header, buf), seconds, received_s = replies[0]
+        trace = Trace.unpack(header, buf)
+        self.last_profile = {**seconds, "receive trace": received_s, "decode trace": time.perf_counter() - t}
+        return trace
 
     def run(self, case: Case, timeout_s: float | None = None) -> Trace:
         self.submit(case)
@@ -169,7 +181,19 @@ class RankPool:
                         if dead is not None:  # the root cause: the error was its peers' collective failing
                             raise self._crash(dead, what) from None
                         raise RankFailure("error", rank, phase, f"{detail}\n{tb}", self._phases())
-                    replies[rank] = message[1]
+                    if what == "run":
+                        # rank 0's trace: a header, then its bytes (verify/sharded/worker.py)
+                        t = time.perf_counter()
+                        header, buf = message[1], None
+                        if header is not None:
+                            buf = bytearray(header["nbytes"])
+                            try:
+                                conn.recv_bytes_into(buf)
+                            except (EOFError, OSError):
+                                raise self._crash(rank, what) from None
+                        replies[rank] = ((header, buf), message[2], time.perf_counter() - t)
+                    else:
+                        replies[rank] = message[1]
                     pending.discard(rank)
         except RankFailure:
             self.close()  # the process group is unusable after a failure; start afresh next case

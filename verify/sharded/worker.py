@@ -96,7 +96,7 @@ def _die_with_parent() -> None:
 
 
 @contextlib.contextmanager
-def groups_released() -> Iterator[None]:
+def groups_released(clock=None) -> Iterator[None]:
     """Destroys the process groups made while a case ran. FSDP2 builds a new DeviceMesh, so new
     groups, in every `fully_shard` call with an int `reshard_after_forward`; a gloo group holds
     threads and sockets until its last reference goes, and a worker runs thousands of cases (a
@@ -108,6 +108,8 @@ def groups_released() -> Iterator[None]:
     try:
         yield
     finally:
+        if clock is not None:
+            clock.mark("release groups")
         made = [g for g in dist.distributed_c10d._world.pg_map if g not in before]
         for group in made:
             with contextlib.suppress(Exception):  # a group a crashed case left mid-collective
@@ -121,14 +123,62 @@ def groups_released() -> Iterator[None]:
             gc.collect()  # the FSDP state that holds the groups sits in reference cycles
 
 
+def phase_kind(phase: str) -> str:
+    """The profile's row for a loop phase (verify/sharded/loop.py names them)."""
+    if phase.startswith("build"):
+        return "build model"
+    if phase.startswith("shard"):
+        return "fully_shard (engine)"
+    if "probes" in phase:
+        return "probes"
+    if "gather" in phase:
+        return "record + gather"
+    if phase == "done":
+        return "finish"
+    return "training"
+
+
+class PhaseClock:
+    """The phase board plus a clock: seconds spent per kind of phase in the current case, sent
+    back with its trace (`RankPool.last_profile`). A perf_counter call per phase: free."""
+
+    def __init__(self, board):
+        self.board = board
+        self.seconds: dict[str, float] = {}
+        self._kind: str | None = None
+        self._t = time.perf_counter()
+
+    def __call__(self, phase: str, kind: str | None = None) -> None:
+        self.board(phase)
+        kind = kind or phase_kind(phase)
+        if kind == "record + gather":  # which record: "record + gather: gradients", ...
+            kind = f"{kind}: {phase.split(' gather ', 1)[-1]}"
+        self.mark(kind)
+
+    def mark(self, kind: str | None) -> None:
+        now = time.perf_counter()
+        if self._kind is not None:
+            self.seconds[self._kind] = self.seconds.get(self._kind, 0.0) + now - self._t
+        self._kind, self._t = kind, now
+
+    def read(self, rank: int) -> str:
+        return self.board.read(rank)
+
+
 def run_case(
     case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
-) -> bytes | None:
+) -> tuple[tuple[dict, torch.Tensor] | None, dict[str, float]]:
+    clock = PhaseClock(board)
+    clock.mark("decode case")
     case = Case.from_json(case_json)
-    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=board)
-    with groups_released():
+    clock.mark("mesh")
+    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=clock)
+    with groups_released(clock):
         trace = run_sharded(case, ctx)
-    return trace.to_bytes() if trace is not None else None
+    clock("serialise trace", "serialise trace")
+    packed = trace.pack() if trace is not None else None
+    clock.mark(None)
+    return packed, clock.seconds
 
 
 def worker_main(
@@ -158,12 +208,44 @@ def worker_main(
             break
         _, case_json = message
         try:
-            blob = run_case(case_json, rank, world_size, device, meshes, board)
+            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board)
             board("idle")
-            conn_out.send(("ok", blob))
+            # The trace as a header, then its bytes straight from the packed tensor (no pickle,
+            # no copy on this side); the pool reads them into one buffer (RankPool._collect).
+            conn_out.send(("ok", packed[0] if packed else None, seconds))
+            if packed:
+                conn_out.send_bytes(memoryview(packed[1].numpy()))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
             conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
-    dist.destroy_process_group()
+    leave_process_group()
+    exit_now(0)
+
+
+def leave_process_group() -> None:
+    """Destroy every process group and let their C++ objects go while the interpreter is fully
+    alive. `destroy_process_group()` alone only unregisters a group: the object (and gloo's
+    worker threads, which may still hold tensors of finished work) lives as long as Python
+    references to it (FSDP states in reference cycles, DTensor's sharding caches), and so could
+    be freed during interpreter finalisation, where releasing those tensors takes the GIL of a
+    dying interpreter: SIGABRT at exit (bench/overhead.py died so in one run of two)."""
+    if dist.is_initialized():
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
+    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
+
+    _clear_sharding_prop_cache()
+    clear_redistribute_planner_cache()
+    gc.collect()
+
+
+def exit_now(code: int) -> None:
+    """End a rank process without interpreter finalisation (no C++ static destructors racing
+    gloo's threads): flush what Python buffered and `os._exit`. Call `leave_process_group` first."""
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def main(argv: list[str] | None = None) -> None:
