@@ -134,6 +134,15 @@ def test_activation_checkpointing_with_dropout_replays_the_masks_and_passes():
     assert kinds == {"CommContract": "check", "MemoryContract": "skipped"}  # memory: not modelled under AC()
 
 
+@pytest.mark.parametrize("engine", ["fsdp1", "flat"])
+def test_activation_checkpointing_passes_under_the_other_engines(engine):
+    # The flat engine used to leave its 1-D shard views on the module after forward, and the
+    # recomputation in backward ran on them ("mat2 must be a matrix"): found by fuzzing it with
+    # checkpointing drawn.
+    verdict = run(ac_case(engine))
+    assert verdict.ok, verdict.summary()
+
+
 def test_checkpointing_without_the_rng_state_is_caught():
     verdict = run(ac_case("fsdp_verify.zoo.mutants:checkpoint_without_rng_state", checkpointing=False))
     assert not verdict.ok

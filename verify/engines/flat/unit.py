@@ -82,6 +82,7 @@ class FlatUnit:
         self.mp_policy, self.reshard_after_forward = mp_policy, reshard_after_forward
         self.flat: FlatParameter | None = None  # built by shard(); None if the unit owns nothing
         self.sync_gradients = True
+        self._restore_queued = False
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -100,6 +101,14 @@ class FlatUnit:
         if self.flat.full.requires_grad:
             self.flat.full.register_post_accumulate_grad_hook(self._post_backward)
 
+    def _gather_into_compute_views(self) -> None:
+        self.flat.all_gather()
+        with torch.enable_grad():  # in backward too: a recomputation must save what the forward saved
+            views = self.flat.compute_views()
+        for slot, view in zip(self.slots, views):
+            for module, attr in slot.uses:
+                _set_tensor(module, attr, view)
+
     def _use_shard_views(self) -> None:
         for slot, view in zip(self.slots, self.flat.shard_views):
             for module, attr in slot.uses:
@@ -108,10 +117,7 @@ class FlatUnit:
     # ---- the hooks -----------------------------------------------------------------------------
     def _pre_forward(self, _module, args, kwargs):
         if self.flat is not None:
-            self.flat.all_gather()
-            for slot, view in zip(self.slots, self.flat.compute_views()):
-                for module, attr in slot.uses:
-                    _set_tensor(module, attr, view)
+            self._gather_into_compute_views()
         if self.mp_policy.cast_forward_inputs and self.mp_policy.param_dtype is not None:
             args, kwargs = _cast(args, self.param_dtype), _cast(kwargs, self.param_dtype)
         if self.flat is not None:
@@ -132,8 +138,19 @@ class FlatUnit:
         return output
 
     def _pre_backward(self, grad: torch.Tensor) -> torch.Tensor:
-        self.flat.all_gather()  # a no-op if it was never freed
+        # The module holds the full views again, not only the gathered buffer: activation
+        # checkpointing recomputes the unit's forward inside backward, past the forward hooks.
+        # Back to the shard views when the whole backward ends, as FSDP2's final callback does (a
+        # unit whose parameters get no gradient has no post-backward of its own).
+        self._gather_into_compute_views()  # the gather is a no-op if it was never freed
+        if not self._restore_queued:
+            self._restore_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
         return grad
+
+    def _after_backward(self) -> None:
+        self._restore_queued = False
+        self._use_shard_views()
 
     def _post_backward(self, _full: torch.Tensor) -> None:
         if self.sync_gradients:
