@@ -411,9 +411,9 @@ def fsdp1_modelled(case: Case) -> bool:
     cannot run (strict xfails in tests/test_engine_fsdp1.py, README "FSDP1"): a no-sync case whose
     bf16 compute differs from an fp32 reduce_dtype (FSDP1 accumulates in param_dtype), a world
     size 1 case (FSDP1 switches to NO_SHARD) that accumulates micro-batches through a
-    low-precision reduce_dtype, and NO_SHARD with a frozen tied weight, nested units and several
-    micro-batches (FSDP1's own assertion `as_params=True type(prim_param)=Tensor` in the second
-    forward)."""
+    low-precision reduce_dtype, and NO_SHARD with a frozen tied weight, nested units and a second
+    forward, of the next micro-batch or the next step (FSDP1's own assertion `as_params=True
+    type(prim_param)=Tensor` there)."""
     p = case.precision
     low_reduce = (p.reduce_dtype or p.param_dtype) not in (None, "fp32")
     if case.world_size == 1 and case.microbatches > 1 and low_reduce:
@@ -424,6 +424,7 @@ def fsdp1_modelled(case: Case) -> bool:
         and m.tie_embeddings
         and any(n.startswith(f) for f in m.frozen for n in ("tok_embeddings.weight", "output.weight"))
     )
-    if case.world_size == 1 and case.microbatches > 1 and frozen_tie and len(case.wrap_plan) > 1:
+    second_forward = case.microbatches > 1 or case.steps > 1
+    if case.world_size == 1 and second_forward and frozen_tie and len(case.wrap_plan) > 1:
         return False
     return case.sync_every_microbatch or p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype)
