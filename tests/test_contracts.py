@@ -12,7 +12,7 @@ from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.properties import cases
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
-from tests.conftest import lm_case, mlp_case
+from tests.conftest import lm_case, mlp_case, regression
 
 CONTRACTS = ("CommContract", "MemoryContract")
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
@@ -158,3 +158,20 @@ def test_a_models_own_constant_tensor_is_not_the_engines():
         "CommContract": "check",
         "MemoryContract": "check",
     }
+
+
+def test_fsdp2s_post_forward_shard_of_a_unit_no_backward_runs_through_is_planned():
+    """reshard_after_forward=2 on 4 ranks with a frozen embedding as its own unit: FSDP2 leaves that
+    unit's 2-way post-forward shard alive after the step (verify/checks/memory.py). Allowed exactly:
+    the correct engine passes, an extra copy on top is still caught."""
+    case = regression("8608cf484d42")
+    verdict = check_case(case)
+    assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.kind for f in contract_findings(verdict)} == {
+        "CommContract": "check",
+        "MemoryContract": "check",
+    }
+    mutant = check_case(case.with_(engine="tests/engines/memory_faults.py:retains_flat_copy"))
+    failing = [f for f in mutant.findings if not f.ok]
+    assert {f.comparator for f in failing} == {"MemoryContract"}, mutant.summary()
+    assert all(f.name.startswith("other:") for f in failing), mutant.summary()

@@ -18,7 +18,9 @@ first step (a forward hook registered after the engine's own, so it sees the uni
 reshard; the pattern repeats every step, and walking the module at every unit of every step
 costs more than the rest of the case). Each rank records its own; `finish` gathers them into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
-"boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...]}, ...]}`.
+"boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...],
+"no_backward": [unit, ...]}, ...]}`, the last naming the units whose forward output requires no
+grad (no backward runs through them).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_leaves
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
@@ -76,6 +79,12 @@ def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor
     return out
 
 
+def _needs_backward(output: Any) -> bool:
+    """Whether autograd will run backward through a unit: some output requires grad (a fact of
+    the model, its frozen parameters and its inputs, not of the engine)."""
+    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+
+
 def _filled(cell: types.CellType) -> bool:
     try:
         cell.cell_contents  # noqa: B018
@@ -87,7 +96,7 @@ def _filled(cell: types.CellType) -> bool:
 class MemoryProbe(Probe):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record: dict[str, Any] = {"sharded": 0, "grads": {}, "optim": {}, "boundaries": []}
+        self.record: dict[str, Any] = {"sharded": 0, "grads": {}, "optim": {}, "boundaries": [], "no_backward": []}
         self.model: nn.Module | None = None
         self.view: EngineView | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -167,10 +176,12 @@ class MemoryProbe(Probe):
             module = model.get_submodule(unit)
             module = getattr(module, "_fsdp_wrapped_module", module)
 
-            def after_unit(_m: nn.Module, _a: Any, _o: Any, _unit: str = unit) -> None:
+            def after_unit(_m: nn.Module, _a: Any, output: Any, _unit: str = unit) -> None:
                 p = probe()
                 if p is not None and p.step == 1:  # first step only (see the module docstring)
                     p._boundary(f"after forward of {_unit or '<root>'}")
+                    if p.microbatch == 0 and not _needs_backward(output):
+                        p.record["no_backward"].append(_unit)
 
             module.register_forward_hook(after_unit)
 
