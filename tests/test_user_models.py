@@ -118,10 +118,10 @@ HF_CASES = [
 ]
 
 
-def _failures(configs, capsys) -> list[str]:
+def _failures(configs, capsys, *extra: str) -> list[str]:
     failed = []
     for model, wrap, world_size, precision in configs:
-        code = main(check_args(model, world_size, "--wrap", wrap, *precision))
+        code = main(check_args(model, world_size, "--wrap", wrap, *precision, *extra))
         out = capsys.readouterr().out
         if code != 0 or "EQUIVALENT" not in out:
             failed.append(f"{model} --wrap {wrap} world size {world_size} {' '.join(precision)}: exit {code}\n{out}")
@@ -138,6 +138,19 @@ def test_fsdp2_on_tiny_transformers_models_equals_the_reference_and_the_normalis
     code = main(check_args(LLAMA, 2, "--wrap", "LlamaDecoderLayer", "--engine", engine))
     out = capsys.readouterr().out
     assert code == 1 and "First divergence at step 1, loss, 'loss'" in out and "loss normalisation" in out, out
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "flat"])
+def test_fsdp1_and_the_flat_engine_on_tiny_transformers_models_equal_the_reference(engine, capsys):
+    """The other engines on the same models, padded batches and micro-batches: Llama in fp32 at 2
+    ranks, the tied Qwen2 with bf16 params and fp32 reduction at 3 (FlatParameters over a
+    decoder layer's mixed shapes, a tie inside the root's unit)."""
+    require("transformers")
+    configs = [
+        (LLAMA, "LlamaDecoderLayer", 2, ()),
+        (QWEN2, "Qwen2DecoderLayer", 3, ("--param-dtype", "bf16", "--reduce-dtype", "fp32")),
+    ]
+    assert not _failures(configs, capsys, "--engine", engine)
 
 
 @pytest.mark.slow
