@@ -21,6 +21,7 @@ from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
+from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
@@ -65,6 +66,7 @@ def train_reference(
     reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
     # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
     rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
     for step in range(1, case.steps + 1):
         inputs, targets = global_batch(case, step)
         # groups[m] = the per-rank sample slices of micro-batch m (one virtual rank if not emulating)
@@ -92,7 +94,8 @@ def train_reference(
                     fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
                 loss = microbatch_loss(case, out, targets[index], scale)
                 trainable = [n for n in compute if compute[n].requires_grad]
-                grads = torch.autograd.grad(loss, [compute[n] for n in trainable])
+                backpropagated = scaler.scaled(loss) if scaler is not None else loss
+                grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
                 rank_grads.append(dict(zip(trainable, grads)))
                 rng_states[r] = torch.get_rng_state()
                 rank_loss[r] += loss.detach().float()
@@ -131,7 +134,12 @@ def train_reference(
         loss = _gloo_scalar_sum(rank_loss) / len(rank_loss)
         trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
         for n, g in master_grads.items():
-            trace.add(step, "grads", n, g)
+            trace.add(step, "grads", n, g)  # scaled, as the engine reduced them
+        if scaler is not None:
+            scale = scaler.scale
+            skip = scaler.unscale_(list(master_grads.values()))  # p.grad, unscaled before the clip
+            trace.add(step, "loss_scale", "scale", scale.repeat(case.world_size))
+            trace.add(step, "loss_scale", "skipped", torch.full((case.world_size,), int(skip), dtype=torch.int64))
         if case.clip_norm is not None:
             with_grad = [p for p in params.values() if p.grad is not None]
             grads = [p.grad for p in with_grad]
@@ -145,7 +153,12 @@ def train_reference(
                 norm = jolt.norm(norm, grads, f"{step}/grad_norm")
             torch.nn.utils.clip_grads_with_norm_(with_grad, case.clip_norm, norm)
             trace.add(step, "grad_norm", "total_norm", norm)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:  # every rank skips an overflowing step (the found-inf flag is all-reduced)
+            if not skip:
+                optimizer.step()
+            scaler.update(skip)
         optimizer.zero_grad(set_to_none=True)
         _record_params(trace, step, params)
         _record_buffers(trace, step, model)

@@ -21,6 +21,7 @@ PHASE_TITLES = {
     "logits": "logits",
     "loss": "loss",
     "grads": "gradients",
+    "loss_scale": "loss scale and skip decision",
     "grad_norm": "clip total norm",
     "params": "parameters after the step",
     "param_sums": "parameter sums",
@@ -87,8 +88,9 @@ class Verdict:
         cells: dict[tuple[int, str], list[Finding]] = {}
         for f in self.findings:
             cells.setdefault((f.step, f.phase), []).append(f)
-        # "build" is shown only when it has something to say (a user's model, or a failure).
-        phases = [p for p in PHASES if p != "build" or any(ph == p for _, ph in cells)]
+        # "build" is shown only when it has something to say (a user's model, or a failure), and
+        # "loss_scale" only in loss-scaled cases.
+        phases = [p for p in PHASES if p not in ("build", "loss_scale") or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
             row = [str(step)]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdp_verify.case import LossScaleSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, gather_full_and_sums, sum_full
 
@@ -63,6 +64,28 @@ class EngineView:
         with_grad = [p for p in self.parameters().values() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def grad_scaler(self, spec: LossScaleSpec, device: torch.device):
+        """The dynamic loss scaler for `spec`: `ShardedGradScaler`, whose `unscale_` all-reduces
+        the found-inf flag over the world (MAX), so a step is skipped on every rank when any
+        rank's shard holds an inf or NaN. It works with FSDP2's DTensor gradients in torch 2.13
+        (the unscale kernel runs on each local shard; measured on CPU/gloo). `torch.amp.GradScaler`
+        runs on them too, but checks only the local shard: ranks then disagree about a skip
+        (the zoo's `inf_check_not_all_reduced`)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(
+            device.type,
+            init_scale=spec.init_scale,
+            growth_factor=spec.growth_factor,
+            backoff_factor=spec.backoff_factor,
+            growth_interval=spec.growth_interval,
+        )
+
+    def unscale_(self, scaler, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale and decide the skip, before clipping: a clip of
+        scaled gradients clips by a norm `scale` times too large."""
+        scaler.unscale_(optimizer)
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a
