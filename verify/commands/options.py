@@ -20,6 +20,7 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 ENGINE_HELP = "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME"
 MODEL_HELP = "pkg.module:NAME | path/to/file.py:NAME (a factory NAME(**kwargs) -> nn.Module)"
 PRECISION_POLICIES = dtypes.PRECISION_POLICIES
+DRAWABLE_POLICIES = dtypes.DRAWABLE_POLICIES
 
 
 # ---- value parsers (argparse `type=`; also used by the pytest plugin) ---------------------------
@@ -50,11 +51,11 @@ def precisions(text: str) -> list[str]:
     names = []
     for item in _items(text):
         name = dtype(item)
-        if name not in PRECISION_POLICIES:
-            raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {item!r}")
+        if name not in DRAWABLE_POLICIES:
+            raise argparse.ArgumentTypeError(f"expected precision policies among {DRAWABLE_POLICIES}, got {item!r}")
         names.append(name)
     if not names:
-        raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected precision policies among {DRAWABLE_POLICIES}, got {text!r}")
     return names
 
 
@@ -80,8 +81,9 @@ def add_precisions(p: argparse.ArgumentParser, default: list[str] | None = None)
         action=ListOption,
         default=default or list(PRECISION_POLICIES),
         metavar="P",
-        help="precision policies to draw: fp32 (full) and/or bf16 (bf16 params, fp32 or bf16 reduction);"
-        " float32/bfloat16 accepted too (default: both)",
+        help="precision policies to draw: fp32 (full), bf16 (bf16 params, fp32 or bf16 reduction) and/or"
+        " fp16 (fp16 params with dynamic loss scaling); float32/bfloat16/float16 accepted too"
+        " (default: fp32 bf16)",
     )
 
 

@@ -144,11 +144,16 @@ class LossScaleComparator(Comparator):
         finding = super().compare(key, ref, got, ctx)
         if not finding.ok and finding.kind == "deviation" and ref.shape == got.shape:
             ranks = [r for r in range(ref.numel()) if ref[r].item() != got[r].item()]
-            what = {"skipped": "skipped the step", "scale": "scale"}.get(key[2], key[2])
-            finding.message = "; ".join(
-                f"rank {r} {what} {got[r].item():g}, the reference {ref[r].item():g}" for r in ranks
-            )
+            finding.message = "; ".join(_decision(key[2], r, ref[r].item(), got[r].item()) for r in ranks)
         return finding
+
+
+def _decision(name: str, rank: int, ref: float, got: float) -> str:
+    if name == "skipped":
+        if got:
+            return f"rank {rank} skipped the step, the reference steps (no inf or NaN in the reduced gradients)"
+        return f"rank {rank} stepped, the reference skips the step on every rank (an inf or NaN in some rank's shard)"
+    return f"rank {rank} {name} {got:g}, the reference {ref:g}"
 
 
 class ParamsComparator(Comparator):

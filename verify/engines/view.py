@@ -66,15 +66,15 @@ class EngineView:
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
     def grad_scaler(self, spec: LossScaleSpec, device: torch.device):
-        """The dynamic loss scaler for `spec`: `ShardedGradScaler`, whose `unscale_` all-reduces
-        the found-inf flag over the world (MAX), so a step is skipped on every rank when any
-        rank's shard holds an inf or NaN. It works with FSDP2's DTensor gradients in torch 2.13
-        (the unscale kernel runs on each local shard; measured on CPU/gloo). `torch.amp.GradScaler`
-        runs on them too, but checks only the local shard: ranks then disagree about a skip
-        (the zoo's `inf_check_not_all_reduced`)."""
-        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
-
-        return ShardedGradScaler(
+        """The dynamic loss scaler for `spec`: `torch.amp.GradScaler`, which is all FSDP2 needs in
+        torch 2.13. Its unscale kernel on DTensor gradients goes through DTensor's
+        `found_inf_reduce_handler` (torch/distributed/tensor/_dispatch.py): each rank checks its
+        local shards, then the found-inf flag is all-reduced (MAX) over the gradients' mesh, so
+        every rank skips a step when any shard overflowed. `ShardedGradScaler` (written for
+        FSDP1) also works on them and gives the same decisions, all-reducing the flag a second
+        time (tests/test_loss_scaling.py runs both). A scaler that checks the local shards
+        without that all-reduce is the zoo's `inf_check_not_all_reduced`."""
+        return torch.amp.GradScaler(
             device.type,
             init_scale=spec.init_scale,
             growth_factor=spec.growth_factor,

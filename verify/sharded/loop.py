@@ -137,7 +137,11 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
             scaler.step(optimizer)
             scaler.update()
             ctx.phase(f"step {step} gather loss scale")
-            _record_loss_scale(trace, step, scale, stepped[0] == before, ctx.device)
+            if not _record_loss_scale(trace, step, scale, stepped[0] == before, ctx.device):
+                # Ranks that parted (one stepped, one skipped) hold optimizer state of other
+                # shapes: the next gathers would mismatch. The decisions are the finding; stop.
+                optimizer.zero_grad(set_to_none=True)
+                break
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
@@ -229,16 +233,17 @@ def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None
         probe.after_step(step)
 
 
-def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bool, device: torch.device) -> None:
+def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bool, device: torch.device) -> bool:
     """Every rank's loss scale for this step and whether its optimizer skipped the step, in rank
     order: decisions, compared exactly. Rank 0's alone would miss a rank that skipped (or
-    stepped) against the others."""
+    stepped) against the others. Returns whether the ranks agreed on the skip (all know it)."""
     mine = torch.tensor([scale, float(skipped)], dtype=torch.float64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
     both = torch.stack(parts)
     _add(trace, step, "loss_scale", "scale", both[:, 0].to(torch.float32))
     _add(trace, step, "loss_scale", "skipped", both[:, 1].to(torch.int64))
+    return bool((both[:, 1] == both[0, 1]).all())
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:
