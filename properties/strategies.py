@@ -59,6 +59,16 @@ def _check_pins(pins: dict[str, Any]) -> None:
         raise PinError(f"pins: {unknown[0]!r} is no field of a Case (e.g. 'steps', 'optim.name', 'model.dropout')")
 
 
+def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) -> None:
+    """`loss_scaling.*` pins: fixed values validated now (CaseError naming the field, not a
+    Hypothesis health check after every draw failed), and only where fp16 cases are drawn."""
+    fixed = {k: v for k, v in _sub(pins, "loss_scaling").items() if not isinstance(v, SearchStrategy)}
+    if (pins.get("loss_scaling") is not None or _sub(pins, "loss_scaling")) and "fp16" not in precisions:
+        raise PinError("pins: loss_scaling is drawn for fp16 cases only (add --precisions fp16)")
+    if fixed:
+        LossScaleSpec(**fixed).validate()
+
+
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
     """The strategy for field `name`: the pin (a strategy, or a value to fix) or the default."""
     if name not in pins:
@@ -407,6 +417,7 @@ def cases(
     if bad or not model_kinds:
         raise PinError(f"model_kinds: expected a non-empty subset of ('mlp', 'transformer'), got {model_kinds!r}")
     precision_specs(precisions)  # validates the names now, not at the first draw
+    _check_loss_scaling_pins(precisions, pins)
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     if engine == "fsdp1":

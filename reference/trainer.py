@@ -64,6 +64,8 @@ def train_reference(
 
     param_dtype = to_torch(case.precision.param_dtype) or torch.float32
     reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
+    # The engine's own division of the average (every order: a division, not a summation order).
+    divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
     # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
     rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
     scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -114,9 +116,9 @@ def train_reference(
                     continue
                 rank_grads = local_grads
             if layout is not None:
-                averaged = layout.average(rank_grads, reduce_dtype)
+                averaged = layout.average(rank_grads, reduce_dtype, divide)
             else:
-                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
             if jolt is not None:
                 averaged = {
                     n: jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
@@ -182,7 +184,9 @@ def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | 
     return model
 
 
-def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -> torch.Tensor:
+def _average(
+    grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str, divide: tuple[float, float] | None = None
+) -> torch.Tensor:
     """ReduceOp.AVG as FSDP2 issues it: upcast to reduce_dtype, sum, divide by the world size.
 
     FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's ring
@@ -191,11 +195,18 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
     makes a correct fp32 FSDP2 run on CPU bit-exact at any world size. With a 2-byte reduce_dtype
     gloo's segment boundaries fall a few elements off the rank boundaries, so a few elements per
     unit are added in a neighbour's order (one bf16 ulp); that, and NCCL's different order on GPUs,
-    is left to the calibrated tolerance."""
+    is left to the calibrated tolerance.
+
+    `divide` = (pre, post): each rank's gradient divided by `pre` before the sum and the sum by
+    `post` after it (`Arithmetic.divide_factors`; FSDP2 pre-divides an fp16 reduction, whose sum
+    could overflow); default: sum, then divide by the world size."""
     world = len(grads)
+    pre, post = divide if divide is not None else (1.0, float(world))
     wide = [g.to(reduce_dtype) for g in grads]
     if world == 1:
         return wide[0]
+    if pre != 1:
+        wide = [g / pre for g in wide]
     if order == "rank":
         sequences = [(slice(None), list(range(world)))]
     elif order == "reverse":
@@ -211,7 +222,7 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
         for r in ranks[1:]:
             acc = acc + wide[r][rows]
         total[rows] = acc
-    return total / world
+    return total / post if post != 1 else total
 
 
 class _FlatLayout:
@@ -255,11 +266,18 @@ class _FlatLayout:
                 flat[offset : offset + numel] = grads[n].reshape(-1).to(dtype)
         return flat
 
-    def average(self, rank_grads: list[dict[str, torch.Tensor]], reduce_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def average(
+        self,
+        rank_grads: list[dict[str, torch.Tensor]],
+        reduce_dtype: torch.dtype,
+        divide: tuple[float, float] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """ReduceOp.AVG as the engine issues it: per unit, the padded flat gradients reduce-
-        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), then
-        divided by the world size (FSDP1's power-of-two pre-divide and the rest after the sum
-        round to the same quotient: the scaling is exact)."""
+        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), each
+        rank's divided by `pre` before and the sum by `post` after (`Arithmetic.divide_factors`:
+        FSDP1's power-of-two pre-divide is exact but for subnormals, and keeps an fp16 sum from
+        overflowing)."""
+        pre, post = divide if divide is not None else (1.0, float(self.world))
         out: dict[str, torch.Tensor] = {}
         for slots, padded in self.units:
             names = [n for n, _, _ in slots if n in rank_grads[0]]
@@ -267,13 +285,15 @@ class _FlatLayout:
                 continue
             chunk = padded // self.world
             flats = [self._flat(g, slots, padded, reduce_dtype).view(self.world, chunk) for g in rank_grads]
+            if self.world > 1 and pre != 1:
+                flats = [f / pre for f in flats]
             total = torch.empty_like(flats[0])
             for r in range(self.world):
                 acc = flats[(r - 1) % self.world][r]
                 for k in range(2, self.world + 1):
                     acc = acc + flats[(r - k) % self.world][r]
                 total[r] = acc
-            averaged = (total / self.world).reshape(-1) if self.world > 1 else total.reshape(-1)
+            averaged = (total / post).reshape(-1) if self.world > 1 and post != 1 else total.reshape(-1)
             for n, offset, numel in slots:
                 if n in rank_grads[0]:
                     out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)

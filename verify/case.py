@@ -135,6 +135,13 @@ class LossScaleSpec:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
+    def describe(self) -> str:
+        """e.g. `loss scale 65536 (x2 after 2000 good steps, x0.5 on inf/NaN)`."""
+        return (
+            f"loss scale {self.init_scale:g} (x{self.growth_factor:g} after {self.growth_interval} good steps,"
+            f" x{self.backoff_factor:g} on inf/NaN)"
+        )
+
     def validate(self, prefix: str = "loss_scaling") -> None:
         check(
             is_number(self.init_scale) and 0 < self.init_scale < float("inf"),
@@ -461,6 +468,12 @@ def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
 
 
 _TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable"}
+
+
+def loss_scaling_from_dict(data: Any) -> LossScaleSpec:
+    """A LossScaleSpec from a JSON object (unknown keys named as `loss_scaling.KEY`); its
+    values are validated with the Case that holds it."""
+    return _build(LossScaleSpec, data, "loss_scaling")
 
 
 def _build(cls: type, data: Any, prefix: str) -> Any:

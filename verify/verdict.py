@@ -38,6 +38,9 @@ class Verdict:
     hint: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     calibrated: bool = False
+    # fp16 loss scaling: per step, the reference's scale and skip decision and the ranks' (from
+    # the "loss_scale" records), for the line `check` prints; empty in unscaled cases.
+    loss_scales: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -60,7 +63,7 @@ class Verdict:
         c = self.case
         what = (
             f"{c.engine} vs the reference ({c.model.factory or c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
-            f" {c.steps} steps, case {c.hash})"
+            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps, case {c.hash})"
         )
         first = self.first_divergence
         if first is None:
@@ -108,6 +111,20 @@ class Verdict:
             " ok: a check (ownership, precision contract, RNG) ran and passed; n/a: nothing for it to read"
         )
         return "\n".join(lines + [legend])
+
+    def loss_scale_line(self) -> str:
+        """One line per loss-scaled case: each step's scale and whether it was skipped, the
+        reference's and, where they differ, the ranks'."""
+        if not self.loss_scales:
+            return ""
+        parts = []
+        for row in self.loss_scales:
+            text = f"{row['step']}: {row['scale']:g} {'skipped' if row['skipped'] else 'stepped'}"
+            ranks = row.get("ranks")
+            if ranks is not None and any(r != [row["scale"], row["skipped"]] for r in ranks):
+                text += " (ranks: " + ", ".join(f"{s:g} {'skipped' if k else 'stepped'}" for s, k in ranks) + ")"
+            parts.append(text)
+        return "loss scale per step (the reference; every rank agrees unless listed): " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence

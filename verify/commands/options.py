@@ -119,6 +119,15 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="the case's seed (initial values and dropout masks)")
     p.add_argument("--data-seed", type=int, help="the seed of the generated batches")
     p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
+    p.add_argument(
+        "--loss-scaling",
+        nargs="?",
+        const="",
+        metavar="KEY=VALUE,...",
+        help="fp16 dynamic loss scaling on both sides (torch.amp.GradScaler / ShardedGradScaler on the"
+        " sharded one, written out in the reference): optional init_scale=65536,growth_factor=2,"
+        "backoff_factor=0.5,growth_interval=2000 (any of them, the rest default); 'off' removes a case file's",
+    )
 
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
@@ -221,6 +230,8 @@ def case_from_args(args: argparse.Namespace) -> Case:
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(args, name):
             changes[f"precision.{name}"] = getattr(args, name)
+    if getattr(args, "loss_scaling", None) is not None:
+        changes["loss_scaling"] = loss_scaling_from_text(args.loss_scaling)
     world = changes.get("world_size", case.world_size)
     microbatches = changes.get("microbatches", case.microbatches)
     if args.batch_size is not None:
@@ -229,6 +240,28 @@ def case_from_args(args: argparse.Namespace) -> Case:
         per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
     return case.with_(**changes) if changes else case
+
+
+def loss_scaling_from_text(text: str):
+    """`--loss-scaling`'s value: "" (the defaults), "off" (none) or KEY=VALUE pairs separated by
+    commas. Raises CaseError naming the field (`loss_scaling.growth_interval: expected ...`)."""
+    import json
+
+    from fsdp_verify.case import loss_scaling_from_dict
+    from fsdp_verify.validation import CaseError
+
+    if text.strip().lower() in ("off", "none"):
+        return None
+    data: dict[str, object] = {}
+    for item in _items(text):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CaseError("loss_scaling", "KEY=VALUE pairs (init_scale=65536,growth_interval=2000)", item)
+        try:
+            data[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            data[key.strip()] = value
+    return loss_scaling_from_dict(data)
 
 
 def load_case(path: Path, engine: str | None) -> Case:

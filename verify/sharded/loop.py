@@ -240,10 +240,12 @@ def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bo
     mine = torch.tensor([scale, float(skipped)], dtype=torch.float64, device=device)
     parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(parts, mine)
-    both = torch.stack(parts)
-    _add(trace, step, "loss_scale", "scale", both[:, 0].to(torch.float32))
-    _add(trace, step, "loss_scale", "skipped", both[:, 1].to(torch.int64))
-    return bool((both[:, 1] == both[0, 1]).all())
+    # Fresh tensors from lists: a column of a (1, 2) stack has stride 2 and a size-1 dimension,
+    # which `contiguous()` keeps as it is, and the trace's byte packing cannot view.
+    scales, skips = zip(*(p.tolist() for p in parts))
+    _add(trace, step, "loss_scale", "scale", torch.tensor(scales, dtype=torch.float32))
+    _add(trace, step, "loss_scale", "skipped", torch.tensor(skips, dtype=torch.int64))
+    return len(set(skips)) == 1
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:
