@@ -2,6 +2,7 @@
 the reference's emulation exactly; the zoo's two scaling bugs caught where they first show."""
 
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 import torch
@@ -49,6 +50,16 @@ def test_loss_scaling_is_optional_and_round_trips():
     again = Case.from_json(case.to_json())
     assert again == case and again.hash == case.hash != plain.hash
     assert again.loss_scaling == LossScaleSpec(init_scale=2.0**16, growth_interval=1)
+
+
+def test_pinned_regression_cases_keep_their_hashes():
+    """Each tests/regressions/NAME.json still loads as the case named NAME (its hash): a Case
+    without loss_scaling hashes as before the field existed."""
+    files = sorted((Path(__file__).parent / "regressions").glob("*.json"))
+    assert files
+    for path in files:
+        case = Case.load(path)
+        assert case.loss_scaling is None and case.hash == path.stem, path
 
 
 @pytest.mark.parametrize(
