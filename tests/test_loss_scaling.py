@@ -1,6 +1,7 @@
 """fp16 dynamic loss scaling (seed 002): the scale and each rank's skip decision per step, held to
 the reference's emulation exactly; the zoo's two scaling bugs caught where they first show."""
 
+import json
 from dataclasses import replace
 from pathlib import Path
 
@@ -202,9 +203,13 @@ def test_the_mutants_draws_pass_on_the_correct_engine(name):
 
 
 # ---- the command line ---------------------------------------------------------------------------
-def test_check_shows_the_scale_and_the_skips(capsys):
+def test_check_shows_the_scale_and_the_skips(capsys, tmp_path):
     args = ["check", "--model", "mlp", "--param-dtype", "fp16", "--steps", "4", "--no-calibrate"]
+    args += ["--json", str(tmp_path / "verdict.json")]
     assert main(args + ["--loss-scaling", "init_scale=65536,growth_interval=1"]) == 0
+    rows = json.loads((tmp_path / "verdict.json").read_text())["loss_scales"]
+    assert [(r["scale"], r["skipped"]) for r in rows] == [(65536, 0), (131072, 0), (262144, 1), (131072, 0)]
+    assert all(r["ranks"] == [[r["scale"], r["skipped"]]] * 2 for r in rows)
     out = capsys.readouterr().out
     assert "loss_scale" in out  # the table's column
     assert "loss scale per step (the reference; every rank agrees unless listed):" in out

@@ -138,6 +138,7 @@ class Verdict:
             "calibrated": self.calibrated,
             "seconds": self.seconds,
             "findings": [f.to_dict() for f in sorted(self.findings, key=lambda f: sort_key(f.key))],
+            **({"loss_scales": self.loss_scales} if self.loss_scales else {}),
         }
 
     def save_json(self, path: str | Path) -> Path:
