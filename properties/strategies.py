@@ -24,8 +24,8 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
-from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
-from fsdp_verify.dtypes import PRECISION_POLICIES, canonical
+from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.models import _construct
 
 PRECISIONS = PRECISION_POLICIES
@@ -42,7 +42,13 @@ class PinError(ValueError):
 # ---- pins ---------------------------------------------------------------------------------------
 def _valid_pin_names() -> set[str]:
     names = {f.name for f in fields(Case)}
-    for head, spec in (("model", ModelSpec), ("precision", PrecisionSpec), ("optim", OptimSpec), ("data", DataSpec)):
+    for head, spec in (
+        ("model", ModelSpec),
+        ("precision", PrecisionSpec),
+        ("optim", OptimSpec),
+        ("data", DataSpec),
+        ("loss_scaling", LossScaleSpec),
+    ):
         names |= {f"{head}.{f.name}" for f in fields(spec)}
     return names
 
@@ -51,6 +57,16 @@ def _check_pins(pins: dict[str, Any]) -> None:
     unknown = sorted(set(pins) - _valid_pin_names())
     if unknown:
         raise PinError(f"pins: {unknown[0]!r} is no field of a Case (e.g. 'steps', 'optim.name', 'model.dropout')")
+
+
+def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) -> None:
+    """`loss_scaling.*` pins: fixed values validated now (CaseError naming the field, not a
+    Hypothesis health check after every draw failed), and only where fp16 cases are drawn."""
+    fixed = {k: v for k, v in _sub(pins, "loss_scaling").items() if not isinstance(v, SearchStrategy)}
+    if (pins.get("loss_scaling") is not None or _sub(pins, "loss_scaling")) and "fp16" not in precisions:
+        raise PinError("pins: loss_scaling is drawn for fp16 cases only (add --precisions fp16)")
+    if fixed:
+        LossScaleSpec(**fixed).validate()
 
 
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
@@ -230,12 +246,13 @@ def _policy_name(name: str) -> str:
 
 
 def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> SearchStrategy[PrecisionSpec]:
-    """ "fp32": PrecisionSpec(); "bf16": bf16 params, fp32 or bf16 reduction, any output dtype,
-    cast_forward_inputs on or off."""
+    """ "fp32": PrecisionSpec(); "bf16" (or "fp16"): bf16 (fp16) params, fp32 or bf16 (fp16)
+    reduction, any output dtype, cast_forward_inputs on or off. `cases` gives "fp16" cases
+    dynamic loss scaling."""
     precisions = tuple(_policy_name(p) for p in precisions)
-    bad = [p for p in precisions if p not in PRECISIONS]
+    bad = [p for p in precisions if p not in DRAWABLE_POLICIES]
     if bad or not precisions:
-        raise PinError(f"precisions: expected a non-empty subset of {PRECISIONS}, got {precisions!r}")
+        raise PinError(f"precisions: expected a non-empty subset of {DRAWABLE_POLICIES}, got {precisions!r}")
 
     def build(name: str) -> SearchStrategy[PrecisionSpec]:
         if name == "fp32":
@@ -247,9 +264,9 @@ def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> Sear
             }
         else:
             defaults = {
-                "param_dtype": st.just("bf16"),
-                "reduce_dtype": st.sampled_from(("fp32", "bf16")),
-                "output_dtype": st.sampled_from((None, "fp32", "bf16")),
+                "param_dtype": st.just(name),
+                "reduce_dtype": st.sampled_from(("fp32", name)),
+                "output_dtype": st.sampled_from((None, "fp32", name)),
                 "cast_forward_inputs": st.sampled_from((True, False)),
             }
         return st.builds(PrecisionSpec, **{k: _pinned(pins, k, v) for k, v in defaults.items()})
@@ -273,6 +290,21 @@ def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
         )
 
     return _pinned(pins, "name", st.sampled_from(("sgd", "adam", "adamw"))).flatmap(build)
+
+
+def loss_scale_specs(**pins: Any) -> SearchStrategy[LossScaleSpec]:
+    """Scales from 2**10 to 2**26 around fp16's largest value (65504, about 2**16): a tiny model's
+    gradients are O(0.01..1), so the scaled ones overflow on some steps and not on others, and
+    near the edge only in their largest elements, which one rank's shard may hold alone. Growth
+    every 1-3 good steps, so a 1-3 step case sees the scale grow, overflow and back off. Powers
+    of two: scaling and unscaling are exact."""
+    return st.builds(
+        LossScaleSpec,
+        init_scale=_pinned(pins, "init_scale", st.integers(10, 26).map(lambda k: 2.0**k)),
+        growth_factor=_pinned(pins, "growth_factor", st.sampled_from((2.0, 4.0))),
+        backoff_factor=_pinned(pins, "backoff_factor", st.sampled_from((0.5, 0.125))),
+        growth_interval=_pinned(pins, "growth_interval", st.integers(1, 3)),
+    )
 
 
 def data_specs(batch_multiple: int = 1, model_kind: str = "mlp", **pins: Any) -> SearchStrategy[DataSpec]:
@@ -348,6 +380,11 @@ def _cases(
         # one seed draws the same cases under any engine (a case's key leaves the engine out, and
         # a nightly diff of FSDP2 against a mutant compares them case by case).
         "activation_checkpointing": field("activation_checkpointing", st.booleans()),
+        # Drawn for fp16 cases only, so fp32 and bf16 draws stay what they were.
+        "loss_scaling": field(
+            "loss_scaling",
+            loss_scale_specs(**_sub(pins, "loss_scaling")) if precision.param_dtype == "fp16" else st.just(None),
+        ),
     }
     try:
         return Case(**values)
@@ -380,6 +417,7 @@ def cases(
     if bad or not model_kinds:
         raise PinError(f"model_kinds: expected a non-empty subset of ('mlp', 'transformer'), got {model_kinds!r}")
     precision_specs(precisions)  # validates the names now, not at the first draw
+    _check_loss_scaling_pins(precisions, pins)
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     if engine == "fsdp1":

@@ -21,6 +21,7 @@ from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
+from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
@@ -63,8 +64,11 @@ def train_reference(
 
     param_dtype = to_torch(case.precision.param_dtype) or torch.float32
     reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
+    # The engine's own division of the average (every order: a division, not a summation order).
+    divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
     # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
     rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
     for step in range(1, case.steps + 1):
         inputs, targets = global_batch(case, step)
         # groups[m] = the per-rank sample slices of micro-batch m (one virtual rank if not emulating)
@@ -92,7 +96,8 @@ def train_reference(
                     fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
                 loss = microbatch_loss(case, out, targets[index], scale)
                 trainable = [n for n in compute if compute[n].requires_grad]
-                grads = torch.autograd.grad(loss, [compute[n] for n in trainable])
+                backpropagated = scaler.scaled(loss) if scaler is not None else loss
+                grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
                 rank_grads.append(dict(zip(trainable, grads)))
                 rng_states[r] = torch.get_rng_state()
                 rank_loss[r] += loss.detach().float()
@@ -111,9 +116,9 @@ def train_reference(
                     continue
                 rank_grads = local_grads
             if layout is not None:
-                averaged = layout.average(rank_grads, reduce_dtype)
+                averaged = layout.average(rank_grads, reduce_dtype, divide)
             else:
-                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
             if jolt is not None:
                 averaged = {
                     n: jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
@@ -131,7 +136,12 @@ def train_reference(
         loss = _gloo_scalar_sum(rank_loss) / len(rank_loss)
         trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
         for n, g in master_grads.items():
-            trace.add(step, "grads", n, g)
+            trace.add(step, "grads", n, g)  # scaled, as the engine reduced them
+        if scaler is not None:
+            scale = scaler.scale
+            skip = scaler.unscale_(list(master_grads.values()))  # p.grad, unscaled before the clip
+            trace.add(step, "loss_scale", "scale", scale.repeat(case.world_size))
+            trace.add(step, "loss_scale", "skipped", torch.full((case.world_size,), int(skip), dtype=torch.int64))
         if case.clip_norm is not None:
             with_grad = [p for p in params.values() if p.grad is not None]
             grads = [p.grad for p in with_grad]
@@ -145,7 +155,12 @@ def train_reference(
                 norm = jolt.norm(norm, grads, f"{step}/grad_norm")
             torch.nn.utils.clip_grads_with_norm_(with_grad, case.clip_norm, norm)
             trace.add(step, "grad_norm", "total_norm", norm)
-        optimizer.step()
+        if scaler is None:
+            optimizer.step()
+        else:  # every rank skips an overflowing step (the found-inf flag is all-reduced)
+            if not skip:
+                optimizer.step()
+            scaler.update(skip)
         optimizer.zero_grad(set_to_none=True)
         _record_params(trace, step, params)
         _record_buffers(trace, step, model)
@@ -169,7 +184,9 @@ def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | 
     return model
 
 
-def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -> torch.Tensor:
+def _average(
+    grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str, divide: tuple[float, float] | None = None
+) -> torch.Tensor:
     """ReduceOp.AVG as FSDP2 issues it: upcast to reduce_dtype, sum, divide by the world size.
 
     FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's ring
@@ -178,11 +195,18 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
     makes a correct fp32 FSDP2 run on CPU bit-exact at any world size. With a 2-byte reduce_dtype
     gloo's segment boundaries fall a few elements off the rank boundaries, so a few elements per
     unit are added in a neighbour's order (one bf16 ulp); that, and NCCL's different order on GPUs,
-    is left to the calibrated tolerance."""
+    is left to the calibrated tolerance.
+
+    `divide` = (pre, post): each rank's gradient divided by `pre` before the sum and the sum by
+    `post` after it (`Arithmetic.divide_factors`; FSDP2 pre-divides an fp16 reduction, whose sum
+    could overflow); default: sum, then divide by the world size."""
     world = len(grads)
+    pre, post = divide if divide is not None else (1.0, float(world))
     wide = [g.to(reduce_dtype) for g in grads]
     if world == 1:
         return wide[0]
+    if pre != 1:
+        wide = [g / pre for g in wide]
     if order == "rank":
         sequences = [(slice(None), list(range(world)))]
     elif order == "reverse":
@@ -198,7 +222,7 @@ def _average(grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str) -
         for r in ranks[1:]:
             acc = acc + wide[r][rows]
         total[rows] = acc
-    return total / world
+    return total / post if post != 1 else total
 
 
 class _FlatLayout:
@@ -242,11 +266,18 @@ class _FlatLayout:
                 flat[offset : offset + numel] = grads[n].reshape(-1).to(dtype)
         return flat
 
-    def average(self, rank_grads: list[dict[str, torch.Tensor]], reduce_dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    def average(
+        self,
+        rank_grads: list[dict[str, torch.Tensor]],
+        reduce_dtype: torch.dtype,
+        divide: tuple[float, float] | None = None,
+    ) -> dict[str, torch.Tensor]:
         """ReduceOp.AVG as the engine issues it: per unit, the padded flat gradients reduce-
-        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), then
-        divided by the world size (FSDP1's power-of-two pre-divide and the rest after the sum
-        round to the same quotient: the scaling is exact)."""
+        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), each
+        rank's divided by `pre` before and the sum by `post` after (`Arithmetic.divide_factors`:
+        FSDP1's power-of-two pre-divide is exact but for subnormals, and keeps an fp16 sum from
+        overflowing)."""
+        pre, post = divide if divide is not None else (1.0, float(self.world))
         out: dict[str, torch.Tensor] = {}
         for slots, padded in self.units:
             names = [n for n, _, _ in slots if n in rank_grads[0]]
@@ -254,13 +285,15 @@ class _FlatLayout:
                 continue
             chunk = padded // self.world
             flats = [self._flat(g, slots, padded, reduce_dtype).view(self.world, chunk) for g in rank_grads]
+            if self.world > 1 and pre != 1:
+                flats = [f / pre for f in flats]
             total = torch.empty_like(flats[0])
             for r in range(self.world):
                 acc = flats[(r - 1) % self.world][r]
                 for k in range(2, self.world + 1):
                     acc = acc + flats[(r - k) % self.world][r]
                 total[r] = acc
-            averaged = (total / self.world).reshape(-1) if self.world > 1 else total.reshape(-1)
+            averaged = (total / post).reshape(-1) if self.world > 1 and post != 1 else total.reshape(-1)
             for n, offset, numel in slots:
                 if n in rank_grads[0]:
                     out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)

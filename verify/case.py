@@ -123,6 +123,53 @@ class DataSpec:
 
 
 @dataclass(frozen=True)
+class LossScaleSpec:
+    """fp16 dynamic loss scaling (seed 002), as `GradScaler` takes it: the loss is multiplied by
+    the scale before backward, the gradients divided by it before clipping; a step whose
+    gradients hold an inf or NaN on any rank is skipped on every rank and the scale multiplied by
+    `backoff_factor`; after `growth_interval` steps in a row without one it is multiplied by
+    `growth_factor`."""
+
+    init_scale: float = 2.0**16
+    growth_factor: float = 2.0
+    backoff_factor: float = 0.5
+    growth_interval: int = 2000
+
+    def describe(self) -> str:
+        """e.g. `loss scale 65536 (x2 after 2000 good steps, x0.5 on inf/NaN)`."""
+        return (
+            f"loss scale {self.init_scale:g} (x{self.growth_factor:g} after {self.growth_interval} good steps,"
+            f" x{self.backoff_factor:g} on inf/NaN)"
+        )
+
+    def validate(self, prefix: str = "loss_scaling") -> None:
+        check(
+            is_number(self.init_scale) and 0 < self.init_scale < float("inf"),
+            f"{prefix}.init_scale",
+            "a positive finite scale",
+            self.init_scale,
+        )
+        check(
+            is_number(self.growth_factor) and self.growth_factor > 1,
+            f"{prefix}.growth_factor",
+            "a factor above 1",
+            self.growth_factor,
+        )
+        check(
+            is_number(self.backoff_factor) and 0 < self.backoff_factor < 1,
+            f"{prefix}.backoff_factor",
+            "a factor in (0, 1)",
+            self.backoff_factor,
+        )
+        check(
+            is_int(self.growth_interval) and self.growth_interval >= 1,
+            f"{prefix}.growth_interval",
+            "a positive integer",
+            self.growth_interval,
+        )
+
+
+@dataclass(frozen=True)
 class Case:
     model: ModelSpec = field(default_factory=ModelSpec)
     # Module FQNs to shard, children before parents, "" (the root) last. None = the model's
@@ -153,8 +200,10 @@ class Case:
     # Activation checkpointing (torch.utils.checkpoint, RNG state preserved) on every wrapped unit
     # but the root: recomputation in backward must replay the forward's dropout masks.
     activation_checkpointing: bool = False
+    # Dynamic loss scaling on both sides (a ShardedGradScaler on the sharded one); None: none.
+    loss_scaling: LossScaleSpec | None = None
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing")
+    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -231,6 +280,20 @@ class Case:
             "true or false",
             self.activation_checkpointing,
         )
+        if self.loss_scaling is not None:
+            check(
+                isinstance(self.loss_scaling, LossScaleSpec),
+                "loss_scaling",
+                "null or an object with init_scale, growth_factor, backoff_factor, growth_interval",
+                self.loss_scaling,
+            )
+            self.loss_scaling.validate()
+            check(
+                self.step is None,
+                "loss_scaling",
+                "null with a user's step (--step scales its own loss, if it does)",
+                dataclasses.asdict(self.loss_scaling),
+            )
         self._validate_custom()
         self._validate_wrap()
         if self.data.kind == "cancellation":
@@ -407,6 +470,12 @@ def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
 _TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable"}
 
 
+def loss_scaling_from_dict(data: Any) -> LossScaleSpec:
+    """A LossScaleSpec from a JSON object (unknown keys named as `loss_scaling.KEY`); its
+    values are validated with the Case that holds it."""
+    return _build(LossScaleSpec, data, "loss_scaling")
+
+
 def _build(cls: type, data: Any, prefix: str) -> Any:
     where = prefix or "<case>"
     if not isinstance(data, dict):
@@ -418,10 +487,18 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
             f"{prefix + '.' if prefix else ''}{unknown[0]}", f"one of the fields {sorted(known)}", unknown[0]
         )
     kwargs: dict[str, Any] = {}
-    sub_specs = {"model": ModelSpec, "precision": PrecisionSpec, "optim": OptimSpec, "data": DataSpec}
+    sub_specs = {
+        "model": ModelSpec,
+        "precision": PrecisionSpec,
+        "optim": OptimSpec,
+        "data": DataSpec,
+        "loss_scaling": LossScaleSpec,
+    }
     for name, value in data.items():
         path = f"{prefix}.{name}" if prefix else name
-        if cls is Case and name in sub_specs:
+        if cls is Case and name == "loss_scaling" and value is None:
+            pass
+        elif cls is Case and name in sub_specs:
             value = _build(sub_specs[name], value, path)
         elif name in _TUPLE_FIELDS and value is not None:
             if not isinstance(value, (list, tuple)):

@@ -25,6 +25,9 @@ ACCEPTED = "fp32/float32, bf16/bfloat16 or fp16/float16"
 # The named precision policies generated cases draw from: "fp32" (full precision) and "bf16"
 # (bf16 parameters with an fp32 or bf16 reduction).
 PRECISION_POLICIES = ("fp32", "bf16")
+# Drawn only when asked for: "fp16", fp16 parameters with dynamic loss scaling (Case.loss_scaling;
+# fp16's range needs it). Not among the defaults, so a seed draws the cases it always drew.
+DRAWABLE_POLICIES = PRECISION_POLICIES + ("fp16",)
 
 
 def canonical(name: str) -> str:

@@ -95,7 +95,31 @@ def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict
         "checks": time.perf_counter() - t_checks,
     }
     verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
+    if case.loss_scaling is not None:
+        verdict.loss_scales = _loss_scales(ref, got)
     return verdict
+
+
+def _loss_scales(ref: Trace, got: Trace) -> list[dict]:
+    """Each step's loss scale and skip decision, the reference's and each rank's (None for a step
+    the ranks did not reach: they stop after parting on a skip)."""
+    rows = []
+    for step in range(1, ref.steps + 1):
+        scale, skipped = (step, "loss_scale", "scale"), (step, "loss_scale", "skipped")
+        if scale not in ref.records:
+            continue
+        ranks = None
+        if scale in got.records and skipped in got.records:
+            ranks = [[s, int(k)] for s, k in zip(got.records[scale].tolist(), got.records[skipped].tolist())]
+        rows.append(
+            {
+                "step": step,
+                "scale": ref.records[scale][0].item(),
+                "skipped": int(ref.records[skipped][0].item()),
+                "ranks": ranks,
+            }
+        )
+    return rows
 
 
 def check_case(

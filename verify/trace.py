@@ -23,6 +23,8 @@ from safetensors.torch import save as st_save
 # at step 0 the dtype the sharded parameters are held in, which explains their values and so
 # comes before "init" (master weights held in bf16 are a precision finding, not "ranks
 # initialised differently").
+# "loss_scale" (fp16 dynamic loss scaling: each rank's scale and skip decision) is decided from the
+# gradients and comes before the clip, which sees them unscaled.
 # "build" (every rank built the same model) comes first: nothing later can agree without it.
 # "build", "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
 # "comm" and "memory" (the resource contracts) come last: a wrong number explains more than the
@@ -37,6 +39,7 @@ PHASES = (
     "logits",
     "loss",
     "grads",
+    "loss_scale",
     "grad_norm",
     "params",
     "param_sums",

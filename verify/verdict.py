@@ -21,6 +21,7 @@ PHASE_TITLES = {
     "logits": "logits",
     "loss": "loss",
     "grads": "gradients",
+    "loss_scale": "loss scale and skip decision",
     "grad_norm": "clip total norm",
     "params": "parameters after the step",
     "param_sums": "parameter sums",
@@ -37,6 +38,9 @@ class Verdict:
     hint: str = ""
     seconds: dict[str, float] = field(default_factory=dict)
     calibrated: bool = False
+    # fp16 loss scaling: per step, the reference's scale and skip decision and the ranks' (from
+    # the "loss_scale" records), for the line `check` prints; empty in unscaled cases.
+    loss_scales: list[dict[str, Any]] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -59,7 +63,7 @@ class Verdict:
         c = self.case
         what = (
             f"{c.engine} vs the reference ({c.model.factory or c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
-            f" {c.steps} steps, case {c.hash})"
+            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps, case {c.hash})"
         )
         first = self.first_divergence
         if first is None:
@@ -87,8 +91,9 @@ class Verdict:
         cells: dict[tuple[int, str], list[Finding]] = {}
         for f in self.findings:
             cells.setdefault((f.step, f.phase), []).append(f)
-        # "build" is shown only when it has something to say (a user's model, or a failure).
-        phases = [p for p in PHASES if p != "build" or any(ph == p for _, ph in cells)]
+        # "build" is shown only when it has something to say (a user's model, or a failure), and
+        # "loss_scale" only in loss-scaled cases.
+        phases = [p for p in PHASES if p not in ("build", "loss_scale") or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
             row = [str(step)]
@@ -107,6 +112,20 @@ class Verdict:
         )
         return "\n".join(lines + [legend])
 
+    def loss_scale_line(self) -> str:
+        """One line per loss-scaled case: each step's scale and whether it was skipped, the
+        reference's and, where they differ, the ranks'."""
+        if not self.loss_scales:
+            return ""
+        parts = []
+        for row in self.loss_scales:
+            text = f"{row['step']}: {row['scale']:g} {'skipped' if row['skipped'] else 'stepped'}"
+            ranks = row.get("ranks")
+            if ranks is not None and any(r != [row["scale"], row["skipped"]] for r in ranks):
+                text += " (ranks: " + ", ".join(f"{s:g} {'skipped' if k else 'stepped'}" for s, k in ranks) + ")"
+            parts.append(text)
+        return "loss scale per step (the reference; every rank agrees unless listed): " + "; ".join(parts)
+
     def to_dict(self) -> dict[str, Any]:
         first = self.first_divergence
         return {
@@ -119,6 +138,7 @@ class Verdict:
             "calibrated": self.calibrated,
             "seconds": self.seconds,
             "findings": [f.to_dict() for f in sorted(self.findings, key=lambda f: sort_key(f.key))],
+            **({"loss_scales": self.loss_scales} if self.loss_scales else {}),
         }
 
     def save_json(self, path: str | Path) -> Path:

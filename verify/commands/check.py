@@ -57,6 +57,8 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_INFRA
     print(verdict.table())
     print()
+    if verdict.loss_scales:
+        print(verdict.loss_scale_line())
     print(verdict.summary())
     if args.json:
         verdict.save_json(args.json)

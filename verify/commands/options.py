@@ -20,6 +20,7 @@ EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
 ENGINE_HELP = "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME"
 MODEL_HELP = "pkg.module:NAME | path/to/file.py:NAME (a factory NAME(**kwargs) -> nn.Module)"
 PRECISION_POLICIES = dtypes.PRECISION_POLICIES
+DRAWABLE_POLICIES = dtypes.DRAWABLE_POLICIES
 
 
 # ---- value parsers (argparse `type=`; also used by the pytest plugin) ---------------------------
@@ -50,11 +51,11 @@ def precisions(text: str) -> list[str]:
     names = []
     for item in _items(text):
         name = dtype(item)
-        if name not in PRECISION_POLICIES:
-            raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {item!r}")
+        if name not in DRAWABLE_POLICIES:
+            raise argparse.ArgumentTypeError(f"expected precision policies among {DRAWABLE_POLICIES}, got {item!r}")
         names.append(name)
     if not names:
-        raise argparse.ArgumentTypeError(f"expected precision policies among {PRECISION_POLICIES}, got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected precision policies among {DRAWABLE_POLICIES}, got {text!r}")
     return names
 
 
@@ -80,8 +81,9 @@ def add_precisions(p: argparse.ArgumentParser, default: list[str] | None = None)
         action=ListOption,
         default=default or list(PRECISION_POLICIES),
         metavar="P",
-        help="precision policies to draw: fp32 (full) and/or bf16 (bf16 params, fp32 or bf16 reduction);"
-        " float32/bfloat16 accepted too (default: both)",
+        help="precision policies to draw: fp32 (full), bf16 (bf16 params, fp32 or bf16 reduction) and/or"
+        " fp16 (fp16 params with dynamic loss scaling); float32/bfloat16/float16 accepted too"
+        " (default: fp32 bf16)",
     )
 
 
@@ -117,6 +119,15 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, help="the case's seed (initial values and dropout masks)")
     p.add_argument("--data-seed", type=int, help="the seed of the generated batches")
     p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
+    p.add_argument(
+        "--loss-scaling",
+        nargs="?",
+        const="",
+        metavar="KEY=VALUE,...",
+        help="fp16 dynamic loss scaling on both sides (torch.amp.GradScaler / ShardedGradScaler on the"
+        " sharded one, written out in the reference): optional init_scale=65536,growth_factor=2,"
+        "backoff_factor=0.5,growth_interval=2000 (any of them, the rest default); 'off' removes a case file's",
+    )
 
 
 def add_step_arguments(p: argparse.ArgumentParser) -> None:
@@ -219,6 +230,8 @@ def case_from_args(args: argparse.Namespace) -> Case:
     for name in ("param_dtype", "reduce_dtype", "output_dtype"):
         if getattr(args, name):
             changes[f"precision.{name}"] = getattr(args, name)
+    if getattr(args, "loss_scaling", None) is not None:
+        changes["loss_scaling"] = loss_scaling_from_text(args.loss_scaling)
     world = changes.get("world_size", case.world_size)
     microbatches = changes.get("microbatches", case.microbatches)
     if args.batch_size is not None:
@@ -227,6 +240,28 @@ def case_from_args(args: argparse.Namespace) -> Case:
         per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
     return case.with_(**changes) if changes else case
+
+
+def loss_scaling_from_text(text: str):
+    """`--loss-scaling`'s value: "" (the defaults), "off" (none) or KEY=VALUE pairs separated by
+    commas. Raises CaseError naming the field (`loss_scaling.growth_interval: expected ...`)."""
+    import json
+
+    from fsdp_verify.case import loss_scaling_from_dict
+    from fsdp_verify.validation import CaseError
+
+    if text.strip().lower() in ("off", "none"):
+        return None
+    data: dict[str, object] = {}
+    for item in _items(text):
+        key, sep, value = item.partition("=")
+        if not sep or not key.strip():
+            raise CaseError("loss_scaling", "KEY=VALUE pairs (init_scale=65536,growth_interval=2000)", item)
+        try:
+            data[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            data[key.strip()] = value
+    return loss_scaling_from_dict(data)
 
 
 def load_case(path: Path, engine: str | None) -> Case:

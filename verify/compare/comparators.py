@@ -46,6 +46,19 @@ class Comparator:
             return Finding(
                 ok=False, kind="nonfinite", message="non-finite values where the reference is finite", **base
             )
+        if ref.is_floating_point() and not torch.isfinite(ref).all():
+            # An fp16 step whose scaled gradients overflowed (skipped by the loss scaler): the
+            # reference computes them in the same order, so its infs and NaNs are where the
+            # engine's are, with the same signs; the finite rest is measured as always.
+            if not _same_nonfinite(ref, got):
+                return Finding(
+                    ok=False,
+                    kind="nonfinite",
+                    message="infs or NaNs other than the reference's (positions or signs)",
+                    **base,
+                )
+            finite = torch.isfinite(ref)
+            ref, got = ref.where(finite, 0), got.to(ref.dtype).where(finite, 0)
         dev = measure(ref, got)
         tol = self.tolerance(key, ref, ctx)
         if dev.normwise > MARGIN * tol.limit and self.calibratable and ctx.calibrate is not None:
@@ -115,6 +128,34 @@ class GradNormComparator(Comparator):
     phase = "grad_norm"
 
 
+class LossScaleComparator(Comparator):
+    """Each rank's loss scale at a step and whether it skipped the step (fp16 dynamic loss
+    scaling): decisions, so exact. The reference decides once for all ranks (any overflow skips
+    the step everywhere); a rank that decided alone differs here, named by its index."""
+
+    phase = "loss_scale"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+    def compare(self, key, ref, got, ctx):
+        finding = super().compare(key, ref, got, ctx)
+        if not finding.ok and finding.kind == "deviation" and ref.shape == got.shape:
+            ranks = [r for r in range(ref.numel()) if ref[r].item() != got[r].item()]
+            finding.message = "; ".join(_decision(key[2], r, ref[r].item(), got[r].item()) for r in ranks)
+        return finding
+
+
+def _decision(name: str, rank: int, ref: float, got: float) -> str:
+    if name == "skipped":
+        if got:
+            return f"rank {rank} skipped the step, the reference steps (no inf or NaN in the reduced gradients)"
+        return f"rank {rank} stepped, the reference skips the step on every rank (an inf or NaN in some rank's shard)"
+    return f"rank {rank} {name} {got:g}, the reference {ref:g}"
+
+
 class ParamsComparator(Comparator):
     """Parameters after the optimizer step."""
 
@@ -164,6 +205,7 @@ COMPARATORS: dict[str, Comparator] = {
         LogitsComparator,
         LossComparator,
         GradsComparator,
+        LossScaleComparator,
         GradNormComparator,
         ParamsComparator,
         ParamSumsComparator,
@@ -171,6 +213,16 @@ COMPARATORS: dict[str, Comparator] = {
     )
 }
 assert set(COMPARATORS) <= set(PHASES)
+
+
+def _same_nonfinite(ref: torch.Tensor, got: torch.Tensor) -> bool:
+    """Infs and NaNs at the same positions, infs of the same sign."""
+    got = got.to(ref.dtype)
+    nan = torch.isnan(ref)
+    if not torch.equal(nan, torch.isnan(got)):
+        return False
+    inf = torch.isinf(ref)
+    return torch.equal(inf, torch.isinf(got)) and torch.equal(ref[inf], got[inf])
 
 
 class CompareContext:

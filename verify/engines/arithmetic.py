@@ -14,6 +14,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class Arithmetic:
@@ -37,10 +39,32 @@ class Arithmetic:
     # At world size 1 the clip's norm is torch.nn.utils.clip_grad_norm_'s over the parameters in
     # registration order (FSDP1 switches to NO_SHARD, whose clip is exactly that).
     plain_norm_unsharded: bool = False
+    # How the average over the data-parallel ranks is divided: "fp16" (FSDP2's
+    # `_get_gradient_divide_factors`: with an fp16 reduce_dtype, which overflows, each rank's
+    # gradient is divided by a power of two f ~ sqrt(world) before the SUM reduction and the sum
+    # by world / f after it; other dtypes are summed and divided by the world size), "always"
+    # (FSDP1: that pre- and post-divide whatever the dtype) or "never" (sum, then divide). The
+    # power-of-two pre-divide is exact unless a value is subnormal, but it decides whether an
+    # fp16 sum overflows: under fp16 loss scaling, whether a step is skipped.
+    predivide: str = "fp16"
 
     def __post_init__(self) -> None:
         if self.layout not in ("rows", "flat") or self.unit_order not in ("plan", "preorder"):
             raise ValueError(f"arithmetic: unknown layout or unit_order in {self!r}")
+        if self.predivide not in ("fp16", "always", "never"):
+            raise ValueError(f"arithmetic: unknown predivide in {self!r}")
+
+    def divide_factors(self, reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
+        """(pre, post): each rank's gradient (in reduce_dtype) is divided by `pre` before the sum,
+        the sum by `post` after it; pre * post == world. The loop is torch 2.13's (FSDP2's
+        `_get_gradient_divide_factors`, FSDP1's `DefaultState._get_gradient_predivide_factor`):
+        world 2 -> (2, 1), 3 -> (2, 1.5), 4 -> (2, 2), 8 -> (4, 2)."""
+        if self.predivide == "never" or (self.predivide == "fp16" and reduce_dtype != torch.float16):
+            return 1.0, float(world)
+        pre = 1
+        while world % pre == 0 and world / pre > pre:
+            pre *= 2
+        return float(pre), world / pre
 
 
 FSDP2 = Arithmetic()

@@ -14,7 +14,9 @@ FSDP1 like this:
   pre-divide factor f, reduce-scatters with SUM, divides by world_size / f, and casts the shard
   back to fp32. f is a power of two, so the pre-divide is exact, and the post-divide of the
   exactly scaled sum rounds once to the same value as sum / world_size: bit for bit what the
-  reference's upcast-sum-divide gives for the same summation order. No reference tweak needed.
+  reference's upcast-sum-divide gives for the same summation order, except where a pre-divided
+  value is subnormal or an undivided fp16 sum overflows (fp16 loss scaling): the reference
+  divides as FSDP1 does (`Arithmetic.predivide="always"`).
   FSDP1 has no `output_dtype`: a Case asking for one is refused, not silently ignored.
 * Gradient sync off (sync only on the last micro-batch) is what `no_sync()` does: the
   `_sync_gradients` flag of every FSDP instance; unsharded grads accumulate in `param_dtype`.
@@ -85,6 +87,7 @@ fsdp1_engine.arithmetic = Arithmetic(
     unit_input_node=False,
     casts_inputs_without_params=False,
     plain_norm_unsharded=True,
+    predivide="always",
 )
 fsdp1_engine.contracts = Contracts(
     comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"

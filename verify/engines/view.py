@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdp_verify.case import LossScaleSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, gather_full_and_sums, sum_full
 
@@ -63,6 +64,28 @@ class EngineView:
         with_grad = [p for p in self.parameters().values() if p.grad is not None]
         norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+    def grad_scaler(self, spec: LossScaleSpec, device: torch.device):
+        """The dynamic loss scaler for `spec`: `torch.amp.GradScaler`, which is all FSDP2 needs in
+        torch 2.13. Its unscale kernel on DTensor gradients goes through DTensor's
+        `found_inf_reduce_handler` (torch/distributed/tensor/_dispatch.py): each rank checks its
+        local shards, then the found-inf flag is all-reduced (MAX) over the gradients' mesh, so
+        every rank skips a step when any shard overflowed. `ShardedGradScaler` (written for
+        FSDP1) also works on them and gives the same decisions, all-reducing the flag a second
+        time (tests/test_loss_scaling.py runs both). A scaler that checks the local shards
+        without that all-reduce is the zoo's `inf_check_not_all_reduced`."""
+        return torch.amp.GradScaler(
+            device.type,
+            init_scale=spec.init_scale,
+            growth_factor=spec.growth_factor,
+            backoff_factor=spec.backoff_factor,
+            growth_interval=spec.growth_interval,
+        )
+
+    def unscale_(self, scaler, optimizer: torch.optim.Optimizer) -> None:
+        """Divide the gradients by the scale and decide the skip, before clipping: a clip of
+        scaled gradients clips by a norm `scale` times too large."""
+        scaler.unscale_(optimizer)
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a

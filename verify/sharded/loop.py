@@ -85,6 +85,9 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
     """The toolkit's own loop: micro-batches, the loss normalised by the global item count,
     the engine's clip, the optimizer step; returns (dtypes seen, items per rank and micro-batch)."""
     loss_scale = getattr(sharded, "loss_scale", None) or _global_mean
+    scaler = view.grad_scaler(case.loss_scaling, ctx.device) if case.loss_scaling is not None else None
+    stepped = [0]  # optimizer steps this rank took: a step the scaler skipped adds none
+    optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
     for step in range(1, case.steps + 1):
@@ -106,7 +109,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
             scale = loss_scale(counts[ctx.rank][m], sum(counts[ctx.rank]), sum(map(sum, counts)), ctx.world_size)
             loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
             ctx.phase(f"step {step} backward (micro-batch {m})")
-            loss.backward()
+            (scaler.scale(loss) if scaler is not None else loss).backward()
             for probe in probes:
                 probe.after_backward(step, m)
             logits.append(out.detach())
@@ -122,11 +125,25 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
         for name, whole in view.full_grads().items():
             dtypes["grads"] = str(whole.dtype)
             _add(trace, step, "grads", name, whole)
+        if scaler is not None:
+            ctx.phase(f"step {step} unscale gradients")
+            scale, before = scaler.get_scale(), stepped[0]
+            view.unscale_(scaler, optimizer)
         if case.clip_norm is not None:
             ctx.phase(f"step {step} clip gradients")
             _add(trace, step, "grad_norm", "total_norm", view.clip_grad_norm_(case.clip_norm))
         ctx.phase(f"step {step} optimizer step")
-        optimizer.step()
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+            ctx.phase(f"step {step} gather loss scale")
+            if not _record_loss_scale(trace, step, scale, stepped[0] == before, ctx.device):
+                # Ranks that parted (one stepped, one skipped) hold optimizer state of other
+                # shapes: the next gathers would mismatch. The decisions are the finding; stop.
+                optimizer.zero_grad(set_to_none=True)
+                break
+        else:
+            optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, trace)
     return dtypes, items
@@ -214,6 +231,21 @@ def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None
     ctx.phase(f"step {step} probes after the step")
     for probe in probes:
         probe.after_step(step)
+
+
+def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bool, device: torch.device) -> bool:
+    """Every rank's loss scale for this step and whether its optimizer skipped the step, in rank
+    order: decisions, compared exactly. Rank 0's alone would miss a rank that skipped (or
+    stepped) against the others. Returns whether the ranks agreed on the skip (all know it)."""
+    mine = torch.tensor([scale, float(skipped)], dtype=torch.float64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    # Fresh tensors from lists: a column of a (1, 2) stack has stride 2 and a size-1 dimension,
+    # which `contiguous()` keeps as it is, and the trace's byte packing cannot view.
+    scales, skips = zip(*(p.tolist() for p in parts))
+    _add(trace, step, "loss_scale", "scale", torch.tensor(scales, dtype=torch.float32))
+    _add(trace, step, "loss_scale", "skipped", torch.tensor(skips, dtype=torch.int64))
+    return len(set(skips)) == 1
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:

@@ -371,3 +371,55 @@ def retains_full_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> 
     fully_shard_engine(model, mesh, spec)
     model._pre_shard_params = originals  # type: ignore[attr-defined]
     return model
+
+
+# ---- fp16 dynamic loss scaling (seed 002; tests/test_loss_scaling.py) ----
+class _LocalInfCheckScaler(torch.amp.GradScaler):
+    """Unscales each rank's local shards directly (`to_local()`), as a scaler written for plain
+    tensors does: DTensor's dispatch, which all-reduces the found-inf flag, never runs."""
+
+    def _unscale_grads_(self, optimizer, inv_scale, found_inf, allow_fp16):
+        by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+        with torch.no_grad():
+            for group in optimizer.param_groups:
+                for p in group["params"]:
+                    if p.grad is not None:
+                        local = p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                        by_dtype.setdefault(local.dtype, []).append(local)
+            for grads in by_dtype.values():
+                torch._amp_foreach_non_finite_check_and_unscale_(grads, found_inf, inv_scale)
+        return {found_inf.device: found_inf}
+
+
+class _LocalInfCheckView(EngineView):
+    def grad_scaler(self, spec, device):
+        return _LocalInfCheckScaler(
+            device.type,
+            init_scale=spec.init_scale,
+            growth_factor=spec.growth_factor,
+            backoff_factor=spec.backoff_factor,
+            growth_interval=spec.growth_interval,
+        )
+
+
+def inf_check_not_all_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """fp16 loss scaling whose found-inf flag is never all-reduced: each rank checks only its own
+    shards, so the rank holding an overflow skips the step while a rank whose shards are finite
+    steps (and their scales part)."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _LocalInfCheckView(model)
+    return model
+
+
+class _UnscaleInStepView(EngineView):
+    def unscale_(self, scaler, optimizer) -> None:
+        pass  # `scaler.step` unscales, after the clip has seen the scaled gradients
+
+
+def unscale_after_clipping(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Clips before unscaling (no `scaler.unscale_(optimizer)` before `clip_grad_norm_`, the
+    documented AMP pitfall): the clip measures the norm of the scaled gradients, `scale` times
+    the true one, and clips them by it; `scaler.step` unscales afterwards."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _UnscaleInStepView(model)
+    return model

@@ -56,6 +56,20 @@ class FlatView(EngineView):
     def set_requires_gradient_sync(self, sync: bool) -> None:
         raise NotImplementedError
 
+    def grad_scaler(self, spec, device: torch.device):
+        """`ShardedGradScaler`: a flat engine's gradients are plain tensors, which
+        `torch.amp.GradScaler` checks on this rank alone; this one all-reduces the found-inf
+        flag (MAX) over the world, so every rank skips together (FSDP1's documented scaler)."""
+        from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+        return ShardedGradScaler(
+            device.type,
+            init_scale=spec.init_scale,
+            growth_factor=spec.growth_factor,
+            backoff_factor=spec.backoff_factor,
+            growth_interval=spec.growth_interval,
+        )
+
     # ---- derived ---------------------------------------------------------------------------------
     def _keyed(self) -> dict[str, Holding]:
         """The first holding of a parameter under its FQN, further ones under "<fqn>@<unit>"."""
