@@ -135,6 +135,16 @@ class LossScaleSpec:
     backoff_factor: float = 0.5
     growth_interval: int = 2000
 
+    def scaler_kwargs(self) -> dict[str, float | int]:
+        """The keyword arguments of `torch.amp.GradScaler` and `ShardedGradScaler` (one spelling
+        for every scaler the engines and the zoo build)."""
+        return {
+            "init_scale": self.init_scale,
+            "growth_factor": self.growth_factor,
+            "backoff_factor": self.backoff_factor,
+            "growth_interval": self.growth_interval,
+        }
+
     def describe(self) -> str:
         """e.g. `loss scale 65536 (x2 after 2000 good steps, x0.5 on inf/NaN)`."""
         return (

@@ -9,13 +9,7 @@ from fsdp_verify.engines.view import EngineView
 
 class _ShardedScalerView(EngineView):
     def grad_scaler(self, spec, device):
-        return ShardedGradScaler(
-            device.type,
-            init_scale=spec.init_scale,
-            growth_factor=spec.growth_factor,
-            backoff_factor=spec.backoff_factor,
-            growth_interval=spec.growth_interval,
-        )
+        return ShardedGradScaler(device.type, **spec.scaler_kwargs())
 
 
 def fsdp2_sharded_grad_scaler(model, mesh, spec):

@@ -74,13 +74,7 @@ class EngineView:
         FSDP1) also works on them and gives the same decisions, all-reducing the flag a second
         time (tests/test_loss_scaling.py runs both). A scaler that checks the local shards
         without that all-reduce is the zoo's `inf_check_not_all_reduced`."""
-        return torch.amp.GradScaler(
-            device.type,
-            init_scale=spec.init_scale,
-            growth_factor=spec.growth_factor,
-            backoff_factor=spec.backoff_factor,
-            growth_interval=spec.growth_interval,
-        )
+        return torch.amp.GradScaler(device.type, **spec.scaler_kwargs())
 
     def unscale_(self, scaler, optimizer: torch.optim.Optimizer) -> None:
         """Divide the gradients by the scale and decide the skip, before clipping: a clip of

@@ -393,13 +393,7 @@ class _LocalInfCheckScaler(torch.amp.GradScaler):
 
 class _LocalInfCheckView(EngineView):
     def grad_scaler(self, spec, device):
-        return _LocalInfCheckScaler(
-            device.type,
-            init_scale=spec.init_scale,
-            growth_factor=spec.growth_factor,
-            backoff_factor=spec.backoff_factor,
-            growth_interval=spec.growth_interval,
-        )
+        return _LocalInfCheckScaler(device.type, **spec.scaler_kwargs())
 
 
 def inf_check_not_all_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:

@@ -62,13 +62,7 @@ class FlatView(EngineView):
         flag (MAX) over the world, so every rank skips together (FSDP1's documented scaler)."""
         from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-        return ShardedGradScaler(
-            device.type,
-            init_scale=spec.init_scale,
-            growth_factor=spec.growth_factor,
-            backoff_factor=spec.backoff_factor,
-            growth_interval=spec.growth_interval,
-        )
+        return ShardedGradScaler(device.type, **spec.scaler_kwargs())
 
     # ---- derived ---------------------------------------------------------------------------------
     def _keyed(self) -> dict[str, Holding]:
