@@ -237,6 +237,26 @@ def test_fuzz_draws_fp16_with_loss_scaling(tmp_path, capsys):
     assert "fp16 loss scaling: 3 cases" in out, out
 
 
+def test_a_sweeps_rows_say_how_many_fp16_steps_were_skipped(tmp_path, capsys):
+    """The nightly's rows carry each loss-scaled case's steps, skips and scales (schema-valid), and
+    its summary adds them up, so a night shows whether its fp16 cases overflowed at all."""
+    from fsdp_verify.reports.schema import validate
+
+    code = main(
+        ["sweep", "--engine", "fsdp2", "--precisions", "fp16", "--world-sizes", "2", "--models", "mlp"]
+        + ["--cases", "4", "--seed", "7", "--out", str(tmp_path), "--no-progress"]
+    )
+    out = capsys.readouterr().out
+    assert code == 0, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    validate(report)
+    tallies = [row["loss_scale"] for row in report["cases"]]
+    assert [t["steps"] for t in tallies] == [row["steps"] for row in report["cases"]]
+    skipped, steps = sum(t["skipped"] for t in tallies), sum(t["steps"] for t in tallies)
+    assert 0 < skipped < steps, tallies  # this seed's draw overflows on some steps, not all
+    assert f"fp16 loss scaling: 4 cases, {skipped} of {steps} steps skipped by the reference" in out, out
+
+
 def test_loss_scaling_pins_are_checked_before_drawing():
     with pytest.raises(CaseError, match="loss_scaling.growth_interval"):
         cases(precisions=("fp16",), **{"loss_scaling.growth_interval": 0})

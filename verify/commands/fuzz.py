@@ -42,6 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_verify.properties.properties import PROPERTIES
     from fsdp_verify.properties.search import search
     from fsdp_verify.properties.strategies import PinError
+    from fsdp_verify.reports.report import loss_scale_line, loss_scale_tally
     from fsdp_verify.reports.search_report import closest_pass, write_report
     from fsdp_verify.repro.files import replay_command
     from fsdp_verify.sharded.pool import get_pool
@@ -90,13 +91,13 @@ def run(args: argparse.Namespace) -> int:
     json_path, html_path = write_report(result, args.out, meta)
     passed = sum(e.ok for e in result.examples)
     print(f"{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s. Report: {html_path}")
-    scaled = [e.verdict.loss_scales for e in result.examples if getattr(e, "verdict", None) and e.verdict.loss_scales]
-    if scaled:
-        steps = [row for rows in scaled for row in rows]
-        print(
-            f"fp16 loss scaling: {len(scaled)} cases, {sum(r['skipped'] for r in steps)} of {len(steps)} steps"
-            f" skipped by the reference (scales {min(r['scale'] for r in steps):g} to {max(r['scale'] for r in steps):g})"
-        )
+    tallies = [
+        loss_scale_tally(e.verdict.loss_scales)
+        for e in result.examples
+        if getattr(e, "verdict", None) and e.verdict.loss_scales
+    ]
+    if tallies:
+        print(loss_scale_line(tallies))
     near = closest_pass(result.examples)
     if near is not None:
         path = near.case.save(Path(args.out) / f"closest-pass-{near.case.hash}.json")

@@ -210,6 +210,11 @@ def summary(report: dict) -> str:
         f"false alarms: {len(alarms)}"
         + "".join(f"\n  {r['case_hash']} ({r['first_divergence']}): {(r['summary'] or '')[:300]}" for r in alarms),
     ]
+    from fsdp_verify.reports.report import loss_scale_line
+
+    scaled = loss_scale_line([r["loss_scale"] for r in rows if r.get("loss_scale")])
+    if scaled:
+        lines.append(scaled)
     if ratios:
         from fsdp_verify.reports.report import p99
 

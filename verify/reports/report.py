@@ -61,7 +61,32 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         "first_divergence": first_divergence(verdict) if error is None else f"rank failure: {error.splitlines()[0]}",
         "summary": (verdict.summary() if verdict is not None else error) if not ok else None,
         "ratios": ratios_by_comparator(verdict) if verdict is not None else {},
+        **(
+            {"loss_scale": loss_scale_tally(verdict.loss_scales)} if verdict is not None and verdict.loss_scales else {}
+        ),
     }
+
+
+def loss_scale_tally(loss_scales: list[dict[str, Any]]) -> dict[str, Any]:
+    """A loss-scaled case in a row: its steps, how many the reference skipped, the scales seen
+    (so a night shows whether its fp16 cases overflowed at all)."""
+    scales = [r["scale"] for r in loss_scales]
+    return {
+        "steps": len(loss_scales),
+        "skipped": sum(r["skipped"] for r in loss_scales),
+        "scales": [min(scales), max(scales)],
+    }
+
+
+def loss_scale_line(tallies: list[dict[str, Any]]) -> str | None:
+    """`fp16 loss scaling: N cases, S of T steps skipped ...` over the loss-scaled cases' tallies."""
+    if not tallies:
+        return None
+    low, high = min(t["scales"][0] for t in tallies), max(t["scales"][1] for t in tallies)
+    return (
+        f"fp16 loss scaling: {len(tallies)} cases, {sum(t['skipped'] for t in tallies)} of"
+        f" {sum(t['steps'] for t in tallies)} steps skipped by the reference (scales {low:g} to {high:g})"
+    )
 
 
 def p99(values: Sequence[float]) -> float | None:
