@@ -67,6 +67,10 @@ def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) 
         raise PinError("pins: loss_scaling is drawn for fp16 cases only (add --precisions fp16)")
     if fixed:
         LossScaleSpec(**fixed).validate()
+    if pins.get("step") is not None and "fp16" in precisions:
+        # Case validation refuses loss_scaling with a user's step (the scaler would be the
+        # step's own), and every fp16 case is drawn with one: say so now, not after every draw.
+        raise PinError("precisions: fp16 cases are drawn with loss scaling, which a user's step (--step) cannot take")
 
 
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:

@@ -36,7 +36,7 @@ from fsdp_verify.trace import Trace
 from fsdp_verify.training.data import global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
-from fsdp_verify.training.user_step import StepContext, StepRecording, load_step, split_rows
+from fsdp_verify.training.user_step import StepContext, StepRecording, call_reference_step, load_step, split_rows
 
 
 class VirtualRanks(nn.Module):
@@ -232,7 +232,7 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace,
     )
     try:
         with recording.around_step(), _backward_scaled_by(seed):
-            loss = step_fn(ranks, optimizer, batch, ctx)
+            loss = call_reference_step(step_fn, case.step, ranks, optimizer, batch, ctx)
     finally:
         recording.remove()
     for name, per in ranks.fingerprints.items():

@@ -71,6 +71,13 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
         (["--engine", "fsdp_verify.zoo.mutants:no_such_engine"], "no callable"),
         (["--steps", "many"], "invalid int value"),
         (["--param-dtype", "bf17"], "--param-dtype: expected a dtype (fp32/float32, bf16/bfloat16"),
+        (["--timeout", "-5"], "--timeout: expected a positive number of seconds, got '-5'"),
+        (["--timeout", "0"], "--timeout: expected a positive number of seconds, got '0'"),
+        (["--engine", "fsdp3"], "engine: expected 'fsdp2', 'fsdp1', 'flat', 'pkg.module:NAME'"),
+        (
+            ["--model", "fsdp_verify.models.hf:tiny_llama", "--model-kwargs", '{"num_hiden_layers": 1}'],
+            "LlamaConfig has no field 'num_hiden_layers'",
+        ),
     ],
 )
 def test_bad_input_exits_2_and_names_the_field(args, message):
@@ -92,3 +99,15 @@ def test_crashed_rank_exits_3_naming_rank_and_phase():
     )
     assert r.returncode == 3, r.stdout + r.stderr
     assert "rank 1 crash in phase 'step 1 forward" in r.stderr
+
+
+def test_engine_names_and_model_lists_take_the_spellings_users_type(tmp_path):
+    """`--engine FSDP1` runs and prints `fsdp1` (one spelling); `--models` takes commas as
+    `--world-sizes` and `--precisions` do."""
+    r = fsdp_verify("check", "--engine", "FSDP1", "--model", "mlp", "--steps", "1")
+    assert r.returncode == 0 and "EQUIVALENT: fsdp1 vs the reference" in r.stdout, r.stdout + r.stderr
+    args = ["--models", "mlp,transformer", "--world-sizes", "1", "--cases", "2", "--no-progress"]
+    r = fsdp_verify("sweep", *args, "--out", str(tmp_path))
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counts"]["cases"] == 2

@@ -113,6 +113,32 @@ def test_step_cases_round_trip_and_bad_steps_are_bad_input(capsys):
     assert "step" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("step", "says"),
+    [
+        ("bad_sig", "a callable NAME(model, optimizer, batch, ctx)"),
+        ("returns_none", "returns its loss, a tensor or number (it returned NoneType)"),
+        ("raises", "it raised ValueError: my bug"),
+    ],
+)
+def test_a_step_that_cannot_run_is_bad_input_named_step_and_the_pool_goes_on(step, says, capsys):
+    """The reference runs the step on one device with no engine, so its failure is the step's own:
+    exit 2 naming `step`, not exit 3 with a rank's traceback; the ranks' failure is drained."""
+    args = ["check", "--model", "transformer", "--steps", "1", "--world-size", "2"]
+    assert main([*args, "--step", f"tests/user/bad_steps.py:{step}"]) == 2
+    err = capsys.readouterr().err
+    assert "bad case: step: expected " in err and says in err and "Traceback" not in err, err
+    assert main(args) == 0, capsys.readouterr()  # the same pool runs the next case
+
+
+def test_fuzz_and_sweep_refuse_fp16_draws_around_a_user_step(tmp_path, capsys):
+    common = ["--step", f"{STEPS}:train_step", "--models", "mlp", "--precisions", "fp16", "--world-sizes", "2"]
+    assert main(["fuzz", *common, "--max-examples", "2", "--out", str(tmp_path / "f")]) == 2
+    assert main(["sweep", *common, "--cases", "2", "--out", str(tmp_path / "s")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("precisions: fp16 cases are drawn with loss scaling") == 2, err
+
+
 # ---- activation checkpointing -------------------------------------------------------------------
 def ac_case(engine: str = "fsdp2", checkpointing: bool = True) -> Case:
     return Case(

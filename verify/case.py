@@ -319,7 +319,7 @@ class Case:
             from fsdp_verify.imports import load_object
 
             check(
-                callable(load_object(self.step, "step")),
+                _takes_four(load_object(self.step, "step")),
                 "step",
                 "a callable NAME(model, optimizer, batch, ctx)",
                 self.step,
@@ -519,3 +519,19 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         return cls(**kwargs)
     except TypeError as e:  # wrong types that slipped through validation
         raise CaseError(where, "fields of the right type", str(e)) from None
+
+
+def _takes_four(fn: Any) -> bool:
+    """Whether a user's step can be called as NAME(model, optimizer, batch, ctx): checked here, so
+    a wrong signature is bad input named `step`, not a TypeError inside every rank."""
+    import inspect
+
+    if not callable(fn):
+        return False
+    try:
+        inspect.signature(fn).bind(None, None, None, None)
+    except TypeError:
+        return False
+    except ValueError:  # no signature to read (a builtin): let the call decide
+        return True
+    return True

@@ -25,12 +25,12 @@ REPRO_SECTION = "fsdp-verify: minimal failing case"
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
-    from fsdp_verify.commands.options import ENGINE_HELP
+    from fsdp_verify.commands.options import ENGINE_HELP, engine_name
     from fsdp_verify.properties.profiles import register_profiles
 
     register_profiles()  # before any plugin's pytest_configure loads --hypothesis-profile
     group = parser.getgroup("fsdp-verify")
-    group.addoption("--fsdp-engine", default="fsdp2", help=f"engine under test ({ENGINE_HELP})")
+    group.addoption("--fsdp-engine", type=engine_name, default="fsdp2", help=f"engine under test ({ENGINE_HELP})")
     group.addoption(
         "--fsdp-step",
         default=None,

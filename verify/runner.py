@@ -15,8 +15,9 @@ from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
-from fsdp_verify.sharded.pool import RankPool, get_pool
+from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.trace import Trace
+from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
 
 
@@ -132,6 +133,10 @@ def check_case(
     try:
         with rank_like_threads():
             ref = emulating_reference(case)  # overlaps with the ranks' work
+    except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
+        with contextlib.suppress(RankFailure):
+            pool.result(timeout_s)
+        raise
     except BaseException:
         pool.result(timeout_s)  # keep the pool in step before propagating
         raise

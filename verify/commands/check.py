@@ -55,6 +55,9 @@ def run(args: argparse.Namespace) -> int:
     except RankFailure as e:
         print(f"fsdp-verify: infrastructure failure: {e}", file=sys.stderr)
         return EXIT_INFRA
+    except CaseError as e:  # the user's step failed on the reference (verify/training/user_step.py)
+        print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
+        return EXIT_BAD_INPUT
     print(verdict.table())
     print()
     if verdict.loss_scales:

@@ -16,12 +16,13 @@ from fsdp_verify.commands.options import (
     EXIT_OK,
     add_draw_arguments,
     add_timeout,
+    engine_name,
     strategy_from_args,
 )
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", default="fsdp2", help=ENGINE_HELP)
+    p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
     add_draw_arguments(p)
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")

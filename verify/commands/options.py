@@ -24,6 +24,13 @@ DRAWABLE_POLICIES = dtypes.DRAWABLE_POLICIES
 
 
 # ---- value parsers (argparse `type=`; also used by the pytest plugin) ---------------------------
+def engine_name(text: str) -> str:
+    """A built-in engine in its one spelling (`FSDP2` -> `fsdp2`); an import path as given."""
+    from fsdp_verify.engines import BUILTIN
+
+    return text.lower() if text.lower() in BUILTIN else text
+
+
 def dtype(text: str) -> str:
     try:
         return dtypes.canonical(text)
@@ -44,6 +51,14 @@ def world_sizes(text: str) -> list[int]:
     if not sizes or any(s < 1 for s in sizes):
         raise argparse.ArgumentTypeError(f"expected positive integers (e.g. 1,2,4 or 1 2 4), got {text!r}")
     return sizes
+
+
+def model_kinds(text: str) -> list[str]:
+    """`mlp,transformer` or `mlp transformer` -> the built-in model kinds to draw."""
+    kinds = _items(text)
+    if not kinds or any(k not in ("mlp", "transformer") for k in kinds):
+        raise argparse.ArgumentTypeError(f"expected mlp and/or transformer (e.g. mlp,transformer), got {text!r}")
+    return kinds
 
 
 def precisions(text: str) -> list[str]:
@@ -87,15 +102,27 @@ def add_precisions(p: argparse.ArgumentParser, default: list[str] | None = None)
     )
 
 
+def positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
+
+
 def add_timeout(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--timeout", type=float, default=120.0, help="seconds a rank may go without finishing (default 120)")
+    p.add_argument(
+        "--timeout", type=positive_seconds, default=120.0, help="seconds a rank may go without finishing (default 120)"
+    )
 
 
 # ---- a Case from the command line -------------------------------------------------------------
 def add_case_arguments(p: argparse.ArgumentParser) -> None:
     """The Case overrides people change most; shared by every command that builds a case."""
     p.add_argument("--case", type=Path, help="a Case JSON file (default: the built-in default case)")
-    p.add_argument("--engine", help=ENGINE_HELP)
+    p.add_argument("--engine", type=engine_name, help=ENGINE_HELP)
     p.add_argument("--world-size", type=int)
     p.add_argument("--steps", type=int)
     add_model_arguments(p)
@@ -125,8 +152,9 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
         const="",
         metavar="KEY=VALUE,...",
         help="fp16 dynamic loss scaling on both sides (torch.amp.GradScaler / ShardedGradScaler on the"
-        " sharded one, written out in the reference): optional init_scale=65536,growth_factor=2,"
-        "backoff_factor=0.5,growth_interval=2000 (any of them, the rest default); 'off' removes a case file's",
+        " sharded one, written out in the reference): optionally KEY=VALUE pairs joined by commas, keys"
+        " init_scale (65536), growth_factor (2), backoff_factor (0.5), growth_interval (2000), the rest"
+        " default; 'off' removes a case file's",
     )
 
 
@@ -277,7 +305,16 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
     a user's model, and pinned Case fields."""
     add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
     add_precisions(p)
-    p.add_argument("--models", nargs="+", choices=("mlp", "transformer"), default=["mlp", "transformer"])
+    p.add_argument(
+        "--models",
+        type=model_kinds,
+        nargs="+",
+        action=ListOption,
+        default=["mlp", "transformer"],
+        metavar="KIND",
+        help="built-in models to draw: mlp and/or transformer, space- or comma-separated (default: both);"
+        " --model takes your own",
+    )
     add_model_arguments(p)
     add_step_arguments(p)
     p.add_argument(

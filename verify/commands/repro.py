@@ -18,7 +18,7 @@ import sys
 import traceback
 from pathlib import Path
 
-from fsdp_verify.commands.options import ENGINE_HELP, EXIT_DIVERGED, EXIT_OK, add_timeout, load_case
+from fsdp_verify.commands.options import ENGINE_HELP, EXIT_DIVERGED, EXIT_OK, add_timeout, engine_name, load_case
 from fsdp_verify.validation import CaseError
 
 EXIT_CANNOT_RUN = 125  # `git bisect run`'s "skip this revision"
@@ -26,7 +26,7 @@ EXIT_CANNOT_RUN = 125  # `git bisect run`'s "skip this revision"
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", type=Path, metavar="CASE.json", help="the repro file (a Case JSON)")
-    p.add_argument("--engine", help=f"run this engine instead of the case's ({ENGINE_HELP})")
+    p.add_argument("--engine", type=engine_name, help=f"run this engine instead of the case's ({ENGINE_HELP})")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
     add_timeout(p)
 

@@ -12,7 +12,15 @@ import argparse
 import sys
 from pathlib import Path
 
-from fsdp_verify.commands.options import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INFRA, EXIT_OK, add_timeout, load_case
+from fsdp_verify.commands.options import (
+    EXIT_BAD_INPUT,
+    EXIT_DIVERGED,
+    EXIT_INFRA,
+    EXIT_OK,
+    add_timeout,
+    engine_name,
+    load_case,
+)
 from fsdp_verify.repro.shrink import DEFAULT_MAX_RUNS
 from fsdp_verify.validation import CaseError
 
@@ -25,7 +33,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="where to write the shrunk case (default: case-<hash>.json next to CASE.json)",
     )
-    p.add_argument("--engine", help="shrink against this engine instead of the case's")
+    p.add_argument("--engine", type=engine_name, help="shrink against this engine instead of the case's")
     p.add_argument(
         "--max-runs", type=int, default=DEFAULT_MAX_RUNS, help=f"candidate runs at most (default {DEFAULT_MAX_RUNS})"
     )

@@ -29,9 +29,10 @@ class EngineLoadError(RuntimeError):
 
 
 def resolve_engine(name: str) -> Engine:
-    target = BUILTIN.get(name, name)
-    if ":" not in target:
-        raise EngineLoadError(f"engine: expected 'fsdp2', 'pkg.module:NAME' or 'path/file.py:NAME', got {name!r}")
+    target = BUILTIN.get(name.lower(), name) if isinstance(name, str) else name
+    if not isinstance(target, str) or ":" not in target:
+        builtins = ", ".join(repr(b) for b in BUILTIN)
+        raise EngineLoadError(f"engine: expected {builtins}, 'pkg.module:NAME' or 'path/file.py:NAME', got {name!r}")
     where, attr = target.rsplit(":", 1)
     try:
         module = import_where(where)

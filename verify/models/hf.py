@@ -29,6 +29,12 @@ TINY = {
 
 
 def _config(config_cls: type, overrides: dict[str, Any]) -> Any:
+    # A config takes any keyword and keeps it as an attribute nobody reads: a misspelt field
+    # (`num_hiden_layers`) would silently build the default model. Refuse what the config lacks.
+    known = set(config_cls().to_dict()) | {"attn_implementation"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise TypeError(f"{config_cls.__name__} has no field {unknown[0]!r} (a misspelt kwarg?)")
     values = {**TINY, "attention_dropout": 0.0, "use_cache": False, "attn_implementation": "eager", **overrides}
     return config_cls(**values)
 

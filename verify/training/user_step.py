@@ -30,12 +30,29 @@ import torch
 from torch import nn
 
 from fsdp_verify.imports import load_object
+from fsdp_verify.validation import CaseError, check
 
 Batch = tuple[Any, torch.Tensor]  # (inputs: tensor or dict of tensors, targets)
 
 
 def load_step(path: str) -> Callable[..., torch.Tensor]:
     return load_object(path, "step")
+
+
+def call_reference_step(step_fn: Callable[..., Any], path: str, *args: Any) -> Any:
+    """The user's step on the reference: one device, no engine, so an exception there, or a step
+    that returns no loss, is the step's own: bad input named `step` (exit 2), not a rank failure."""
+    try:
+        loss = step_fn(*args)
+    except Exception as e:
+        raise CaseError("step", f"a step that runs (it raised {type(e).__name__}: {e})", path) from e
+    check(
+        isinstance(loss, (torch.Tensor, float, int)) and not isinstance(loss, bool),
+        "step",
+        f"a step that returns its loss, a tensor or number (it returned {type(loss).__name__})",
+        path,
+    )
+    return loss
 
 
 def split_rows(value: Any, parts: int) -> list[Any]:
