@@ -260,6 +260,10 @@ def test_a_batch_of_another_size_is_a_divergence_named_not_a_crash(tmp_path, cap
             lambda d: train(d / "missing", model=nn.Sequential(nn.Linear(4, 2))),
             "params: the runs record different parameters",
         ),
+        (
+            lambda d: (train(d / "missing"), (d / "missing" / "rank0" / "step000001.safetensors").write_bytes(b"junk")),
+            "{d}/missing/rank0/step000001.safetensors: not a step the recorder wrote",
+        ),
     ],
 )
 def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, setup, message):

@@ -148,7 +148,7 @@ class LossScaleSpec:
     def describe(self) -> str:
         """e.g. `loss scale 65536 (x2 after 2000 good steps, x0.5 on inf/NaN)`."""
         return (
-            f"loss scale {self.init_scale:g} (x{self.growth_factor:g} after {self.growth_interval} good steps,"
+            f"loss scale {self.init_scale:.10g} (x{self.growth_factor:g} after {self.growth_interval} good steps,"
             f" x{self.backoff_factor:g} on inf/NaN)"
         )
 

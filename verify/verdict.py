@@ -119,10 +119,10 @@ class Verdict:
             return ""
         parts = []
         for row in self.loss_scales:
-            text = f"{row['step']}: {row['scale']:g} {'skipped' if row['skipped'] else 'stepped'}"
+            text = f"{row['step']}: {row['scale']:.10g} {'skipped' if row['skipped'] else 'stepped'}"
             ranks = row.get("ranks")
             if ranks is not None and any(r != [row["scale"], row["skipped"]] for r in ranks):
-                text += " (ranks: " + ", ".join(f"{s:g} {'skipped' if k else 'stepped'}" for s, k in ranks) + ")"
+                text += " (ranks: " + ", ".join(f"{s:.10g} {'skipped' if k else 'stepped'}" for s, k in ranks) + ")"
             parts.append(text)
         return "loss scale per step (the reference; every rank agrees unless listed): " + "; ".join(parts)
 

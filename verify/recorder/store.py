@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save
 
 SCHEMA_VERSION = 1
@@ -83,6 +83,9 @@ class Run:
 
     def load(self, rank: int, call: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         path = rank_dir(self.path, rank) / f"step{call:06d}.safetensors"
-        with safe_open(str(path), framework="pt") as f:
-            header = json.loads((f.metadata() or {}).get("header", "{}"))
-            return {k: f.get_tensor(k) for k in f.keys()}, header  # noqa: SIM118 (safe_open is not iterable)
+        try:
+            with safe_open(str(path), framework="pt") as f:
+                header = json.loads((f.metadata() or {}).get("header", "{}"))
+                return {k: f.get_tensor(k) for k in f.keys()}, header  # noqa: SIM118 (safe_open is not iterable)
+        except (SafetensorError, json.JSONDecodeError) as e:  # a truncated or foreign file: name it
+            raise RunError(f"{path}: not a step the recorder wrote ({type(e).__name__}: {e})") from e

@@ -85,7 +85,7 @@ def loss_scale_line(tallies: list[dict[str, Any]]) -> str | None:
     low, high = min(t["scales"][0] for t in tallies), max(t["scales"][1] for t in tallies)
     return (
         f"fp16 loss scaling: {len(tallies)} cases, {sum(t['skipped'] for t in tallies)} of"
-        f" {sum(t['steps'] for t in tallies)} steps skipped by the reference (scales {low:g} to {high:g})"
+        f" {sum(t['steps'] for t in tallies)} steps skipped by the reference (scales {low:.10g} to {high:.10g})"
     )
 
 
