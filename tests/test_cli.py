@@ -72,6 +72,7 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
         (["--steps", "many"], "invalid int value"),
         (["--param-dtype", "bf17"], "--param-dtype: expected a dtype (fp32/float32, bf16/bfloat16"),
         (["--timeout", "-5"], "--timeout: expected a positive number of seconds, got '-5'"),
+        (["--case", "no_such_case.json"], "bad case: --case: expected a Case JSON file, got 'no_such_case.json'"),
         (["--timeout", "0"], "--timeout: expected a positive number of seconds, got '0'"),
         (["--engine", "fsdp3"], "engine: expected 'fsdp2', 'fsdp1', 'flat', 'pkg.module:NAME'"),
         (

@@ -224,7 +224,10 @@ def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None) 
 def case_from_args(args: argparse.Namespace) -> Case:
     """The built-in default or --case, with the command-line overrides applied. Raises CaseError."""
     from fsdp_verify.case import Case
+    from fsdp_verify.validation import CaseError
 
+    if args.case and not Path(args.case).is_file():
+        raise CaseError("--case", "a Case JSON file", str(args.case))
     case = Case.load(args.case) if args.case else Case()
     changes: dict = {}
     if args.engine:

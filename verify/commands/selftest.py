@@ -204,7 +204,7 @@ def run(args: argparse.Namespace) -> int:
     print(
         f"\n{len(caught)}/{len(results)} bugs caught"
         + (f"; smallest ratio on a catching finding: {min(finite):.3g}" if finite else "")
-        + f"; {max((r.examples for r in caught), default=0)} examples at most."
+        + (f"; caught within {max(r.examples for r in caught)} examples at most." if caught else ".")
     )
     for r in results:
         if not r.caught:
