@@ -25,10 +25,9 @@ DRAWABLE_POLICIES = dtypes.DRAWABLE_POLICIES
 
 # ---- value parsers (argparse `type=`; also used by the pytest plugin) ---------------------------
 def engine_name(text: str) -> str:
-    """A built-in engine in its one spelling (`FSDP2` -> `fsdp2`); an import path as given."""
-    from fsdp_verify.engines import BUILTIN
+    from fsdp_verify.engines import canonical_engine
 
-    return text.lower() if text.lower() in BUILTIN else text
+    return canonical_engine(text)
 
 
 def dtype(text: str) -> str:

@@ -153,7 +153,7 @@ def _decision(name: str, rank: int, ref: float, got: float) -> str:
         if got:
             return f"rank {rank} skipped the step, the reference steps (no inf or NaN in the reduced gradients)"
         return f"rank {rank} stepped, the reference skips the step on every rank (an inf or NaN in some rank's shard)"
-    return f"rank {rank} {name} {got:g}, the reference {ref:g}"
+    return f"rank {rank} {name} {got:.10g}, the reference {ref:.10g}"
 
 
 class ParamsComparator(Comparator):

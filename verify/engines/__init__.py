@@ -28,8 +28,13 @@ class EngineLoadError(RuntimeError):
     """The engine string names nothing that can be imported and called."""
 
 
+def canonical_engine(name: str) -> str:
+    """A built-in engine in its one spelling (`FSDP2` -> `fsdp2`); an import path as given."""
+    return name.lower() if isinstance(name, str) and name.lower() in BUILTIN else name
+
+
 def resolve_engine(name: str) -> Engine:
-    target = BUILTIN.get(name.lower(), name) if isinstance(name, str) else name
+    target = BUILTIN.get(canonical_engine(name), name)
     if not isinstance(target, str) or ":" not in target:
         builtins = ", ".join(repr(b) for b in BUILTIN)
         raise EngineLoadError(f"engine: expected {builtins}, 'pkg.module:NAME' or 'path/file.py:NAME', got {name!r}")
@@ -53,4 +58,4 @@ def engine_arithmetic(name: str) -> Arithmetic:
         return FSDP2
 
 
-__all__ = ["BUILTIN", "Engine", "EngineLoadError", "ShardSpec", "resolve_engine"]
+__all__ = ["BUILTIN", "Engine", "EngineLoadError", "ShardSpec", "canonical_engine", "resolve_engine"]
