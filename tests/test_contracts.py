@@ -33,7 +33,7 @@ def test_the_default_case_issues_exactly_the_hand_computed_collectives():
     """Built-in Transformer, 2 ranks: a layer holds 2x32 + 4x32x32 + 3x44x32 = 8,384 fp32
     elements (33,536 B, even rows: no padding); the root 61x32 twice padded to 62 rows plus 32:
     4,000 elements (16,000 B). Per step: 3 forward and 3 backward all-gathers, 3 reduce-scatters;
-    the loop's own loss all-reduce and its recording gathers are outside the windows."""
+    the loop records without collectives (its one gather comes after the last step)."""
     case = Case(steps=1)
     got = get_pool(2).run(case, 120)
     for rank in measured_collectives(got):

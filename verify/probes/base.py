@@ -52,4 +52,5 @@ class Probe:
         return None
 
     def gathered(self, per_rank: list[Any]) -> None:
-        """Every rank's `to_gather()`, in rank order."""
+        """Every rank's `to_gather()`, in rank order; called on rank 0 only (the gather goes there
+        with the records, verify/sharded/collect.py), so only for what goes into the trace."""

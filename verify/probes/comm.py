@@ -41,7 +41,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify.probes.ownership import gather_objects
 
 # torch.distributed function -> (kind, index of the "big" tensor argument, its keyword name).
 _FUNCTIONS = {
@@ -218,7 +217,12 @@ class CommProbe(Probe):
 
     def finish(self) -> None:
         self._close()
-        self.meta("comm", {"ranks": gather_objects(self.log.records)})
+
+    def to_gather(self):
+        return self.log.records
+
+    def gathered(self, per_rank) -> None:
+        self.meta("comm", {"ranks": per_rank})
 
 
 def padded_shard_numel(shape: tuple[int, ...] | list[int], shard: int) -> int:

@@ -36,7 +36,6 @@ from torch.utils._pytree import tree_leaves
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify.probes.ownership import gather_objects
 from fsdp_verify.trace import Trace
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
@@ -212,6 +211,11 @@ class MemoryProbe(Probe):
         self._boundary("after the optimizer step")
 
     def finish(self) -> None:
-        self.meta("memory", {"ranks": gather_objects(self.record)})
         self.model = self.view = self.optimizer = None
         self.sharded_params = []
+
+    def to_gather(self):
+        return self.record
+
+    def gathered(self, per_rank) -> None:
+        self.meta("memory", {"ranks": per_rank})

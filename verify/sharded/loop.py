@@ -1,8 +1,9 @@
 """The sharded side of a comparison: the toolkit's training loop around an engine, on one rank.
 
-Runs identically in a pool worker and in place under torchrun. Every rank takes part in every
-gather; rank 0 alone keeps the Trace. `phase` is called before each stage so that a crash or hang
-can be reported by rank and phase.
+Runs identically in a pool worker and in place under torchrun. Every rank keeps its pieces of the
+records (verify/sharded/collect.py); one gather at the end puts them together, and rank 0 alone
+keeps the Trace. `phase` is called before each stage so that a crash or hang can be reported by
+rank and phase.
 """
 
 from __future__ import annotations
@@ -16,11 +17,11 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
-from fsdp_verify.engines.view import view_of
+from fsdp_verify.engines.view import EngineView, view_of
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
-from fsdp_verify.probes.ownership import gather_objects
+from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import checkpoint_units
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
@@ -41,6 +42,7 @@ class RankContext:
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
+    records = Collector(trace, ctx.rank, ctx.world_size)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
@@ -62,18 +64,18 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     for probe in probes:
         probe.after_optimizer(optimizer, view)
 
-    ctx.phase("step 0 gather initial params")
-    full, sums, _ = view.params_sums_and_state({})
-    _record_params(trace, 0, full, sums, initial=True)
+    ctx.phase("step 0 record initial params")
+    _record_params_and_state(records, 0, view, {}, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     run_steps = _user_steps if case.step is not None else _toolkit_steps
-    dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, trace)
+    dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, records)
     for probe in probes:
         probe.finish()
-    ctx.phase("probes: gather what they kept")
-    per_rank = gather_objects([probe.to_gather() for probe in probes])
-    for i, probe in enumerate(probes):
-        probe.gathered([mine[i] for mine in per_rank])
+    ctx.phase("gather records")  # and what the probes kept
+    per_rank = records.finish([probe.to_gather() for probe in probes])
+    if per_rank is not None:  # rank 0
+        for i, probe in enumerate(probes):
+            probe.gathered([mine[i] for mine in per_rank])
     ctx.phase("done")
     if trace is not None:
         trace.meta["dtypes"] = dtypes
@@ -81,7 +83,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     return trace
 
 
-def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
+def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records):
     """The toolkit's own loop: micro-batches, the loss normalised by the global item count,
     the engine's clip, the optimizer step; returns (dtypes seen, items per rank and micro-batch)."""
     loss_scale = getattr(sharded, "loss_scale", None) or _global_mean
@@ -116,28 +118,25 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
             local_loss += loss.detach().float()
         dtypes["logits"] = str(out.dtype)
 
-        ctx.phase(f"step {step} gather logits and loss")
-        _add(trace, step, "logits", "logits", _all_gather_rows(torch.cat(logits)))
-        dist.all_reduce(local_loss)
-        _add(trace, step, "loss", "loss", local_loss / ctx.world_size)
+        ctx.phase(f"step {step} record logits and loss")
+        records.rows(step, "logits", "logits", torch.cat(logits))
+        records.mean(step, "loss", "loss", local_loss)
 
-        ctx.phase(f"step {step} gather gradients")
-        for name, whole in view.full_grads().items():
-            dtypes["grads"] = str(whole.dtype)
-            _add(trace, step, "grads", name, whole)
+        ctx.phase(f"step {step} record gradients")
+        _record_grads(records, step, view, dtypes)
         if scaler is not None:
             ctx.phase(f"step {step} unscale gradients")
             scale, before = scaler.get_scale(), stepped[0]
             view.unscale_(scaler, optimizer)
         if case.clip_norm is not None:
             ctx.phase(f"step {step} clip gradients")
-            _add(trace, step, "grad_norm", "total_norm", view.clip_grad_norm_(case.clip_norm))
+            records.full(step, "grad_norm", "total_norm", view.clip_grad_norm_(case.clip_norm))
         ctx.phase(f"step {step} optimizer step")
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
             ctx.phase(f"step {step} gather loss scale")
-            if not _record_loss_scale(trace, step, scale, stepped[0] == before, ctx.device):
+            if not _record_loss_scale(records, step, scale, stepped[0] == before, ctx.device):
                 # Ranks that parted (one stepped, one skipped) hold optimizer state of other
                 # shapes: the next gathers would mismatch. The decisions are the finding; stop.
                 optimizer.zero_grad(set_to_none=True)
@@ -145,22 +144,22 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
         else:
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        _after_step(case, ctx, step, view, optimizer, params, probes, trace)
+        _after_step(case, ctx, step, view, optimizer, params, probes, records)
     return dtypes, items
 
 
-def _user_steps(case, ctx, sharded, view, optimizer, params, probes, trace):
+def _user_steps(case, ctx, sharded, view, optimizer, params, probes, records):
     """A user's own step (verify/training/user_step.py) on this rank's block of the global batch."""
     step_fn = load_step(case.step)
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
     for step in range(1, case.steps + 1):
-        _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace, dtypes, items)
-        _after_step(case, ctx, step, view, optimizer, params, probes, trace)
+        _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, records, dtypes, items)
+        _after_step(case, ctx, step, view, optimizer, params, probes, records)
     return dtypes, items
 
 
-def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace, dtypes, items) -> None:
+def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, records, dtypes, items) -> None:
     """One call of the step, recorded around: logits at every forward, gradients before the clip
     or the optimizer, the clip's norm (this rank's), the loss it returns averaged over ranks."""
     inputs, targets = global_batch(case, step)
@@ -186,16 +185,14 @@ def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace
         forwards[0] += 1
 
     def on_grads() -> None:
-        ctx.phase(f"step {step} gather gradients")
+        ctx.phase(f"step {step} record gradients")
         for probe in probes:
             probe.after_backward(step, case.microbatches - 1)
-        for name, whole in view.full_grads().items():
-            dtypes["grads"] = str(whole.dtype)
-            _add(trace, step, "grads", name, whole)
+        _record_grads(records, step, view, dtypes)
 
     def on_norm(norm: torch.Tensor) -> None:
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        _add(trace, step, "grad_norm", "total_norm", full.detach())
+        records.full(step, "grad_norm", "total_norm", full.detach())
 
     step_ctx = StepContext(
         ctx.world_size,
@@ -214,26 +211,21 @@ def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, trace
             loss = step_fn(sharded, optimizer, batch, step_ctx)
     finally:
         recording.remove()
-    ctx.phase(f"step {step} gather logits and loss")
+    ctx.phase(f"step {step} record logits and loss")
     if logits:
-        _add(trace, step, "logits", "logits", _all_gather_rows(torch.cat(logits)))
-    local = torch.as_tensor(loss).detach().float().reshape(()).to(ctx.device)
-    dist.all_reduce(local)
-    _add(trace, step, "loss", "loss", local / ctx.world_size)
+        records.rows(step, "logits", "logits", torch.cat(logits))
+    records.mean(step, "loss", "loss", torch.as_tensor(loss).detach().float().reshape(()))
 
 
-def _after_step(case, ctx, step, view, optimizer, params, probes, trace) -> None:
-    ctx.phase(f"step {step} gather params and optimizer state")
-    full, sums, state = view.params_sums_and_state(optimizer_state(optimizer, params))
-    _record_params(trace, step, full, sums)
-    for key, whole in state.items():
-        _add(trace, step, "optim_state", key, whole)
+def _after_step(case, ctx, step, view, optimizer, params, probes, records) -> None:
+    ctx.phase(f"step {step} record params and optimizer state")
+    _record_params_and_state(records, step, view, optimizer_state(optimizer, params))
     ctx.phase(f"step {step} probes after the step")
     for probe in probes:
         probe.after_step(step)
 
 
-def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bool, device: torch.device) -> bool:
+def _record_loss_scale(records: Collector, step: int, scale: float, skipped: bool, device: torch.device) -> bool:
     """Every rank's loss scale for this step and whether its optimizer skipped the step, in rank
     order: decisions, compared exactly. Rank 0's alone would miss a rank that skipped (or
     stepped) against the others. Returns whether the ranks agreed on the skip (all know it)."""
@@ -243,8 +235,8 @@ def _record_loss_scale(trace: Trace | None, step: int, scale: float, skipped: bo
     # Fresh tensors from lists: a column of a (1, 2) stack has stride 2 and a size-1 dimension,
     # which `contiguous()` keeps as it is, and the trace's byte packing cannot view.
     scales, skips = zip(*(p.tolist() for p in parts))
-    _add(trace, step, "loss_scale", "scale", torch.tensor(scales, dtype=torch.float32))
-    _add(trace, step, "loss_scale", "skipped", torch.tensor(skips, dtype=torch.int64))
+    records.full(step, "loss_scale", "scale", torch.tensor(scales, dtype=torch.float32))
+    records.full(step, "loss_scale", "skipped", torch.tensor(skips, dtype=torch.int64))
     return len(set(skips)) == 1
 
 
@@ -255,31 +247,39 @@ def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_s
     return global_mean_scale(dp_size, global_items)
 
 
-def _add(trace: Trace | None, step: int, phase: str, name: str, value: torch.Tensor) -> None:
-    if trace is not None:
-        trace.add(step, phase, name, value)
+def _makes_own(view: EngineView, *methods: str) -> bool:
+    """Whether the engine's view makes these full tensors itself (FSDP1 and the flat engine do):
+    what it gives is then recorded whole; else the DTensors are recorded shard by shard."""
+    return any(getattr(type(view), m) is not getattr(EngineView, m) for m in methods)
 
 
-def _record_params(
-    trace: Trace | None, step: int, full: dict[str, torch.Tensor], sums: dict[str, torch.Tensor], initial: bool = False
+def _record_grads(records: Collector, step: int, view: EngineView, dtypes: dict[str, str]) -> None:
+    """Gradients after reduction, before clipping; parameters without a gradient are absent."""
+    if _makes_own(view, "full_grads"):
+        grads = view.full_grads()
+    else:
+        grads = {n: p.grad for n, p in view.parameters().items() if p.grad is not None}
+    for g in grads.values():
+        dtypes["grads"] = str(g.dtype)
+    records.tensors(step, "grads", grads)
+
+
+def _record_params_and_state(
+    records: Collector, step: int, view: EngineView, state: dict[str, torch.Tensor], initial: bool = False
 ) -> None:
     """Full params, and per-param sums computed from the local shards (sum of each shard, then
-    reduced): a second path that sees padding leaking into shards or a parameter held twice."""
-    for name, whole in full.items():
-        _add(trace, step, "init" if initial else "params", name, whole)
-    for name, s in sums.items():
-        _add(trace, step, "param_sums", name, s)
-    total = torch.stack(list(sums.values())).sum() if sums else torch.zeros((), dtype=torch.float64)
-    _add(trace, step, "param_sums", "__total__", total)
-
-
-def _all_gather_rows(local: torch.Tensor) -> torch.Tensor:
-    """Concatenate every rank's rows in rank order (= global sample order). Sent as fp32, which
-    holds bf16 and fp16 values exactly, since not every backend reduces low-precision types."""
-    world = dist.get_world_size()
-    if world == 1:
-        return local
-    wide = local.to(torch.float32)
-    parts = [torch.empty_like(wide) for _ in range(world)]
-    dist.all_gather(parts, wide)
-    return torch.cat(parts).to(local.dtype)
+    added over the shard group): a second path that sees padding leaking into shards or a
+    parameter held twice; then the optimizer state."""
+    phase = "init" if initial else "params"
+    if _makes_own(view, "full_params", "param_sums", "full_optimizer_state"):
+        sums = view.param_sums()
+        records.tensors(step, phase, view.full_params())
+        for name, s in sums.items():
+            records.full(step, "param_sums", name, s)
+        records.tensors(step, "optim_state", view.full_optimizer_state(state))
+    else:
+        params = {n: p.detach() for n, p in view.parameters().items()}
+        records.tensors(step, phase, params, sums="param_sums")
+        records.tensors(step, "optim_state", state)
+        sums = params
+    records.total(step, "param_sums", "__total__", of=list(sums))

@@ -131,7 +131,7 @@ def phase_kind(phase: str) -> str:
         return "fully_shard (engine)"
     if "probes" in phase:
         return "probes"
-    if "gather" in phase:
+    if " record " in phase or "gather" in phase:
         return "record + gather"
     if phase == "done":
         return "finish"
@@ -152,7 +152,7 @@ class PhaseClock:
         self.board(phase)
         kind = kind or phase_kind(phase)
         if kind == "record + gather":  # which record: "record + gather: gradients", ...
-            kind = f"{kind}: {phase.split(' gather ', 1)[-1]}"
+            kind = f"{kind}: {phase.split(' record ', 1)[-1] if ' record ' in phase else phase}"
         self.mark(kind)
 
     def mark(self, kind: str | None) -> None:

@@ -1,0 +1,95 @@
+"""The sharded side's records are kept as pieces on each rank and put together once per case
+(verify/sharded/collect.py). These run real gloo ranks, with DTensors laid out as FSDP2 lays them
+out, and hold the assembled records to what the collectives give: `full_tensor()` bit for bit,
+rows in rank order, the loss summed as gloo sums it, the shard sums of rank 0's group."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+from fsdp_verify.sharded.collect import Collector
+from fsdp_verify.trace import Trace
+
+# Rows that do not split evenly: 7 over 3 ranks is 3, 3, 1; 2 over 3 leaves rank 2 empty.
+SHAPES = {"even": (6, 4), "uneven": (7, 3), "empty_on_last": (2, 5), "vector": (5,)}
+
+
+def _values(step: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(step)
+    return {n: torch.randn(s, generator=g, dtype=torch.float32) for n, s in SHAPES.items()}
+
+
+def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", mesh_shape)
+    placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
+    trace = Trace("sharded") if rank == 0 else None
+    records = Collector(trace, rank, world)
+    expected: dict = {}
+    for step in (0, 1):
+        named = {n: distribute_tensor(v, mesh, placements) for n, v in _values(step).items()}
+        records.tensors(step, "params", named, sums="param_sums")
+        records.total(step, "param_sums", "__total__", of=list(named))
+        records.rows(step, "logits", "logits", torch.full((2, 3), float(rank + step)))
+        records.mean(step, "loss", "loss", torch.tensor(0.1 * (rank + 1) + step))
+        # what the collectives give, for comparison (every rank calls them)
+        for n, t in named.items():
+            expected[(step, "params", n)] = t.full_tensor()
+        replicated = distribute_tensor(torch.arange(3.0), mesh, [Replicate()] * len(mesh_shape))
+        records.tensors(step, "optim_state", {"replicated": replicated})
+        expected[(step, "optim_state", "replicated")] = torch.arange(3.0)
+    extras = records.finish({"rank": rank})
+    if rank == 0:
+        assert extras == [{"rank": r} for r in range(world)]
+        torch.save({"records": trace.records, "expected": expected}, out)
+    else:
+        assert extras is None
+    dist.destroy_process_group()
+
+
+def _run(mesh_shape: tuple[int, ...]) -> dict:
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.pt")
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out), nprocs=world)
+        return torch.load(out)
+
+
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["fsdp-3-ranks", "hsdp-2x2"])
+def test_assembled_records_are_what_the_collectives_give(mesh_shape):
+    got = _run(mesh_shape)
+    records, expected = got["records"], got["expected"]
+    world = 1
+    for n in mesh_shape:
+        world *= n
+    shard_group = mesh_shape[-1]  # rank 0's group along the shard dim: ranks 0..shard_group-1
+    for key, want in expected.items():
+        assert torch.equal(records[key], want), key  # bit for bit
+    for step in (0, 1):
+        values = _values(step)
+        for name, full in values.items():
+            # rank 0's group's local row chunks, summed in float64, in group order
+            want = torch.zeros((), dtype=torch.float64)
+            for chunk in full.chunk(shard_group, dim=0):
+                want = want + chunk.double().sum()
+            assert torch.equal(records[(step, "param_sums", name)], want), (step, name)
+        total = torch.stack([records[(step, "param_sums", n)] for n in values]).sum()
+        assert torch.equal(records[(step, "param_sums", "__total__")], total)
+        rows = torch.cat([torch.full((2, 3), float(r + step)) for r in range(world)])
+        assert torch.equal(records[(step, "logits", "logits")], rows)
+        losses = [torch.tensor(0.1 * (r + 1) + step) for r in range(world)]
+        summed = losses[-1]
+        for v in losses[-2::-1]:  # gloo adds one element from the last rank down
+            summed = summed + v
+        assert torch.equal(records[(step, "loss", "loss")], summed / world)

@@ -1,0 +1,197 @@
+"""The sharded side's records, kept by the rank that makes them and put together once per case.
+
+A record used to be a collective: each step all-gathered the logits, all-reduced the loss and
+gathered full gradients, parameters and optimizer state. On gloo a collective is a round trip of
+0.2 to 2 ms between processes (bench/gloo_floor.py), more than a tiny case's arithmetic. Now each
+rank keeps its own piece of a record: its rows of the logits, its loss, its local `Shard(0)` rows
+of a DTensor and their float64 sum. The pieces travel once, at the end of the case, in the one
+gather that also carries the probes' payloads. Rank 0 then puts every record together: rows in
+rank order, DTensor rows in the order of rank 0's shard group (the layout `full_tensor()` gives),
+shard sums in that order, and the loss summed as gloo sums one element (last rank first,
+reference/trainer.py `_gloo_scalar_sum`). The bits are the ones the collectives gave.
+
+What a piece cannot say is recorded whole at once, as before: a DTensor in another layout (one
+`full_tensor()`, a collective), or the full tensors of an engine view that makes its own
+(verify/engines/view.py; FSDP1 and the flat engine do).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from fsdp_verify.trace import Key, Trace
+
+ROWS, MEAN, SHARD, SUM = "rows", "mean", "shard", "sum"
+
+
+def shard_dim(t: DTensor) -> int | None:
+    """The mesh dim a DTensor is Shard(0) on, -1 if replicated on every dim, None otherwise."""
+    dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
+    if not dims:
+        return -1
+    p = t.placements[dims[0]]
+    return dims[0] if len(dims) == 1 and isinstance(p, Shard) and p.dim == 0 and t.ndim > 0 else None
+
+
+class Collector:
+    """Every rank records into one; `finish` (a collective) hands rank 0 the whole trace."""
+
+    def __init__(self, trace: Trace | None, rank: int, world_size: int):
+        self.trace, self.rank, self.world_size = trace, rank, world_size
+        self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
+        self.global_rows: dict[Key, int] = {}  # a SHARD record's rows in the full tensor
+        self.totals: list[tuple[Key, list[str]]] = []
+        self._groups: dict[tuple[DeviceMesh, int], int | None] = {}
+
+    # ---- recording ----------------------------------------------------------------------------
+    def full(self, step: int, phase: str, name: str, value: torch.Tensor) -> None:
+        """A value every rank holds whole (or only rank 0's counts): rank 0 keeps it now."""
+        if self.trace is not None:
+            self.trace.add(step, phase, name, value)
+
+    def rows(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
+        """This rank's rows of a tensor whose rows are the ranks' in rank order (logits)."""
+        self._keep((step, phase, name), ROWS, self.rank, local)
+
+    def mean(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
+        """This rank's value of a scalar averaged over ranks (the loss)."""
+        self._keep((step, phase, name), MEAN, self.rank, local)
+
+    def tensors(self, step: int, phase: str, named: dict[str, torch.Tensor], sums: str | None = None) -> None:
+        """Full values of `named` (DTensors or plain tensors every rank holds whole); with `sums`,
+        also each one's float64 sum from the local shards, added over the shard group, under that
+        phase: a second path that sees padding leaking into a shard or a row held twice."""
+        for name, t in named.items():
+            t = t.detach()
+            key = (step, phase, name)
+            if not isinstance(t, DTensor):
+                self.full(*key, t)
+                if sums:
+                    self.full(step, sums, name, t.double().sum())
+                continue
+            dim = shard_dim(t)
+            position = self._position(t.device_mesh, dim) if dim is not None and dim >= 0 else None
+            if dim == -1:
+                self.full(*key, t.to_local())
+                if sums:
+                    self.full(step, sums, name, t.to_local().double().sum())
+            elif position is None:  # another layout, or rank 0 outside the mesh: whole, now
+                whole = t.full_tensor()
+                self.full(*key, whole)
+                if sums:
+                    self.full(step, sums, name, whole.double().sum())
+            elif position >= 0:  # a rank of rank 0's shard group; other replicas send nothing
+                local = t.to_local()
+                self._keep(key, SHARD, position, local, global_rows=t.shape[0])
+                if sums:
+                    self._keep((step, sums, name), SUM, position, local.double().sum())
+
+    def total(self, step: int, phase: str, name: str, of: list[str]) -> None:
+        """Record `name` as the sum of the step's records `of` in `phase`, in that order, once
+        they are whole."""
+        self.totals.append(((step, phase, name), of))
+
+    def _keep(self, key: Key, kind: str, position: int, local: torch.Tensor, global_rows: int = -1) -> None:
+        piece = local.detach().clone().contiguous().cpu() if local.device.type == "cpu" else local.detach().cpu()
+        self.pieces[key] = (kind, position, piece)
+        if global_rows >= 0:
+            self.global_rows[key] = global_rows
+
+    def _position(self, mesh: DeviceMesh, dim: int) -> int | None:
+        """This rank's place in rank 0's group along mesh dim `dim`; -1 outside it; None when rank
+        0 is not in the mesh."""
+        if (mesh, dim) not in self._groups:
+            grid = mesh.mesh
+            where = (grid == 0).nonzero()
+            if len(where) == 0:
+                self._groups[(mesh, dim)] = None
+            else:
+                index: list[Any] = where[0].tolist()
+                index[dim] = slice(None)
+                group = grid[tuple(index)].tolist()
+                self._groups[(mesh, dim)] = group.index(self.rank) if self.rank in group else -1
+        return self._groups[(mesh, dim)]
+
+    # ---- the one gather -----------------------------------------------------------------------
+    def finish(self, extra: Any = None) -> list[Any] | None:
+        """Send every rank's pieces and `extra` to rank 0 in one gather (a collective); rank 0 puts
+        the records together into its trace and gets every rank's `extra` in rank order."""
+        mine = (self._packed(), extra)
+        if self.world_size == 1 or not dist.is_initialized():
+            per_rank = [mine]
+        else:
+            per_rank = [None] * self.world_size if self.rank == 0 else None
+            dist.gather_object(mine, per_rank, dst=0)
+        if self.rank != 0:
+            return None
+        assert per_rank is not None
+        self._assemble([_unpacked(p) for p, _ in per_rank])
+        return [e for _, e in per_rank]
+
+    def _packed(self) -> tuple[dict, bytes]:
+        carrier = Trace("pieces")
+        kinds = {}
+        for (step, phase, name), (kind, position, piece) in self.pieces.items():
+            carrier.records[(step, phase, name)] = piece
+            kinds[f"{step}/{phase}/{name}"] = [kind, position, self.global_rows.get((step, phase, name), -1)]
+        carrier.meta["kinds"] = kinds
+        header, buf = carrier.pack()
+        return header, buf.numpy().tobytes()
+
+    def _assemble(self, per_rank: list[Trace]) -> None:
+        assert self.trace is not None
+        for key in self.pieces:  # rank 0 holds a piece of every record
+            kind, _, rows = per_rank[0].meta["kinds"][_name(key)]
+            if kind in (ROWS, MEAN):
+                values = [_piece(ranked, key, r) for r, ranked in enumerate(per_rank)]
+            else:  # SHARD, SUM: the ranks of rank 0's group, by position
+                placed = {}
+                for r, ranked in enumerate(per_rank):
+                    found = ranked.meta["kinds"].get(_name(key))
+                    if found is not None:
+                        placed[found[1]] = _piece(ranked, key, r)
+                values = [placed[p] for p in sorted(placed)]
+            self.trace.records[key] = _whole(kind, values, key, rows)
+        for (step, phase, name), of in self.totals:
+            parts = [self.trace.records[(step, phase, n)] for n in of]
+            total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
+            self.trace.add(step, phase, name, total)
+
+
+def _whole(kind: str, values: list[torch.Tensor], key: Key, rows: int) -> torch.Tensor:
+    if kind == ROWS:
+        return torch.cat(values)
+    if kind == MEAN:  # as gloo's all-reduce adds one element: from the last rank down
+        total = values[-1]
+        for v in values[-2::-1]:
+            total = total + v
+        return total / len(values)
+    if kind == SUM:  # in the group's order
+        total = values[0].clone()
+        for v in values[1:]:
+            total += v
+        return total
+    whole = torch.cat(values)
+    if whole.shape[0] != rows:
+        raise RuntimeError(f"record {_name(key)}: the shards hold {whole.shape[0]} rows, the tensor has {rows}")
+    return whole
+
+
+def _name(key: Key) -> str:
+    return "/".join(map(str, key))
+
+
+def _piece(ranked: Trace, key: Key, rank: int) -> torch.Tensor:
+    if key not in ranked.records:
+        raise RuntimeError(f"record {_name(key)}: rank {rank} recorded no piece of it")
+    return ranked.records[key]
+
+
+def _unpacked(packed: tuple[dict, bytes]) -> Trace:
+    header, blob = packed
+    return Trace.unpack(header, bytearray(blob))
