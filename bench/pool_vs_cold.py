@@ -64,8 +64,10 @@ class ThreadedRanks:
     """PyTorch's test harness process group: ranks are threads of this process, kept alive between
     rounds (as the pool's processes are)."""
 
-    def __init__(self, world_size: int):
-        self.world_size = world_size
+    def __init__(self, world_size: int, fn=None):
+        from fsdp_verify.sharded.loop import run_sharded
+
+        self.world_size, self.fn = world_size, fn or run_sharded
         self.times: list[float] = []
         self._errors: list[BaseException] = []
         self._todo = 0
@@ -103,7 +105,7 @@ class ThreadedRanks:
         gc.collect()
 
     def _rank_main(self, rank: int) -> None:
-        from fsdp_verify.sharded.loop import RankContext, run_sharded
+        from fsdp_verify.sharded.loop import RankContext
         from fsdp_verify.sharded.worker import MeshCache
 
         try:
@@ -116,7 +118,7 @@ class ThreadedRanks:
                 for _ in range(self._todo):
                     self._sync.wait()
                     t = time.perf_counter()
-                    run_sharded(CASE, ctx)
+                    self.fn(CASE, ctx)
                     self._sync.wait()
                     if rank == 0:
                         self.times.append(time.perf_counter() - t)

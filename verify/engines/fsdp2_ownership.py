@@ -50,16 +50,30 @@ def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[i
 
 def fsdp2_ownership(root: nn.Module) -> OwnershipMap | None:
     """None when the module has no FSDP2 state at all (not an FSDP2 engine). Collective."""
-    has_fsdp = any(isinstance(m, FSDPModule) for m in root.modules())
-    held, unmanaged = _local_holdings(root) if has_fsdp else ({}, [])
+    mine = local_holdings(root)
     world = dist.get_world_size() if dist.is_initialized() else 1
     per_rank: list = [None] * world
     if world > 1:
-        dist.all_gather_object(per_rank, (has_fsdp, held))
+        dist.all_gather_object(per_rank, mine)
     else:
-        per_rank = [(has_fsdp, held)]
-    if not any(h for h, _ in per_rank):
+        per_rank = [mine]
+    return ownership_from(per_rank)
+
+
+def local_holdings(root: nn.Module) -> tuple[bool, dict, list[str]]:
+    """This rank's part of the map (whether it has FSDP2 state, what it holds, the unmanaged
+    FQNs), to be put together with every rank's by `ownership_from`."""
+    has_fsdp = any(isinstance(m, FSDPModule) for m in root.modules())
+    held, unmanaged = _local_holdings(root) if has_fsdp else ({}, [])
+    return has_fsdp, held, unmanaged
+
+
+def ownership_from(per_rank: list[tuple[bool, dict, list[str]]]) -> OwnershipMap | None:
+    """The map from every rank's `local_holdings`, in rank order; None without FSDP2 state."""
+    if not any(h for h, _, _ in per_rank):
         return None
+    held, unmanaged = per_rank[0][1], per_rank[0][2]
+    per_rank = [(h, other) for h, other, _ in per_rank]
     names = list(held)
     for _, other in per_rank:
         names += [n for n in other if n not in names]

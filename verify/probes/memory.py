@@ -12,11 +12,12 @@ floating-point storage (a flat copy, a detached clone, a gather buffer). Storage
 (FSDP2's freed all-gather outputs) counts zero. Activations that only autograd's C++ graph
 holds are not reachable and not counted.
 
-Boundaries: before each step's first forward and after the optimizer step (nothing may be held
-beyond the sharded state: neither unsharded nor other), and after each unit's forward in the
-first step (a forward hook registered after the engine's own, so it sees the unit after its
-reshard; the pattern repeats every step, and walking the module at every unit of every step
-costs more than the rest of the case). Each rank records its own; `finish` gathers them into
+Boundaries: before the first step's first forward and after every optimizer step (nothing may be
+held beyond the sharded state: neither unsharded nor other; before a later step the module is as
+the previous step left it), and after each unit's forward in the first step (a forward hook
+registered after the engine's own, so it sees the unit after its reshard; the pattern repeats
+every step, and walking the module at every unit of every step costs more than the rest of the
+case). Each rank records its own; they travel in the case's one gather (`to_gather`) into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
 "boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...],
 "no_backward": [unit, ...]}, ...]}`, the last naming the units whose forward output requires no
@@ -39,6 +40,7 @@ from fsdp_verify.probes.base import Probe
 from fsdp_verify.trace import Trace
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
+_LEAVES = frozenset((str, int, float, bool, type(None), bytes))  # most of what a walk meets: a set lookup
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -53,12 +55,13 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
     """Every tensor reachable from `root` through attributes, containers and hook closures
     (functions are followed through their closures only, never their globals)."""
+    stop = (*_ATOMS, torch.dtype, torch.device, *skip)
     seen: set[int] = set()
     out: list[torch.Tensor] = []
     stack: list[Any] = [root]
     while stack:
         obj = stack.pop()
-        if id(obj) in seen or isinstance(obj, (*_ATOMS, *skip)):
+        if type(obj) in _LEAVES or id(obj) in seen or isinstance(obj, stop):
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
@@ -71,8 +74,6 @@ def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor
             continue
         if isinstance(obj, types.FunctionType):
             stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
-            continue
-        if isinstance(obj, (torch.dtype, torch.device)):
             continue
         stack.extend(gc.get_referents(obj))
     return out
@@ -189,7 +190,10 @@ class MemoryProbe(Probe):
 
     def before_forward(self, step: int, microbatch: int) -> None:
         self.step, self.microbatch = step, microbatch
-        if microbatch == 0:
+        if microbatch == 0 and step == 1:
+            # Before later steps the module is as the previous step's "after the optimizer step"
+            # boundary saw it (the loop only draws the next batch in between), and a walk costs
+            # a millisecond: it is not walked twice.
             self._boundary("before forward")
 
     def after_backward(self, step: int, microbatch: int) -> None:

@@ -1,5 +1,5 @@
 """Ownership probe: after sharding, record who owns each parameter (the engine view's
-OwnershipMap), which parameter names share one tensor in the sharded module (ties), and whether the
+OwnershipMap; FSDP2's is put together from every rank's part in the case's one gather), which parameter names share one tensor in the sharded module (ties), and whether the
 optimizer holds exactly the tensors the sharded module trains. All of it goes into trace.meta as
 JSON; verify/checks/ownership.py judges it."""
 
@@ -11,6 +11,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_verify.engines.fsdp2_ownership import local_holdings, ownership_from
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
 
@@ -35,8 +36,13 @@ def tie_groups(module: nn.Module) -> list[list[str]]:
 class OwnershipProbe(Probe):
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         self.module = model
-        ownership = view.ownership()  # a collective: every rank calls it
-        self.meta("ownership", ownership.to_json() if ownership is not None else None)
+        self.holdings = None
+        if type(view).ownership is EngineView.ownership:
+            # FSDP2's map: each rank reads its part now, the case's one gather brings them together
+            self.holdings = local_holdings(model)
+        else:
+            ownership = view.ownership()  # the engine's own reading, a collective: every rank calls it
+            self.meta("ownership", ownership.to_json() if ownership is not None else None)
         self.meta("ties", tie_groups(model))
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
@@ -57,8 +63,12 @@ class OwnershipProbe(Probe):
         self.optimizer_params = mine
 
     def to_gather(self):
-        return getattr(self, "optimizer_params", None)
+        return getattr(self, "holdings", None), getattr(self, "optimizer_params", None)
 
     def gathered(self, per_rank) -> None:
-        if per_rank[self.rank] is not None:
-            self.meta("optimizer_params", per_rank)
+        holdings, optimizer_params = zip(*per_rank)
+        if holdings[self.rank] is not None:
+            ownership = ownership_from(list(holdings))
+            self.meta("ownership", ownership.to_json() if ownership is not None else None)
+        if optimizer_params[self.rank] is not None:
+            self.meta("optimizer_params", list(optimizer_params))

@@ -278,7 +278,7 @@ def _record_params_and_state(
             records.full(step, "param_sums", name, s)
         records.tensors(step, "optim_state", view.full_optimizer_state(state))
     else:
-        params = {n: p.detach() for n, p in view.parameters().items()}
+        params = view.parameters()
         records.tensors(step, phase, params, sums="param_sums")
         records.tensors(step, "optim_state", state)
         sums = params
