@@ -5,7 +5,7 @@ import subprocess
 import sys
 
 import pytest
-from hypothesis import given
+from hypothesis import example, given
 
 from fsdp_verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
@@ -14,7 +14,7 @@ from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.models import MLP
 from fsdp_verify.properties import cases, sharded_equals_reference
 from fsdp_verify.sharded.pool import get_pool
-from tests.conftest import TINY_LM, lm_case, mlp_case
+from tests.conftest import TINY_LM, lm_case, mlp_case, regression
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
@@ -74,6 +74,7 @@ def test_flat_ownership_map_is_a_partition_with_uneven_slices():
 
 
 @given(cases(engine="flat"))
+@example(regression("d700cd259782"))  # nested units, checkpointing: a unit's recomputation found its shard views
 def test_flat_property_sharded_equals_reference(case):
     """The property suite's generated cases: nested wrap plans, frozen and tied weights, dropout,
     meta init, micro-batches with and without sync, clipping, bf16 with any reduce/output dtype."""

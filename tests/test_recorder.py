@@ -329,3 +329,12 @@ def test_perturbation_moves_each_nonzero_element_by_its_bound_and_leaves_zeros(t
     finally:
         del os.environ["FSDP_VERIFY_PERTURB"]
     assert rec.perturbation.seed == 3 and Run(tmp_path / "p", "p").meta[0]["settings"]["perturb"] == 3
+
+
+def test_runs_of_different_lengths_are_compared_over_the_steps_both_have(tmp_path, capsys):
+    """The note counts training steps, not the initial-state record (call 0)."""
+    train(tmp_path / "a", steps=3)
+    train(tmp_path / "b", steps=2)
+    code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    assert "the runs recorded 3 and 2 steps; compared the 2 both have" in out, out
+    assert code == 0, out

@@ -241,7 +241,11 @@ def test_a_user_data_function_loss_and_output_fn_run_on_both_sides():
 # ---- factories that are wrong -----------------------------------------------------------------------
 @pytest.mark.parametrize(
     ("factory", "why"),
-    [("reseeds_by_rank", "other values"), ("width_by_rank", "shape (21, 12) torch.float32 vs rank 0's (20, 12)")],
+    [
+        ("reseeds_by_rank", "other values"),
+        ("reseeds_by_env_rank", "other values"),  # pool workers set RANK, WORLD_SIZE, LOCAL_RANK as torchrun does
+        ("width_by_rank", "shape (21, 12) torch.float32 vs rank 0's (20, 12)"),
+    ],
 )
 def test_a_factory_that_builds_another_model_on_another_rank_is_named_at_step_0(factory, why, tmp_path, capsys):
     verdict = tmp_path / "verdict.json"

@@ -3,6 +3,8 @@ or `--model tests.user.models:NAME` brings under test."""
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -49,6 +51,12 @@ def reseeds_by_rank(**kwargs) -> nn.Module:
     """A factory that seeds itself from the rank (as `torch.manual_seed(base + rank)` in a
     launcher script does): every rank builds other values."""
     torch.manual_seed(1000 + _rank())
+    return UserLM(**kwargs)
+
+
+def reseeds_by_env_rank(**kwargs) -> nn.Module:
+    """The same, reading the launcher's RANK variable as a torchrun script does (0 when unset)."""
+    torch.manual_seed(1000 + int(os.environ.get("RANK", "0")))
     return UserLM(**kwargs)
 
 

@@ -139,7 +139,9 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
     common = sorted(set(ref.calls[0]) & set(got.calls[0]))
     if set(ref.calls[0]) != set(got.calls[0]):
         result.notes.append(
-            f"the runs recorded {len(ref.calls[0])} and {len(got.calls[0])} steps; compared the {len(common)} both have"
+            # call 0 is the state before the first step (verify/recorder/store.py), not a step
+            f"the runs recorded {len(ref.calls[0]) - 1} and {len(got.calls[0]) - 1} steps;"
+            f" compared the {len(common) - 1} both have"
         )
     cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
     world = got.world_size

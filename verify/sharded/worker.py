@@ -186,6 +186,11 @@ def worker_main(
 ) -> None:
     _die_with_parent()
     torch.set_num_threads(1)  # world_size processes share the machine's cores
+    # The variables torchrun sets, so that a user's factory or step that reads them (to seed, to
+    # log, to pick a device) sees what it would see there, and the build check can name a
+    # factory that builds by rank.
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(LOCAL_WORLD_SIZE=str(world_size))
     # On SIGUSR1 the pool asks for our Python stack, to tell a hung rank from one waiting on it.
     stack_file = open(os.path.join(pool_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)

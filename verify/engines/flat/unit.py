@@ -128,6 +128,14 @@ class FlatUnit:
         output = _cast(output, self.mp_policy.output_dtype)
         if self.flat is None:
             return output
+        if torch._C._current_graph_task_id() != -1:
+            # A forward inside backward: activation checkpointing recomputing an enclosing unit.
+            # This unit's own checkpointed forward is recomputed later, when its saved tensors
+            # are unpacked, past the forward hooks: it must still find the full views, so they
+            # stay until the backward ends (FSDP2 skips its post-forward reshard in pre-backward
+            # state alike). A nested plan with checkpointing broke here (regression d700cd259782).
+            self._queue_restore()
+            return output
         self._use_shard_views()
         if self.reshard_after_forward:
             self.flat.free()
@@ -143,10 +151,13 @@ class FlatUnit:
         # Back to the shard views when the whole backward ends, as FSDP2's final callback does (a
         # unit whose parameters get no gradient has no post-backward of its own).
         self._gather_into_compute_views()  # the gather is a no-op if it was never freed
+        self._queue_restore()
+        return grad
+
+    def _queue_restore(self) -> None:
         if not self._restore_queued:
             self._restore_queued = True
             torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-        return grad
 
     def _after_backward(self) -> None:
         self._restore_queued = False
