@@ -113,13 +113,17 @@ class Trace:
         return {"side": self.side, "meta": self.meta, "records": entries, "nbytes": offset}, buf
 
     @classmethod
-    def unpack(cls, header: dict[str, Any], buf: bytearray) -> Trace:
-        """The Trace `pack` made; records are views into `buf` (kept alive by them)."""
+    def unpack(cls, header: dict[str, Any], buf: bytearray | torch.Tensor) -> Trace:
+        """The Trace `pack` made, from its bytes or its uint8 tensor; records are views into
+        `buf` (kept alive by them)."""
         records: dict[Key, torch.Tensor] = {}
         for step, phase, name, dtype, shape, offset, nbytes in header["records"]:
             dt = getattr(torch, dtype)
             if nbytes:
-                raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
+                if isinstance(buf, torch.Tensor):
+                    raw = buf[offset : offset + nbytes]
+                else:
+                    raw = torch.frombuffer(buf, dtype=torch.uint8, count=nbytes, offset=offset)
                 records[(step, phase, name)] = raw.view(dt).reshape(shape)
             else:
                 records[(step, phase, name)] = torch.empty(shape, dtype=dt)

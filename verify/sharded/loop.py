@@ -42,7 +42,7 @@ class RankContext:
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
-    records = Collector(trace, ctx.rank, ctx.world_size)
+    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
