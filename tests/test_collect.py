@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
 from fsdp_verify.sharded.collect import Collector
@@ -30,7 +30,11 @@ def _values(step: int) -> dict[str, torch.Tensor]:
 def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    mesh = init_device_mesh("cpu", mesh_shape)
+    if mesh_shape == (-3,):  # ranks 1, 0, 2: rank 0 is not first in its group, records go whole
+        mesh_shape = (3,)
+        mesh = DeviceMesh("cpu", torch.tensor([1, 0, 2]))
+    else:
+        mesh = init_device_mesh("cpu", mesh_shape)
     placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
     trace = Trace("sharded") if rank == 0 else None
     records = Collector(trace, rank, world)
@@ -59,29 +63,30 @@ def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], ou
 def _run(mesh_shape: tuple[int, ...]) -> dict:
     world = 1
     for n in mesh_shape:
-        world *= n
+        world *= abs(n)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
         mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out), nprocs=world)
         return torch.load(out)
 
 
-@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2)], ids=["fsdp-3-ranks", "hsdp-2x2"])
+@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2), (-3,)], ids=["fsdp-3-ranks", "hsdp-2x2", "rank-0-second"])
 def test_assembled_records_are_what_the_collectives_give(mesh_shape):
     got = _run(mesh_shape)
     records, expected = got["records"], got["expected"]
     world = 1
     for n in mesh_shape:
-        world *= n
-    shard_group = mesh_shape[-1]  # rank 0's group along the shard dim: ranks 0..shard_group-1
+        world *= abs(n)
+    shard_group = abs(mesh_shape[-1])  # the size of rank 0's group along the shard dim
     for key, want in expected.items():
         assert torch.equal(records[key], want), key  # bit for bit
     for step in (0, 1):
         values = _values(step)
         for name, full in values.items():
-            # rank 0's group's local row chunks, summed in float64, in group order
+            # rank 0's group's local row chunks, summed in float64, in group order; a record
+            # gathered whole (rank 0 not first in its group) is summed whole
             want = torch.zeros((), dtype=torch.float64)
-            for chunk in full.chunk(shard_group, dim=0):
+            for chunk in full.chunk(shard_group, dim=0) if mesh_shape != (-3,) else [full]:
                 want = want + chunk.double().sum()
             assert torch.equal(records[(step, "param_sums", name)], want), (step, name)
         total = torch.stack([records[(step, "param_sums", n)] for n in values]).sum()

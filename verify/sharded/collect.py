@@ -4,11 +4,13 @@ A record used to be a collective: each step all-gathered the logits, all-reduced
 gathered full gradients, parameters and optimizer state. On gloo a collective is a round trip of
 0.2 to 2 ms between processes (bench/gloo_floor.py), more than a tiny case's arithmetic. Now each
 rank keeps its own piece of a record: its rows of the logits, its loss, its local `Shard(0)` rows
-of a DTensor and their float64 sum. The pieces travel once, at the end of the case, in the one
-gather that also carries the probes' payloads. Rank 0 then puts every record together: rows in
-rank order, DTensor rows in the order of rank 0's shard group (the layout `full_tensor()` gives),
-shard sums in that order, and the loss summed as gloo sums one element (last rank first,
-reference/trainer.py `_gloo_scalar_sum`). The bits are the ones the collectives gave.
+of a DTensor and their float64 sum; rank 0 writes its own DTensor rows straight into the full
+tensors. The pieces travel once, at the end of the case: each other rank's as one packed byte
+buffer, their headers with the probes' payloads in one object gather. Rank 0 then puts every
+record together: rows in rank order, DTensor rows in the order of rank 0's shard group (the
+layout `full_tensor()` gives), shard sums in that order, and the loss summed as gloo sums one
+element (last rank first, reference/trainer.py `_gloo_scalar_sum`). The bits are the ones the
+collectives gave.
 
 What a piece cannot say is recorded whole at once, as before: a DTensor in another layout (one
 `full_tensor()`, a collective), or the full tensors of an engine view that makes its own
@@ -45,7 +47,7 @@ class Collector:
         self.trace, self.rank, self.world_size = trace, rank, world_size
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
-        self.global_rows: dict[Key, int] = {}  # a SHARD record's rows in the full tensor
+        self.in_place: dict[Key, int] = {}  # rank 0: SHARD records begun in the trace, rows filled
         self.totals: list[tuple[Key, list[str]]] = []
         self._groups: dict[tuple[DeviceMesh, int], int | None] = {}
 
@@ -99,24 +101,31 @@ class Collector:
         self.totals.append(((step, phase, name), of))
 
     def _keep(self, key: Key, kind: str, position: int, local: torch.Tensor, global_rows: int = -1) -> None:
+        if kind == SHARD and self.trace is not None:
+            # Rank 0 heads its group: its rows go straight into the full tensor, the other
+            # ranks' rows are copied in after them when they arrive (no piece, no packing).
+            full = torch.empty((global_rows, *local.shape[1:]), dtype=local.dtype)
+            full[: local.shape[0]].copy_(local.detach())
+            self.trace.records[key] = full
+            self.in_place[key] = local.shape[0]
+            return
         piece = local.detach().clone().contiguous() if local.device.type == "cpu" else local.detach().cpu().contiguous()
         self.pieces[key] = (kind, position, piece)
-        if global_rows >= 0:
-            self.global_rows[key] = global_rows
 
     def _position(self, mesh: DeviceMesh, dim: int) -> int | None:
         """This rank's place in rank 0's group along mesh dim `dim`; -1 outside it; None when rank
-        0 is not in the mesh."""
+        0 is not in the mesh or not first in its group (records are then gathered whole)."""
         if (mesh, dim) not in self._groups:
             grid = mesh.mesh
             where = (grid == 0).nonzero()
-            if len(where) == 0:
-                self._groups[(mesh, dim)] = None
-            else:
+            position = None
+            if len(where):
                 index: list[Any] = where[0].tolist()
                 index[dim] = slice(None)
                 group = grid[tuple(index)].tolist()
-                self._groups[(mesh, dim)] = group.index(self.rank) if self.rank in group else -1
+                if group[0] == 0:
+                    position = group.index(self.rank) if self.rank in group else -1
+            self._groups[(mesh, dim)] = position
         return self._groups[(mesh, dim)]
 
     # ---- the one gather -----------------------------------------------------------------------
@@ -125,24 +134,24 @@ class Collector:
         together into its trace and gets every rank's `extra` in rank order. The headers and
         `extra` travel in one object gather; each rank's pieces as one packed byte buffer, sent
         to rank 0 as it is (pickling a medium model's pieces cost 4x the sending)."""
-        header, buf = self._packed()
+        header, buf = self._packed() if self.rank != 0 else (None, None)  # rank 0's stay as they are
         if self.world_size == 1 or not dist.is_initialized():
             per_rank = [(header, extra)]
         else:
             per_rank = [None] * self.world_size if self.rank == 0 else None
             dist.gather_object((header, extra), per_rank, dst=0)
         if self.rank != 0:
-            if buf.numel() and self.world_size > 1:
+            if buf.numel():
                 dist.send(buf.to(self.device), dst=0)
             return None
         assert per_rank is not None
-        bufs = [buf]
+        others = []
         for r in range(1, self.world_size):
             received = torch.empty(per_rank[r][0]["nbytes"], dtype=torch.uint8, device=self.device)
             if received.numel():
                 dist.recv(received, src=r)
-            bufs.append(received.cpu())
-        self._assemble([Trace.unpack(h, b) for (h, _), b in zip(per_rank, bufs)])
+            others.append(Trace.unpack(per_rank[r][0], received.cpu()))
+        self._assemble(others)
         return [e for _, e in per_rank]
 
     def _packed(self) -> tuple[dict, torch.Tensor]:
@@ -150,31 +159,35 @@ class Collector:
         kinds = {}
         for (step, phase, name), (kind, position, piece) in self.pieces.items():
             carrier.records[(step, phase, name)] = piece
-            kinds[f"{step}/{phase}/{name}"] = [kind, position, self.global_rows.get((step, phase, name), -1)]
+            kinds[f"{step}/{phase}/{name}"] = [kind, position]
         carrier.meta["kinds"] = kinds
         return carrier.pack()
 
-    def _assemble(self, per_rank: list[Trace]) -> None:
+    def _assemble(self, others: list[Trace]) -> None:
+        """Rank 0's records whole, from its own pieces and `others` (ranks 1.. in order)."""
         assert self.trace is not None
-        for key in self.pieces:  # rank 0 holds a piece of every record
-            kind, _, rows = per_rank[0].meta["kinds"][_name(key)]
+        for key, (kind, _, mine) in self.pieces.items():  # rank 0 holds a piece of every record
             if kind in (ROWS, MEAN):
-                values = [_piece(ranked, key, r) for r, ranked in enumerate(per_rank)]
-            else:  # SHARD, SUM: the ranks of rank 0's group, by position
-                placed = {}
-                for r, ranked in enumerate(per_rank):
-                    found = ranked.meta["kinds"].get(_name(key))
-                    if found is not None:
-                        placed[found[1]] = _piece(ranked, key, r)
-                values = [placed[p] for p in sorted(placed)]
-            self.trace.records[key] = _whole(kind, values, key, rows)
+                values = [mine] + [_piece(ranked, key, r) for r, ranked in enumerate(others, 1)]
+            else:  # SUM: the ranks of rank 0's group, by position
+                values = [mine] + [p for _, p in _placed(others, key)]
+            self.trace.records[key] = _whole(kind, values)
+        for key, filled in self.in_place.items():
+            full = self.trace.records[key]
+            pieces = [piece for _, piece in _placed(others, key)]
+            rows = filled + sum(piece.shape[0] for piece in pieces)
+            if rows != full.shape[0]:
+                raise RuntimeError(f"record {_name(key)}: the shards hold {rows} rows, the tensor has {full.shape[0]}")
+            for piece in pieces:
+                full[filled : filled + piece.shape[0]] = piece
+                filled += piece.shape[0]
         for (step, phase, name), of in self.totals:
             parts = [self.trace.records[(step, phase, n)] for n in of]
             total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
             self.trace.add(step, phase, name, total)
 
 
-def _whole(kind: str, values: list[torch.Tensor], key: Key, rows: int) -> torch.Tensor:
+def _whole(kind: str, values: list[torch.Tensor]) -> torch.Tensor:
     if kind == ROWS:
         return torch.cat(values)
     if kind == MEAN:  # as gloo's all-reduce adds one element: from the last rank down
@@ -182,15 +195,20 @@ def _whole(kind: str, values: list[torch.Tensor], key: Key, rows: int) -> torch.
         for v in values[-2::-1]:
             total = total + v
         return total / len(values)
-    if kind == SUM:  # in the group's order
-        total = values[0].clone()
-        for v in values[1:]:
-            total += v
-        return total
-    whole = torch.cat(values)
-    if whole.shape[0] != rows:
-        raise RuntimeError(f"record {_name(key)}: the shards hold {whole.shape[0]} rows, the tensor has {rows}")
-    return whole
+    total = values[0].clone()  # SUM, in the group's order
+    for v in values[1:]:
+        total += v
+    return total
+
+
+def _placed(others: list[Trace], key: Key) -> list[tuple[int, torch.Tensor]]:
+    """The pieces of `key` that ranks 1.. hold, by their position in rank 0's group."""
+    placed = []
+    for r, ranked in enumerate(others, 1):
+        found = ranked.meta["kinds"].get(_name(key))
+        if found is not None:
+            placed.append((found[1], _piece(ranked, key, r)))
+    return sorted(placed, key=lambda p: p[0])
 
 
 def _name(key: Key) -> str:
