@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import tempfile
+import threading
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ def _values(step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g, dtype=torch.float32) for n, s in SHAPES.items()}
 
 
-def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+def _collect(rank: int, world: int, mesh_shape: tuple[int, ...]) -> dict | None:
+    """Record on this rank as the sharded loop does; rank 0 returns its records and what the
+    collectives give for them."""
     if mesh_shape == (-3,):  # ranks 1, 0, 2: rank 0 is not first in its group, records go whole
         mesh_shape = (3,)
         mesh = DeviceMesh("cpu", torch.tensor([1, 0, 2]))
@@ -52,12 +53,54 @@ def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], ou
         records.tensors(step, "optim_state", {"replicated": replicated})
         expected[(step, "optim_state", "replicated")] = torch.arange(3.0)
     extras = records.finish({"rank": rank})
-    if rank == 0:
-        assert extras == [{"rank": r} for r in range(world)]
-        torch.save({"records": trace.records, "expected": expected}, out)
-    else:
+    if rank != 0:
         assert extras is None
+        return None
+    assert extras == [{"rank": r} for r in range(world)]
+    return {"records": trace.records, "expected": expected}
+
+
+def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
+    got = _collect(rank, world, mesh_shape)
+    if got is not None:
+        torch.save(got, out)
     dist.destroy_process_group()
+
+
+def _threads(world: int, mesh_shape: tuple[int, ...]) -> dict:
+    """The same on PyTorch's threaded process group (ranks are threads; it has no send/recv, so
+    the pieces go by one gather: the path bench/pool_vs_cold.py's comparison takes)."""
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    store, out, errors = dist.HashStore(), {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
+            assert dist.get_backend() == "threaded"
+            got = _collect(rank, world, mesh_shape)
+            if got is not None:
+                out.update(got)
+            dist.destroy_process_group()
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
+    try:
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return out
 
 
 def _run(mesh_shape: tuple[int, ...]) -> dict:
@@ -70,9 +113,13 @@ def _run(mesh_shape: tuple[int, ...]) -> dict:
         return torch.load(out)
 
 
-@pytest.mark.parametrize("mesh_shape", [(3,), (2, 2), (-3,)], ids=["fsdp-3-ranks", "hsdp-2x2", "rank-0-second"])
-def test_assembled_records_are_what_the_collectives_give(mesh_shape):
-    got = _run(mesh_shape)
+@pytest.mark.parametrize(
+    ("mesh_shape", "ranks"),
+    [((3,), "gloo"), ((2, 2), "gloo"), ((-3,), "gloo"), ((3,), "threads")],
+    ids=["fsdp-3-ranks", "hsdp-2x2", "rank-0-second", "threaded-3-ranks"],
+)
+def test_assembled_records_are_what_the_collectives_give(mesh_shape, ranks):
+    got = _run(mesh_shape) if ranks == "gloo" else _threads(3, mesh_shape)
     records, expected = got["records"], got["expected"]
     world = 1
     for n in mesh_shape:

@@ -132,27 +132,42 @@ class Collector:
     def finish(self, extra: Any = None) -> list[Any] | None:
         """Send every rank's pieces and `extra` to rank 0 (collectives); rank 0 puts the records
         together into its trace and gets every rank's `extra` in rank order. The headers and
-        `extra` travel in one object gather; each rank's pieces as one packed byte buffer, sent
-        to rank 0 as it is (pickling a medium model's pieces cost 4x the sending)."""
+        `extra` travel in one object all-gather; each rank's pieces as one packed byte buffer in
+        one gather (pickling a medium model's pieces cost 4x the sending)."""
         header, buf = self._packed() if self.rank != 0 else (None, None)  # rank 0's stay as they are
         if self.world_size == 1 or not dist.is_initialized():
-            per_rank = [(header, extra)]
-        else:
-            per_rank = [None] * self.world_size if self.rank == 0 else None
-            dist.gather_object((header, extra), per_rank, dst=0)
+            self._assemble([])
+            return [extra]
+        per_rank: list[Any] = [None] * self.world_size
+        dist.all_gather_object(per_rank, (header, extra))  # small: every rank learns the sizes
+        bufs = self._to_rank_0(buf, [h["nbytes"] for h, _ in per_rank[1:]])
         if self.rank != 0:
-            if buf.numel():
-                dist.send(buf.to(self.device), dst=0)
             return None
-        assert per_rank is not None
-        others = []
-        for r in range(1, self.world_size):
-            received = torch.empty(per_rank[r][0]["nbytes"], dtype=torch.uint8, device=self.device)
-            if received.numel():
-                dist.recv(received, src=r)
-            others.append(Trace.unpack(per_rank[r][0], received.cpu()))
-        self._assemble(others)
+        self._assemble([Trace.unpack(h, b) for (h, _), b in zip(per_rank[1:], bufs)])
         return [e for _, e in per_rank]
+
+    def _to_rank_0(self, buf: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor]:
+        """Ranks 1.. send `buf` (`sizes` bytes each); rank 0 gets them, in rank order. Send/recv
+        into buffers of the right size where the backend has them (gloo: half the time of a
+        gather of 15 MB, which pads every buffer to the largest); one gather where it has not
+        (PyTorch's threaded process group, which bench/pool_vs_cold.py compares against)."""
+        got = [torch.empty(n, dtype=torch.uint8, device=self.device) for n in sizes] if self.rank == 0 else []
+        if dist.get_backend() != "threaded":
+            if self.rank != 0 and sizes[self.rank - 1]:
+                dist.send(buf.to(self.device), dst=0)
+            for r, b in enumerate(got, 1):
+                if b.numel():
+                    dist.recv(b, src=r)
+            return [b.cpu() for b in got]
+        size = max(sizes)
+        if size:
+            mine = torch.empty(size, dtype=torch.uint8, device=self.device)  # rank 0's: a placeholder
+            if buf is not None and buf.numel():
+                mine[: buf.numel()] = buf.to(self.device)
+            padded = [mine] + [torch.empty_like(mine) for _ in sizes] if self.rank == 0 else None
+            dist.gather(mine, padded, dst=0)
+            got = [p[:n] for p, n in zip(padded[1:], sizes)] if padded else []
+        return [b.cpu() for b in got]
 
     def _packed(self) -> tuple[dict, torch.Tensor]:
         carrier = Trace("pieces")
