@@ -175,3 +175,11 @@ def test_fsdp2s_post_forward_shard_of_a_unit_no_backward_runs_through_is_planned
     failing = [f for f in mutant.findings if not f.ok]
     assert {f.comparator for f in failing} == {"MemoryContract"}, mutant.summary()
     assert all(f.name.startswith("other:") for f in failing), mutant.summary()
+
+
+def test_comm_names_fp16_loss_scaling_in_its_header(capsys):
+    """The scaler's found-inf all-reduce happens outside the contract's windows: the header says
+    the case scales its loss, so a reader knows what the table leaves out."""
+    assert main(["comm", "--steps", "1", "--param-dtype", "fp16", "--loss-scaling"]) == 0
+    header = capsys.readouterr().out.splitlines()[0]
+    assert "fp16" in header and "loss scale 65536" in header, header

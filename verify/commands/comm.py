@@ -39,7 +39,8 @@ def describe(case) -> str:
     return (
         f"{case.engine} on {case.model.kind}, {mesh}, {case.precision.describe()},"
         f" reshard_after_forward={case.reshard_after_forward}, {case.microbatches} micro-batch(es),"
-        f" clip {case.clip_norm}, {case.steps} steps (case {case.hash})"
+        f" clip {case.clip_norm},{' ' + case.loss_scaling.describe() + ',' if case.loss_scaling else ''}"
+        f" {case.steps} steps (case {case.hash})"
     )
 
 
