@@ -18,7 +18,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
-from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_scalar_sum
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
@@ -133,7 +133,7 @@ def train_reference(
             trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
         trace.add(step, "logits", "logits", torch.cat([logits[i] for i in sorted(logits)]))
         # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
-        loss = _gloo_scalar_sum(rank_loss) / len(rank_loss)
+        loss = gloo_scalar_sum(rank_loss) / len(rank_loss)
         trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
         for n, g in master_grads.items():
             trace.add(step, "grads", n, g)  # scaled, as the engine reduced them
@@ -321,17 +321,7 @@ class _FlatLayout:
                         pieces.append(torch.linalg.vector_norm(grads[n].reshape(-1)[:0]))
             local = torch.linalg.vector_norm(torch.stack(pieces)) if pieces else torch.zeros(())
             squares.append(local**2)
-        return _gloo_scalar_sum(squares).sqrt()
-
-
-def _gloo_scalar_sum(values: list[torch.Tensor]) -> torch.Tensor:
-    """The sum of one value per rank as gloo's all-reduce adds a one-element tensor: from the last
-    rank down to rank 0 (the element lies in the ring's first segment; measured on torch 2.13's
-    gloo at world sizes 3 and 4, where the flat engines' clip norms then agree to the bit)."""
-    total = values[-1]
-    for v in values[-2::-1]:
-        total = total + v
-    return total
+        return gloo_scalar_sum(squares).sqrt()
 
 
 def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:

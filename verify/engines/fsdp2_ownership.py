@@ -72,19 +72,19 @@ def ownership_from(per_rank: list[tuple[bool, dict, list[str]]]) -> OwnershipMap
     """The map from every rank's `local_holdings`, in rank order; None without FSDP2 state."""
     if not any(h for h, _, _ in per_rank):
         return None
-    held, unmanaged = per_rank[0][1], per_rank[0][2]
-    per_rank = [(h, other) for h, other, _ in per_rank]
+    _, held, unmanaged = per_rank[0]
+    helds = [other for _, other, _ in per_rank]
     names = list(held)
-    for _, other in per_rank:
+    for other in helds:
         names += [n for n in other if n not in names]
     params: dict[str, ParamOwnership] = {}
     for name in names:
-        mine = next(other[name] for _, other in per_rank if name in other)
+        mine = next(other[name] for other in helds if name in other)
         params[name] = ParamOwnership(
             fqn=name,
             units=tuple(mine[0]),
             shape=mine[1],
-            local_numel=tuple(other[name][2] if name in other else 0 for _, other in per_rank),
-            padding=tuple(other[name][3] if name in other else 0 for _, other in per_rank),
+            local_numel=tuple(other[name][2] if name in other else 0 for other in helds),
+            padding=tuple(other[name][3] if name in other else 0 for other in helds),
         )
     return OwnershipMap(params=params, unmanaged=tuple(unmanaged))

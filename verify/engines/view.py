@@ -14,7 +14,7 @@ from torch import nn
 
 from fsdp_verify.case import LossScaleSpec
 from fsdp_verify.engines.ownership import OwnershipMap
-from fsdp_verify.sharded.gather import gather_full, gather_full_and_sums, sum_full
+from fsdp_verify.sharded.gather import gather_full, sum_full
 
 
 class EngineView:
@@ -43,21 +43,6 @@ class EngineView:
 
     def full_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return dict(zip(state, gather_full(list(state.values()))))
-
-    def params_sums_and_state(
-        self, state: dict[str, torch.Tensor]
-    ) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        """`full_params()`, `param_sums()` and `full_optimizer_state(state)`; for DTensors in one
-        collective (each one is a round trip between the rank processes). A view that overrides
-        any of them gets the three called."""
-        cls = type(self)
-        own = cls.full_params is EngineView.full_params and cls.param_sums is EngineView.param_sums
-        if not (own and cls.full_optimizer_state is EngineView.full_optimizer_state):
-            return self.full_params(), self.param_sums(), self.full_optimizer_state(state)
-        params = self.parameters()
-        whole, sums = gather_full_and_sums([p.detach() for p in params.values()] + list(state.values()), len(params))
-        n = len(params)
-        return dict(zip(params, whole[:n])), dict(zip(params, sums)), dict(zip(state, whole[n:]))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """Clip by the global norm; returns the full total norm."""

@@ -1,7 +1,8 @@
 """Ownership probe: after sharding, record who owns each parameter (the engine view's
-OwnershipMap; FSDP2's is put together from every rank's part in the case's one gather), which parameter names share one tensor in the sharded module (ties), and whether the
-optimizer holds exactly the tensors the sharded module trains. All of it goes into trace.meta as
-JSON; verify/checks/ownership.py judges it."""
+OwnershipMap; FSDP2's is put together from every rank's part in the case's one gather), which
+parameter names share one tensor in the sharded module (ties), and whether the optimizer holds
+exactly the tensors the sharded module trains. All of it goes into trace.meta as JSON;
+verify/checks/ownership.py judges it."""
 
 from __future__ import annotations
 

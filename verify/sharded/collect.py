@@ -6,11 +6,11 @@ gathered full gradients, parameters and optimizer state. On gloo a collective is
 rank keeps its own piece of a record: its rows of the logits, its loss, its local `Shard(0)` rows
 of a DTensor and their float64 sum; rank 0 writes its own DTensor rows straight into the full
 tensors. The pieces travel once, at the end of the case: each other rank's as one packed byte
-buffer, their headers with the probes' payloads in one object gather. Rank 0 then puts every
+buffer, their headers with the probes' payloads in one object all-gather. Rank 0 then puts every
 record together: rows in rank order, DTensor rows in the order of rank 0's shard group (the
 layout `full_tensor()` gives), shard sums in that order, and the loss summed as gloo sums one
-element (last rank first, reference/trainer.py `_gloo_scalar_sum`). The bits are the ones the
-collectives gave.
+element (last rank first, `gloo_scalar_sum`, which the reference's loss uses too). The bits are
+the ones the collectives gave.
 
 What a piece cannot say is recorded whole at once, as before: a DTensor in another layout (one
 `full_tensor()`, a collective), or the full tensors of an engine view that makes its own
@@ -24,20 +24,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor
 
+from fsdp_verify.engines.arithmetic import gloo_scalar_sum
+from fsdp_verify.sharded.gather import shard_dim
 from fsdp_verify.trace import Key, Trace
 
 ROWS, MEAN, SHARD, SUM = "rows", "mean", "shard", "sum"
-
-
-def shard_dim(t: DTensor) -> int | None:
-    """The mesh dim a DTensor is Shard(0) on, -1 if replicated on every dim, None otherwise."""
-    dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
-    if not dims:
-        return -1
-    p = t.placements[dims[0]]
-    return dims[0] if len(dims) == 1 and isinstance(p, Shard) and p.dim == 0 and t.ndim > 0 else None
 
 
 class Collector:
@@ -205,11 +198,8 @@ class Collector:
 def _whole(kind: str, values: list[torch.Tensor]) -> torch.Tensor:
     if kind == ROWS:
         return torch.cat(values)
-    if kind == MEAN:  # as gloo's all-reduce adds one element: from the last rank down
-        total = values[-1]
-        for v in values[-2::-1]:
-            total = total + v
-        return total / len(values)
+    if kind == MEAN:  # as gloo's all-reduce adds one element, as the reference adds the loss
+        return gloo_scalar_sum(values) / len(values)
     total = values[0].clone()  # SUM, in the group's order
     for v in values[1:]:
         total += v

@@ -1,4 +1,6 @@
-"""Full tensors and sums from sharded ones, in one collective per mesh dimension.
+"""Full tensors and sums from sharded ones, in one collective per mesh dimension: what
+`EngineView`'s full_params/full_grads/param_sums give an engine view or a user that asks (the
+toolkit's loop records shard by shard instead, verify/sharded/collect.py).
 
 `DTensor.full_tensor()` costs one collective per tensor, which dominated a tiny case's time. Here
 every rank's dim-0 shards (`Shard(0)` on one mesh dimension, `Replicate` elsewhere, as FSDP2
@@ -17,7 +19,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
-def _shard_dim(t: DTensor) -> int | None:
+def shard_dim(t: DTensor) -> int | None:
     """The mesh dim a tensor is Shard(0) on, -1 if fully replicated, None for other layouts."""
     dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
     if not dims:
@@ -28,29 +30,15 @@ def _shard_dim(t: DTensor) -> int | None:
 
 
 def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-    return gather_full_and_sums(tensors, 0)[0]
-
-
-def gather_full_and_sums(tensors: list[torch.Tensor], n_sums: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
-    """`gather_full(tensors)` and `sum_full(tensors[:n_sums])` in the same one collective per
-    mesh dimension: each rank's float64 shard sums travel with its shards, and are added in
-    rank order (a collective is a round trip between rank processes, which costs more than the
-    work of a tiny case; the sums' comparator allows float64 reassociation)."""
+    """Every tensor whole, in one coalesced collective per mesh dimension (see the module
+    docstring). A collective: every rank calls it with the same list."""
     out: list[torch.Tensor | None] = [None] * len(tensors)
-    sums: list[torch.Tensor | None] = [None] * n_sums
-    for i, t in enumerate(tensors[:n_sums]):
-        if not isinstance(t, DTensor):
-            sums[i] = t.double().sum()
-        elif _shard_dim(t) is None:
-            sums[i] = t.double().sum().full_tensor()
-        elif _shard_dim(t) == -1:
-            sums[i] = t.to_local().double().sum()
     buckets: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         if not isinstance(t, DTensor):
             out[i] = t
             continue
-        dim = _shard_dim(t)
+        dim = shard_dim(t)
         if dim == -1:
             out[i] = t.to_local()
         elif dim is None:
@@ -61,13 +49,7 @@ def gather_full_and_sums(tensors: list[torch.Tensor], n_sums: int) -> tuple[list
         group = mesh.get_group(dim)
         world = group.size()
         gathered = []
-        summed = [i for i in items if i < n_sums]
-        if summed:
-            local_sums = torch.stack([tensors[i].to_local().double().sum() for i in summed])
-            all_sums = local_sums.new_empty(world * len(summed))
         with dist._coalescing_manager(group=group):
-            if summed:
-                _all_gather_single(_as_bytes(all_sums), _as_bytes(local_sums), group=group)
             for i in items:
                 t = tensors[i]
                 chunk = -(-t.shape[0] // world)
@@ -81,14 +63,7 @@ def gather_full_and_sums(tensors: list[torch.Tensor], n_sums: int) -> tuple[list
                 gathered.append((i, whole))
         for i, whole in gathered:
             out[i] = whole[: tensors[i].shape[0]]
-        if summed:
-            per_rank = all_sums.view(world, len(summed))
-            total = per_rank[0].clone()
-            for r in range(1, world):  # rank order
-                total += per_rank[r]
-            for j, i in enumerate(summed):
-                sums[i] = total[j]
-    return out, sums  # type: ignore[return-value]
+    return out  # type: ignore[return-value]
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -106,7 +81,7 @@ def sum_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     buckets: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
         if isinstance(t, DTensor):
-            dim = _shard_dim(t)
+            dim = shard_dim(t)
             if dim is None:
                 sums[i] = t.double().sum().full_tensor()
             elif dim >= 0:

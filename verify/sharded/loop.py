@@ -135,7 +135,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
-            ctx.phase(f"step {step} gather loss scale")
+            ctx.phase(f"step {step} record loss scale")  # a collective: every rank must know the skips
             if not _record_loss_scale(records, step, scale, stepped[0] == before, ctx.device):
                 # Ranks that parted (one stepped, one skipped) hold optimizer state of other
                 # shapes: the next gathers would mismatch. The decisions are the finding; stop.
@@ -277,9 +277,10 @@ def _record_params_and_state(
         for name, s in sums.items():
             records.full(step, "param_sums", name, s)
         records.tensors(step, "optim_state", view.full_optimizer_state(state))
+        names = list(sums)
     else:
         params = view.parameters()
         records.tensors(step, phase, params, sums="param_sums")
         records.tensors(step, "optim_state", state)
-        sums = params
-    records.total(step, "param_sums", "__total__", of=list(sums))
+        names = list(params)
+    records.total(step, "param_sums", "__total__", of=names)
