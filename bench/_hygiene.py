@@ -15,20 +15,28 @@ from collections.abc import Iterator
 @contextlib.contextmanager
 def private_tmp(name: str) -> Iterator[str]:
     root = tempfile.mkdtemp(prefix=f"fsdp-verify-{name}-")
-    before_env, before_dir = os.environ.get("TMPDIR"), tempfile.tempdir
-    os.environ["TMPDIR"], tempfile.tempdir = root, root
+    # Pools put their directories in memory (verify/sharded/pool.py memory_dir): here, privately.
+    from fsdp_verify.sharded.pool import memory_dir
+
+    memory = tempfile.mkdtemp(prefix=f"fsdp-verify-{name}-", dir=memory_dir())
+    saved = {k: os.environ.get(k) for k in ("TMPDIR", "FSDP_VERIFY_MEMORY_DIR")}
+    before_dir = tempfile.tempdir
+    os.environ["TMPDIR"], tempfile.tempdir, os.environ["FSDP_VERIFY_MEMORY_DIR"] = root, root, memory
     try:
         yield root
     finally:
         tempfile.tempdir = before_dir
-        if before_env is None:
-            os.environ.pop("TMPDIR", None)
-        else:
-            os.environ["TMPDIR"] = before_env
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
         # torch's own compile cache (torchinductor_USER) is made lazily under the temp dir and is
         # meant to persist between runs: not something this run forgot to remove.
         left = sorted(n for n in os.listdir(root) if not n.startswith("torchinductor_"))
+        left += [os.path.join(memory, n) for n in sorted(os.listdir(memory))]
         shutil.rmtree(root, ignore_errors=True)
+        shutil.rmtree(memory, ignore_errors=True)
         if left:
             print(f"LEFT BEHIND in the temporary directory: {left}", file=sys.stderr)
             raise SystemExit(3)

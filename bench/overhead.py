@@ -7,7 +7,7 @@ verified = the recording reference (reference/trainer.py) + the recording sharde
 Measured in the same two rank processes, one after the other, after a warm-up.
 Target: verified / bare <= 1.3.
 
-    python bench/overhead.py [--repeats 3] [--json out.json]
+    python bench/overhead.py [--repeats 7] [--json out.json]
 """
 
 from __future__ import annotations
@@ -28,7 +28,10 @@ from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.models import build_model
 from fsdp_verify.runner import emulating_reference, judge
+from fsdp_verify.sharded.allocator import keep_freed_memory
+from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.loop import RankContext, run_sharded
+from fsdp_verify.sharded.pool import memory_dir
 from fsdp_verify.sharded.worker import MeshCache, exit_now, leave_process_group
 from fsdp_verify.training.data import global_batch, microbatch_slices
 from fsdp_verify.training.loss import loss_fn
@@ -76,10 +79,12 @@ def timed(fn) -> float:
     return time.perf_counter() - t
 
 
-def rank_main(rank: int, store_path: str, repeats: int, out_path: str) -> None:
+def rank_main(rank: int, store_path: str, repeats: int, out_path: str, spill_dir: str | None) -> None:
+    keep_freed_memory()  # as a rank under torchrun does (verify/sharded/torchrun.py): bare and verified alike
     torch.set_num_threads(1)
     dist.init_process_group("gloo", store=dist.FileStore(store_path, 2), rank=rank, world_size=2)
-    case, ctx = MEDIUM, RankContext(rank, 2, torch.device("cpu"), MeshCache("cpu").get((2,)))
+    mesh = MeshCache("cpu").get((2,))
+    case, ctx = MEDIUM, RankContext(rank, 2, torch.device("cpu"), mesh, spill_dir=spill_dir)
     rows = []
     for i in range(repeats + 1):
         row = {
@@ -95,26 +100,38 @@ def rank_main(rank: int, store_path: str, repeats: int, out_path: str) -> None:
         med = {k: statistics.median(r[k] for r in rows) for k in rows[0]}
         bare = med["bare_sharded"] + med["bare_reference"]
         verified = med["verified_sharded"] + med["verified_reference_and_compare"]
+        # Each round's own ratio too: bare and verified a second apart see the same machine
+        # (neighbours on a shared host move both by a third within minutes).
+        rounds = [
+            (r["verified_sharded"] + r["verified_reference_and_compare"]) / (r["bare_sharded"] + r["bare_reference"])
+            for r in rows
+        ]
         result = {
             **{f"{k}_s": v for k, v in med.items()},
             "bare_s": bare,
             "verified_s": verified,
             "ratio": verified / bare,
+            "ratio_per_round_median": statistics.median(rounds),
+            "ratio_per_round_min": min(rounds),
+            "ratio_per_round_max": max(rounds),
         }
         with open(out_path, "w") as f:
             json.dump(result, f, indent=2)
+    release_arenas()
     leave_process_group()  # groups freed while the interpreter is alive, then no finalisation:
     exit_now(0)  # the SIGABRT at exit (verify/sharded/worker.py leave_process_group)
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--json", type=str)
     args = parser.parse_args()
     with private_tmp("overhead"), tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "result.json")
-        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args.repeats, out), nprocs=2)
+        # The pieces travel as files in memory, as in a pool (verify/sharded/collect.py).
+        spill = memory_dir()
+        mp.spawn(rank_main, args=(os.path.join(tmp, "store"), args.repeats, out, spill), nprocs=2)
         with open(out) as f:
             result = json.load(f)
     print(f"case: {MEDIUM.model}")

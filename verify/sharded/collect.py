@@ -5,8 +5,10 @@ gathered full gradients, parameters and optimizer state. On gloo a collective is
 0.2 to 2 ms between processes (bench/gloo_floor.py), more than a tiny case's arithmetic. Now each
 rank keeps its own piece of a record: its rows of the logits, its loss, its local `Shard(0)` rows
 of a DTensor and their float64 sum; rank 0 writes its own DTensor rows straight into the full
-tensors. The pieces travel once, at the end of the case: each other rank's as one packed byte
-buffer, their headers with the probes' payloads in one object all-gather. Rank 0 then puts every
+tensors. The pieces travel once, at the end of the case: each other rank's through its arena, a
+file rank 0 reads, where the ranks share a host and a directory (a pool's, on /dev/shm;
+verify/sharded/arena.py), else as one packed byte buffer through the process group; their headers with the probes' payloads in one object
+all-gather. Rank 0 then puts every
 record together: rows in rank order, DTensor rows in the order of rank 0's shard group (the
 layout `full_tensor()` gives), shard sums in that order, and the loss summed as gloo sums one
 element (last rank first, `gloo_scalar_sum`, which the reference's loss uses too). The bits are
@@ -27,19 +29,39 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_verify.engines.arithmetic import gloo_scalar_sum
+from fsdp_verify.sharded.arena import Arena, Fill, arena, read_fill
 from fsdp_verify.sharded.gather import shard_dim
 from fsdp_verify.trace import Key, Trace
 
 ROWS, MEAN, SHARD, SUM = "rows", "mean", "shard", "sum"
+# A rank's pieces go to its arena once they pass this size (verify/sharded/arena.py); below it
+# a file's open, reads and the barrier after them cost more than gloo's send (a tiny case: 9.5 ms
+# against 7.4 ms for the whole exchange).
+SPILL_FROM_BYTES = 1 << 20
 
 
 class Collector:
     """Every rank records into one; `finish` (a collective) hands rank 0 the whole trace."""
 
-    def __init__(self, trace: Trace | None, rank: int, world_size: int, device: torch.device | None = None):
+    def __init__(
+        self,
+        trace: Trace | None,
+        rank: int,
+        world_size: int,
+        device: torch.device | None = None,
+        spill_dir: str | None = None,
+    ):
         self.trace, self.rank, self.world_size = trace, rank, world_size
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
+        # Given a directory every rank reaches on one host (the pool's, on /dev/shm where there
+        # is one), ranks 1.. write their pieces into their arena there as they come (one copy,
+        # not a clone and then a send) and rank 0 reads it; else they travel through the group.
+        # A tiny case's pieces (kilobytes) stay in memory: a file costs more than gloo there.
+        self.spill_dir = spill_dir if rank != 0 else None
+        self.kept_bytes = 0
+        self.spilled: Arena | None = None
+        self.spilled_kinds: dict[str, list[Any]] = {}
         self.in_place: dict[Key, int] = {}  # rank 0: SHARD records begun in the trace, rows filled
         self.totals: list[tuple[Key, list[str]]] = []
         self._groups: dict[tuple[DeviceMesh, int], int | None] = {}
@@ -102,8 +124,38 @@ class Collector:
             self.trace.records[key] = full
             self.in_place[key] = local.shape[0]
             return
+        if self.spilled is None and self.spill_dir is not None and self.kept_bytes >= SPILL_FROM_BYTES:
+            self._spill()
+        if self.spilled is not None:
+            try:
+                self.spilled.add(key, local)
+                self.spilled_kinds[_name(key)] = [kind, position]
+                return
+            except OSError:  # a full /dev/shm: what was written comes back, the rest stays here
+                self._unspill()
         piece = local.detach().clone().contiguous() if local.device.type == "cpu" else local.detach().cpu().contiguous()
         self.pieces[key] = (kind, position, piece)
+        self.kept_bytes += piece.numel() * piece.element_size()
+
+    def _spill(self) -> None:
+        """From now on this rank's pieces go to its arena, those kept so far first."""
+        assert self.spill_dir is not None
+        self.spilled, kept = arena(self.spill_dir, f"pieces-{self.rank}").begin(), self.pieces
+        self.pieces = {}
+        try:
+            for key, (kind, position, piece) in kept.items():
+                self.spilled.add(key, piece)
+                self.spilled_kinds[_name(key)] = [kind, position]
+        except OSError:
+            self.spilled, self.spilled_kinds, self.pieces = None, {}, kept
+        self.spill_dir = None  # one try a case
+
+    def _unspill(self) -> None:
+        assert self.spilled is not None
+        for key, piece in read_fill(self.spilled.header("pieces", {})).records.items():
+            kind, position = self.spilled_kinds[_name(key)]
+            self.pieces[key] = (kind, position, piece)
+        self.spilled, self.spilled_kinds = None, {}
 
     def _position(self, mesh: DeviceMesh, dim: int) -> int | None:
         """This rank's place in rank 0's group along mesh dim `dim`; -1 outside it; None when rank
@@ -125,19 +177,41 @@ class Collector:
     def finish(self, extra: Any = None) -> list[Any] | None:
         """Send every rank's pieces and `extra` to rank 0 (collectives); rank 0 puts the records
         together into its trace and gets every rank's `extra` in rank order. The headers and
-        `extra` travel in one object all-gather; each rank's pieces as one packed byte buffer in
-        one gather (pickling a medium model's pieces cost 4x the sending)."""
-        header, buf = self._packed() if self.rank != 0 else (None, None)  # rank 0's stay as they are
+        `extra` travel in one object all-gather (which also tells rank 0 that every file is
+        written); each rank's pieces in its arena in `spill_dir` (verify/sharded/arena.py), which
+        rank 0 reads, else as one packed byte buffer by send/recv (pickling a medium model's
+        pieces cost 4x the sending)."""
+        header, buf = (None, None) if self.rank == 0 else self._sent()  # rank 0's stay as they are
         if self.world_size == 1 or not dist.is_initialized():
             self._assemble([])
             return [extra]
         per_rank: list[Any] = [None] * self.world_size
         dist.all_gather_object(per_rank, (header, extra))  # small: every rank learns the sizes
-        bufs = self._to_rank_0(buf, [h["nbytes"] for h, _ in per_rank[1:]])
-        if self.rank != 0:
-            return None
-        self._assemble([Trace.unpack(h, b) for (h, _), b in zip(per_rank[1:], bufs)])
-        return [e for _, e in per_rank]
+        sizes = [0 if "path" in h else h["nbytes"] for h, _ in per_rank[1:]]  # what travels by the group
+        bufs = self._to_rank_0(buf, sizes)
+        if self.rank == 0:
+            others = [Fill(h, None if "path" in h else b) for (h, _), b in zip(per_rank[1:], bufs)]
+            try:
+                self._assemble(others)
+            finally:
+                for fill in others:
+                    fill.close()
+        if any("path" in h for h, _ in per_rank[1:]):
+            dist.barrier()  # rank 0 has read every arena: the next case may write them again
+        return [e for _, e in per_rank] if self.rank == 0 else None
+
+    def _sent(self) -> tuple[dict, torch.Tensor | None]:
+        """This rank's pieces: the file they were written to (the header names it, nothing to
+        send), or packed into one buffer to send."""
+        if self.spilled is not None:
+            return self.spilled.header("pieces", {"kinds": self.spilled_kinds}), None
+        carrier = Trace("pieces")
+        kinds = {}
+        for (step, phase, name), (kind, position, piece) in self.pieces.items():
+            carrier.records[(step, phase, name)] = piece
+            kinds[f"{step}/{phase}/{name}"] = [kind, position]
+        carrier.meta["kinds"] = kinds
+        return carrier.pack()
 
     def _to_rank_0(self, buf: torch.Tensor | None, sizes: list[int]) -> list[torch.Tensor]:
         """Ranks 1.. send `buf` (`sizes` bytes each); rank 0 gets them, in rank order. Send/recv
@@ -162,33 +236,25 @@ class Collector:
             got = [p[:n] for p, n in zip(padded[1:], sizes)] if padded else []
         return [b.cpu() for b in got]
 
-    def _packed(self) -> tuple[dict, torch.Tensor]:
-        carrier = Trace("pieces")
-        kinds = {}
-        for (step, phase, name), (kind, position, piece) in self.pieces.items():
-            carrier.records[(step, phase, name)] = piece
-            kinds[f"{step}/{phase}/{name}"] = [kind, position]
-        carrier.meta["kinds"] = kinds
-        return carrier.pack()
-
-    def _assemble(self, others: list[Trace]) -> None:
+    def _assemble(self, others: list[Fill]) -> None:
         """Rank 0's records whole, from its own pieces and `others` (ranks 1.. in order)."""
         assert self.trace is not None
         for key, (kind, _, mine) in self.pieces.items():  # rank 0 holds a piece of every record
             if kind in (ROWS, MEAN):
-                values = [mine] + [_piece(ranked, key, r) for r, ranked in enumerate(others, 1)]
+                values = [mine] + [_holding(fill, key, r).read(key) for r, fill in enumerate(others, 1)]
             else:  # SUM: the ranks of rank 0's group, by position
-                values = [mine] + [p for _, p in _placed(others, key)]
+                values = [mine] + [fill.read(key) for fill in _placed(others, key)]
             self.trace.records[key] = _whole(kind, values)
         for key, filled in self.in_place.items():
             full = self.trace.records[key]
-            pieces = [piece for _, piece in _placed(others, key)]
-            rows = filled + sum(piece.shape[0] for piece in pieces)
+            fills = _placed(others, key)
+            rows = filled + sum(fill.shape(key)[0] for fill in fills)
             if rows != full.shape[0]:
                 raise RuntimeError(f"record {_name(key)}: the shards hold {rows} rows, the tensor has {full.shape[0]}")
-            for piece in pieces:
-                full[filled : filled + piece.shape[0]] = piece
-                filled += piece.shape[0]
+            for fill in fills:  # each rank's rows straight into place
+                n = fill.shape(key)[0]
+                fill.read_into(key, full[filled : filled + n])
+                filled += n
         for (step, phase, name), of in self.totals:
             parts = [self.trace.records[(step, phase, n)] for n in of]
             total = torch.stack(parts).sum() if parts else torch.zeros((), dtype=torch.float64)
@@ -206,21 +272,21 @@ def _whole(kind: str, values: list[torch.Tensor]) -> torch.Tensor:
     return total
 
 
-def _placed(others: list[Trace], key: Key) -> list[tuple[int, torch.Tensor]]:
-    """The pieces of `key` that ranks 1.. hold, by their position in rank 0's group."""
+def _placed(others: list[Fill], key: Key) -> list[Fill]:
+    """Those of ranks 1.. that hold a piece of `key`, by their position in rank 0's group."""
     placed = []
-    for r, ranked in enumerate(others, 1):
-        found = ranked.meta["kinds"].get(_name(key))
+    for r, fill in enumerate(others, 1):
+        found = fill.meta["kinds"].get(_name(key))
         if found is not None:
-            placed.append((found[1], _piece(ranked, key, r)))
-    return sorted(placed, key=lambda p: p[0])
+            placed.append((found[1], _holding(fill, key, r)))
+    return [fill for _, fill in sorted(placed, key=lambda p: p[0])]
 
 
 def _name(key: Key) -> str:
     return "/".join(map(str, key))
 
 
-def _piece(ranked: Trace, key: Key, rank: int) -> torch.Tensor:
-    if key not in ranked.records:
+def _holding(fill: Fill, key: Key, rank: int) -> Fill:
+    if key not in fill:
         raise RuntimeError(f"record {_name(key)}: rank {rank} recorded no piece of it")
-    return ranked.records[key]
+    return fill

@@ -38,11 +38,14 @@ class RankContext:
     device: torch.device
     mesh: DeviceMesh
     phase: Callable[[str], None] = lambda _p: None
+    # A directory all ranks share on one host, where the records' pieces may travel as files
+    # (verify/sharded/collect.py); None: through the process group.
+    spill_dir: str | None = None
 
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
-    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device)
+    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)

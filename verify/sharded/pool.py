@@ -23,6 +23,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from fsdp_verify.case import Case
+from fsdp_verify.sharded.arena import read_fill
 from fsdp_verify.sharded.devices import pool_env
 from fsdp_verify.sharded.worker import PhaseBoard
 from fsdp_verify.trace import Trace
@@ -60,6 +61,9 @@ class RankPool:
         # Seconds per kind of phase of the last case: rank 0's (verify/sharded/worker.py PhaseClock)
         # and this side's ("decode trace").
         self.last_profile: dict[str, float] = {}
+        # How rank 0's last trace came: "arena" (a file in the pool's memory directory,
+        # verify/sharded/arena.py) or "pipe" (that directory full).
+        self.last_trace_via = ""
         self.exit_codes: list[int | None] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -71,7 +75,7 @@ class RankPool:
         """Spawn the ranks as `python -m fsdp_verify.sharded.worker` children talking over two pipes each: no
         re-import of the caller's __main__, nothing inherited but the pipes."""
         self.close()
-        self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-"))
+        self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-", dir=memory_dir()))
         self._board = PhaseBoard(str(self._dir / "phases"), self.world_size, create=True)
         pg_timeout = max(self.timeout_s * 4, 60.0)  # the process group's own timeout acts after ours
         env = {
@@ -146,8 +150,9 @@ class RankPool:
         replies = self._collect("run", timeout_s or self.timeout_s)
         t = time.perf_counter()
         (header, buf), seconds, received_s = replies[0]
-        trace = Trace.unpack(header, buf)
+        trace = read_fill(header) if "path" in header else Trace.unpack(header, buf)
         self.last_profile = {**seconds, "receive trace": received_s, "decode trace": time.perf_counter() - t}
+        self.last_trace_via = "arena" if "path" in header else "pipe"
         return trace
 
     def run(self, case: Case, timeout_s: float | None = None) -> Trace:
@@ -185,7 +190,7 @@ class RankPool:
                         # rank 0's trace: a header, then its bytes (verify/sharded/worker.py)
                         t = time.perf_counter()
                         header, buf = message[1], None
-                        if header is not None:
+                        if header is not None and "path" not in header:  # else rank 0's arena (worker.py run_case)
                             buf = bytearray(header["nbytes"])
                             try:
                                 conn.recv_bytes_into(buf)
@@ -274,6 +279,18 @@ def close_all_pools() -> None:
     for pool in _POOLS.values():
         pool.close()
     _POOLS.clear()
+
+
+def memory_dir() -> str | None:
+    """Where a pool's directory goes: $FSDP_VERIFY_MEMORY_DIR when set, else /dev/shm where it is a
+    writable directory, so that the traces and pieces that travel through it as files
+    (verify/sharded/arena.py) cost a memory copy; else None, the system's temp directory. A
+    full one costs nothing but speed: the process group and the pipes then carry them."""
+    chosen = os.environ.get("FSDP_VERIFY_MEMORY_DIR")
+    if chosen:
+        return chosen
+    shm = "/dev/shm"
+    return shm if os.path.isdir(shm) and os.access(shm, os.W_OK) else None
 
 
 def _import_path() -> str:

@@ -5,14 +5,21 @@ also runs the reference and judges."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
 
 from fsdp_verify.case import Case
 from fsdp_verify.runner import emulating_reference, judge
+from fsdp_verify.sharded.allocator import keep_freed_memory
+from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.loop import RankContext, run_sharded
+from fsdp_verify.sharded.pool import memory_dir
 from fsdp_verify.sharded.worker import MeshCache, device_for
 from fsdp_verify.verdict import Verdict
 
@@ -28,12 +35,34 @@ def check_in_place(case: Case, calibrate: bool = True) -> tuple[Verdict | None, 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     if world != case.world_size:
         raise ValueError(f"world_size: the case says {case.world_size}, torchrun started {world} ranks")
+    keep_freed_memory()  # this process is the command's (verify/sharded/allocator.py)
     device, backend = device_for(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group(backend)
     mesh = MeshCache(device.type).get(case.mesh)
-    got = run_sharded(case, RankContext(rank, world, device, mesh))
+    with shared_spill_dir() as spill_dir:
+        got = run_sharded(case, RankContext(rank, world, device, mesh, spill_dir=spill_dir))
     verdict = judge(case, emulating_reference(case), got, calibrate) if rank == 0 else None
     code = torch.tensor([0 if verdict is None or verdict.ok else 1], device=device)
     dist.broadcast(code, src=0)  # every rank exits with rank 0's verdict
     return verdict, code.item() == 0
+
+
+@contextlib.contextmanager
+def shared_spill_dir() -> Iterator[str | None]:
+    """A directory rank 0 makes in memory (/dev/shm, else the temp directory) for the ranks'
+    pieces of the records (verify/sharded/collect.py) when every rank runs on this host
+    (torchrun's LOCAL_WORLD_SIZE equals WORLD_SIZE); None across hosts. Removed afterwards."""
+    one_host = os.environ.get("LOCAL_WORLD_SIZE") == os.environ["WORLD_SIZE"]
+    if not one_host:
+        yield None
+        return
+    made = [tempfile.mkdtemp(prefix="fsdp-verify-run-", dir=memory_dir()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0)
+    try:
+        yield made[0]
+    finally:
+        release_arenas()  # rank 0 read them in the case's last gather
+        dist.barrier()
+        if dist.get_rank() == 0:
+            shutil.rmtree(made[0], ignore_errors=True)

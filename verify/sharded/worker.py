@@ -27,6 +27,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_verify.case import Case
+from fsdp_verify.sharded.allocator import keep_freed_memory
+from fsdp_verify.sharded.arena import arena, release_arenas
+from fsdp_verify.sharded.collect import SPILL_FROM_BYTES
 from fsdp_verify.sharded.loop import RankContext, run_sharded
 
 PHASE_BYTES = 96  # per-rank slot in the shared phase board
@@ -166,17 +169,28 @@ class PhaseClock:
 
 
 def run_case(
-    case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board
-) -> tuple[tuple[dict, torch.Tensor] | None, dict[str, float]]:
+    case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board, pool_dir: str
+) -> tuple[tuple[dict, torch.Tensor | None] | None, dict[str, float]]:
+    """Rank 0 returns its trace as a header and, unless it went into its arena in `pool_dir`
+    that the pool reads (the header names it), its packed bytes for the pipe."""
     clock = PhaseClock(board)
     clock.mark("decode case")
     case = Case.from_json(case_json)
     clock.mark("mesh")
-    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=meshes.get(case.mesh), phase=clock)
+    mesh = meshes.get(case.mesh)
+    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir)
     with groups_released(clock):
         trace = run_sharded(case, ctx)
     clock("serialise trace", "serialise trace")
-    packed = trace.pack() if trace is not None else None
+    packed = None
+    if trace is not None:
+        # A 70 MB trace took 240 ms to pack and pipe, its arena 20 ms (verify/sharded/arena.py);
+        # a tiny one pipes in a millisecond.
+        if sum(t.numel() * t.element_size() for t in trace.records.values()) >= SPILL_FROM_BYTES:
+            with contextlib.suppress(OSError):  # a full tmpfs: the pipe
+                packed = arena(pool_dir, "trace").begin().add_trace(trace).header(trace.side, trace.meta), None
+        if packed is None:
+            packed = trace.pack()
     clock.mark(None)
     return packed, clock.seconds
 
@@ -185,6 +199,7 @@ def worker_main(
     rank: int, world_size: int, pool_dir: str, conn_in: Connection, conn_out: Connection, pg_timeout_s: float
 ) -> None:
     _die_with_parent()
+    keep_freed_memory()  # a case's records are copied into the pages the last case freed
     torch.set_num_threads(1)  # world_size processes share the machine's cores
     # The variables torchrun sets, so that a user's factory or step that reads them (to seed, to
     # log, to pick a device) sees what it would see there, and the build check can name a
@@ -213,15 +228,17 @@ def worker_main(
             break
         _, case_json = message
         try:
-            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board)
+            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board, pool_dir)
             board("idle")
-            # The trace as a header, then its bytes straight from the packed tensor (no pickle,
-            # no copy on this side); the pool reads them into one buffer (RankPool._collect).
+            # The trace as a header, then (unless the header names its file) its bytes straight
+            # from the packed tensor (no pickle, no copy on this side); the pool reads them into
+            # one buffer (RankPool._collect).
             conn_out.send(("ok", packed[0] if packed else None, seconds))
-            if packed:
+            if packed and packed[1] is not None:
                 conn_out.send_bytes(memoryview(packed[1].numpy()))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
             conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
+    release_arenas()
     leave_process_group()
     exit_now(0)
 
