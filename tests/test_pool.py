@@ -82,3 +82,40 @@ def test_records_reach_the_pool_whole_through_its_memory_directory_or_without_it
     assert list(arena.records) == list(pipe.records) and arena.meta == pipe.meta
     for key, value in arena.records.items():
         assert value.dtype == pipe.records[key].dtype and torch.equal(value, pipe.records[key]), key
+
+
+def _probes_after_a_case(rank: int, init: str, out: str) -> None:
+    import torch.distributed as dist
+
+    from fsdp_verify.probes import PROBES
+    from fsdp_verify.sharded import loop
+    from fsdp_verify.sharded.loop import RankContext, run_sharded
+    from fsdp_verify.sharded.worker import MeshCache
+
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    made = []
+    loop.PROBES = [type(P.__name__, (P,), {"__init__": _noting(P, made)}) for P in PROBES]
+    trace = run_sharded(mlp_case(1), RankContext(0, 1, torch.device("cpu"), MeshCache("cpu").get((1,))))
+    holding = [type(p).__name__ for p in made if p.trace is trace]
+    with open(out, "w") as f:
+        f.write(",".join(holding) if trace.records and made else "no probes or no records")
+    dist.destroy_process_group()
+
+
+def _noting(P, made):
+    def __init__(self, *args, **kwargs):
+        P.__init__(self, *args, **kwargs)
+        made.append(self)
+
+    return __init__
+
+
+def test_no_probe_holds_the_trace_after_the_case(tmp_path):
+    """The engine's module holds the probes through its hooks, in reference cycles that live until
+    Python's cyclic collector runs; a probe that kept the trace kept it (70 MB on a medium case)
+    that long, and a pool's rank 0 grew to 1 GB. After the case, none holds it."""
+    import torch.multiprocessing as mp
+
+    out = tmp_path / "holding"
+    mp.spawn(_probes_after_a_case, args=(str(tmp_path / "init"), str(out)), nprocs=1)
+    assert out.read_text() == ""
