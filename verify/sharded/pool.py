@@ -62,7 +62,7 @@ class RankPool:
         # and this side's ("decode trace").
         self.last_profile: dict[str, float] = {}
         # How rank 0's last trace came: "arena" (a file in the pool's memory directory,
-        # verify/sharded/arena.py) or "pipe" (that directory full).
+        # verify/sharded/arena.py) or "pipe" (a trace under 1 MB, or that directory full).
         self.last_trace_via = ""
         self.exit_codes: list[int | None] = []
 
