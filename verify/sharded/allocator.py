@@ -7,8 +7,9 @@ and 8 ms into reused ones. A check copies every step's parameters, gradients and
 case after case; with freed blocks kept in the heap (no mmap per block, no trimming), every case
 after the first copies into pages already there. The price: a process keeps its peak heap until
 it exits (a pool's ranks and the command's own process, which both live for their cases).
-Measured (tests/test_arena.py): 32 freed 1 MB blocks, filled again, fault no page; untuned, all
-8,192 fault every time. A single block past 32 MiB still comes from mmap on glibc 2.36.
+Measured (tests/test_arena.py): 32 freed 1 MB blocks, filled again, fault no page. Untuned,
+glibc's threshold moves with what came before: the same blocks faulted all 8,192 pages every
+round in one process and 256 in another. A single block past 32 MiB still comes from mmap on glibc 2.36.
 
 Called by pool ranks (verify/sharded/worker.py), by ranks under torchrun (torchrun.py) and by the
 command line (verify/commands/cli.py); not in a user's own process (the pytest plugin, the
