@@ -89,12 +89,13 @@ def test_freed_memory_is_reused_without_faulting_pages_in_again():
             kept = keep_freed_memory()
         else:
             kept = not ctypes.CDLL("libc.so.6").mallopt(-3, 128 << 10)  # M_MMAP_THRESHOLD
-        for _ in range(3):
+        faults = []
+        for _ in range(6):
             before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
             blocks = [torch.ones(1 << 18) for _ in range(32)]  # 32 x 1 MB, filled
             del blocks
-            faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
-        print(kept, faults)
+            faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+        print(kept, min(faults[2:]))  # the heap settles in a round or two (the first faults all in)
         """
     )
     out = {}
@@ -104,8 +105,8 @@ def test_freed_memory_is_reused_without_faulting_pages_in_again():
         out[how] = (kept == "True", int(faults))
     pages = (32 << 20) // 4096
     assert out["keep"][0] is True and out["hand back"][0] is False
-    assert out["keep"][1] < pages // 20, out  # the third round reused the first one's pages
-    assert out["hand back"][1] > pages // 2, out  # the mutant faults them in every round
+    assert out["keep"][1] < pages // 20, out  # a settled round reuses the earlier rounds' pages
+    assert out["hand back"][1] > pages // 2, out  # the mutant faults them in every round, settled or not
 
 
 def test_the_memory_walk_finds_tensors_through_attributes_containers_closures_and_grads():
