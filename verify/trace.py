@@ -50,7 +50,13 @@ PHASES = (
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 
 Key = tuple[int, str, str]
-_ALIGN = 64  # byte alignment of each record in a packed buffer
+ALIGN = 64  # byte alignment of each record in a packed buffer (and in an arena, verify/sharded/arena.py)
+
+
+def packed_entry(key: Key, t: torch.Tensor, offset: int) -> list[Any]:
+    """A record's line in a packed header: its key, dtype, shape, offset and size in bytes."""
+    step, phase, name = key
+    return [step, phase, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, t.numel() * t.element_size()]
 
 
 def sort_key(key: Key) -> tuple[int, int, str]:
@@ -101,13 +107,13 @@ class Trace:
         for (step, phase, name), t in self.records.items():
             t = t.detach().contiguous().cpu()
             nbytes = t.numel() * t.element_size()
-            pad = -offset % _ALIGN
+            pad = -offset % ALIGN
             if pad:
                 parts.append(torch.zeros(pad, dtype=torch.uint8))
                 offset += pad
             if nbytes:
                 parts.append(t.reshape(-1).view(torch.uint8))
-            entries.append([step, phase, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, nbytes])
+            entries.append(packed_entry((step, phase, name), t, offset))
             offset += nbytes
         buf = torch.cat(parts) if parts else torch.empty(0, dtype=torch.uint8)
         return {"side": self.side, "meta": self.meta, "records": entries, "nbytes": offset}, buf

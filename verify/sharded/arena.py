@@ -21,9 +21,7 @@ from typing import Any
 
 import torch
 
-from fsdp_verify.trace import Key, Trace
-
-_ALIGN = 64  # byte alignment of each record, as Trace.pack lays them out
+from fsdp_verify.trace import ALIGN, Key, Trace, packed_entry
 
 
 class Arena:
@@ -42,17 +40,17 @@ class Arena:
         return self
 
     def add(self, key: Key, t: torch.Tensor) -> None:
-        step, phase, name = key
+        """Laid out as `Trace.pack` lays a record out."""
         t = t.detach().contiguous().cpu()
         size = t.numel() * t.element_size()
-        offset = self.nbytes + (-self.nbytes % _ALIGN)
+        offset = self.nbytes + (-self.nbytes % ALIGN)
         if size:
             if self._fd is None:
                 self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
             data, done = memoryview(t.reshape(-1).view(torch.uint8).numpy()), 0
             while done < size:  # pwrite may write less than asked
                 done += os.pwrite(self._fd, data[done:], offset + done)
-        self.entries.append([step, phase, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, size])
+        self.entries.append(packed_entry(key, t, offset))
         self.nbytes = offset + size
 
     def add_trace(self, trace: Trace) -> Arena:
