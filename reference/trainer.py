@@ -28,7 +28,7 @@ from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
-from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
+from fsdp_verify.training.rng import dropout_states, rng_fingerprint
 
 
 def train_reference(
@@ -67,7 +67,7 @@ def train_reference(
     # The engine's own division of the average (every order: a division, not a summation order).
     divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
     # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
-    rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    rng_states = dropout_states(case)
     scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
     for step in range(1, case.steps + 1):
         inputs, targets = global_batch(case, step)

@@ -35,7 +35,7 @@ from fsdp_verify.reference.trainer import _average, _FlatLayout, _record_buffers
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.data import global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
-from fsdp_verify.training.rng import dropout_seed, rng_fingerprint
+from fsdp_verify.training.rng import dropout_states, rng_fingerprint
 from fsdp_verify.training.user_step import StepContext, StepRecording, call_reference_step, load_step, split_rows
 
 
@@ -176,7 +176,7 @@ def train_reference_step(
             p = params[n]
             p.grad = avg.float() if p.grad is None else p.grad + avg.float()
 
-    rng_states = [torch.manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    rng_states = dropout_states(case)
     ranks = VirtualRanks(model, case, order, rng_states, reduce)
     step_fn = load_step(case.step)
     trace = Trace("reference", meta={"case": case.hash, "step": case.step, "order": order, "perturbed": perturb})

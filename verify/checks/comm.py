@@ -52,6 +52,11 @@ class Collective:
     unit: str = ""  # "" unattributed (measured); "<root>" is the root unit
 
     @property
+    def traffic(self) -> tuple:
+        """Everything but the unit: what a measured collective (which names none) must equal."""
+        return (self.step, self.microbatch, self.phase, self.kind, self.dtype, self.group, self.bytes)
+
+    @property
     def window(self) -> tuple[int, int, int]:
         return (self.step, self.microbatch, PHASE_ORDER.get(self.phase, 9))
 
@@ -129,19 +134,13 @@ class Row:
 
     @property
     def ok(self) -> bool:
-        return self.expected == _as_unit(self.measured, self.expected)
+        return (
+            self.expected is not None and self.measured is not None and self.expected.traffic == self.measured.traffic
+        )
 
     @property
     def unit(self) -> str:
         return self.expected.unit if self.expected else "?"
-
-
-def _as_unit(measured: Collective | None, expected: Collective | None) -> Collective | None:
-    if measured is None or expected is None:
-        return measured
-    from dataclasses import replace
-
-    return replace(measured, unit=expected.unit)
 
 
 def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
@@ -159,7 +158,7 @@ def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
         left = list(got)
         pending: list[Collective] = []
         for e in want:
-            twin = next((g for g in left if _as_unit(g, e) == e), None)
+            twin = next((g for g in left if g.traffic == e.traffic), None)
             if twin is None:
                 pending.append(e)
             else:

@@ -36,14 +36,22 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Placement
+from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
 from torch.utils._pytree import tree_leaves
+from torch.utils.hooks import RemovableHandle
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
 from fsdp_verify.trace import Trace
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
-_LEAVES = frozenset((str, int, float, bool, type(None), bytes))  # most of what a walk meets: a set lookup
+# Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.
+_LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.Size))
+# What describes a tensor's layout or the ranks holds no storage of its own (a mesh's rank grid
+# is an integer tensor, never counted): a fifth of a walk's objects on FSDP2's medium Transformer.
+_LAYOUT = (DTensorSpec, TensorMeta, Placement, DeviceMesh, RemovableHandle)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -62,7 +70,7 @@ def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor
     Breadth first, a level at a time: one `gc.get_referents` call for all of a level's objects,
     and each type classified once (a walk meets ~2,000 objects of ~40 types), 2.6x faster than
     an object at a time on bench/overhead.py's medium Transformer."""
-    stop = (*_ATOMS, torch.dtype, torch.device, *skip)
+    stop = (*_ATOMS, *_LAYOUT, torch.dtype, torch.device, *skip)
     kinds: dict[type, int] = {}
     seen: set[int] = {id(root)}
     out: list[torch.Tensor] = []

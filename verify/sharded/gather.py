@@ -74,6 +74,24 @@ def _as_bytes(t: torch.Tensor) -> torch.Tensor:
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+def collective_device() -> torch.device:
+    """Where the default group's backend takes tensors: the rank's GPU under NCCL, else the CPU."""
+    if dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def all_gather_ints(values: list[int], device: torch.device | None = None) -> list[list[int]]:
+    """Every rank's `values` (as many on each), in rank order: one small all-gather, where
+    `all_gather_object` takes two and pickling (sizes for the case's one exchange of pieces,
+    verify/sharded/collect.py; the build probe's digest)."""
+    device = device or collective_device()
+    mine = torch.tensor(values, dtype=torch.int64, device=device)
+    everyone = mine.new_empty(dist.get_world_size() * len(values))
+    _all_gather_single(everyone, mine)
+    return everyone.view(-1, len(values)).tolist()
+
+
 def sum_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """float64 sum of each tensor, from its local shard and then reduced over the shard group:
     a path independent of the gather, which sees padding leaking into shards."""
