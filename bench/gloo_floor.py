@@ -1,10 +1,11 @@
 """The fixed cost under every multi-process case: one gloo collective between two processes,
 against a bare socket round trip between the same two, in one run.
 
-A tiny case's ranks spend most of their time waiting on FSDP2's own collectives (about 11 a step)
-and the toolkit's (4 a step), so this ratio, not the model, sets how fast a warm pool can be
-against ranks that are threads of one process (bench/pool_vs_cold.py). Two ranks, 200 floats,
-`torch.set_num_threads(1)` as in a pool worker; medians of rounds.
+A tiny case's ranks spend most of their time waiting on FSDP2's own collectives (9 a step on
+bench/pool_vs_cold.py's MLP: 6 all-gathers, 3 reduce-scatters) and the toolkit's (3 a case: the
+build digest, the sizes of the pieces, their send), so this ratio, not the model, sets how fast a
+warm pool can be against ranks that are threads of one process (bench/pool_vs_cold.py). Two
+ranks, 200 floats, `torch.set_num_threads(1)` as in a pool worker; medians of rounds.
 
     python bench/gloo_floor.py [--iters 500]
 """

@@ -8,7 +8,8 @@ of a DTensor and their float64 sum; rank 0 writes its own DTensor rows straight 
 tensors. The pieces travel once, at the end of the case: each other rank's through its arena, a
 file rank 0 reads, where the ranks share a host and a directory (a pool's, on /dev/shm;
 verify/sharded/arena.py), else as one packed byte buffer through the process group; their
-headers with the probes' payloads in one object all-gather. Rank 0 then puts every record
+headers and the probes' payloads, pickled, in front of that buffer (one all-gather of sizes, then
+one send a rank). Rank 0 then puts every record
 together: rows in rank order, DTensor rows in the order of rank 0's shard group (the layout
 `full_tensor()` gives), shard sums in that order, and the loss summed as gloo sums one element
 (last rank first, `gloo_scalar_sum`, which the reference's loss uses too). The bits are the ones
@@ -181,8 +182,8 @@ class Collector:
         pieces go in its arena in `spill_dir` (verify/sharded/arena.py), which rank 0 reads, else
         packed into one byte buffer (pickling a medium model's pieces cost 4x the sending); its
         header and `extra`, pickled (small), travel in front of that buffer. One all-gather of
-        sizes, then one send per rank: three round trips fewer than an object all-gather of the
-        headers before the sends (each a gloo round trip, bench/gloo_floor.py)."""
+        sizes, then one send a rank: an object all-gather of the headers before the sends took two
+        all-gathers more and pickling (each a gloo round trip, bench/gloo_floor.py)."""
         header, buf = (None, None) if self.rank == 0 else self._sent()  # rank 0's stay as they are
         if self.world_size == 1 or not dist.is_initialized():
             self._assemble([])
