@@ -73,6 +73,24 @@ def test_a_peers_collective_error_is_blamed_on_the_rank_that_died(pool):
     _recovers(pool)
 
 
+@pytest.mark.parametrize(
+    ("step", "phase"),
+    [
+        ("rank1_dies_in_its_backward", "step 1 user step: loss and backward after forward 0"),
+        ("rank1_dies_in_its_optimizer_step", "step 1 user step: clip and optimizer step"),
+    ],
+)
+def test_a_rank_dying_in_a_users_step_is_named_with_that_part_of_the_step(pool, step, phase):
+    """Before, a rank that died after the toolkit recorded the forward's output or the gradients
+    was named with that record phase ("step 1 record gradients")."""
+    if not pool.alive:
+        pool.start()
+    with pytest.raises(RankFailure) as e:
+        check_case(mlp_case(2, step=f"tests/user/faulty_steps.py:{step}"), pool=pool)
+    assert (e.value.kind, e.value.rank, e.value.phase) == ("crash", 1, phase), str(e.value)
+    _recovers(pool)
+
+
 def test_closing_the_pool_leaves_no_process(no_leftover_children):
     with RankPool(2) as p:
         p.start()

@@ -192,12 +192,16 @@ def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, recor
         logits.append(out.detach())
         dtypes["logits"] = str(out.dtype)
         forwards[0] += 1
+        # What runs next is the user's own code (the loss, backward): a rank that fails there
+        # is named with it, not with the record phase before.
+        ctx.phase(f"step {step} user step: loss and backward after forward {forwards[0] - 1}")
 
     def on_grads() -> None:
         ctx.phase(f"step {step} record gradients")
         for probe in probes:
             probe.after_backward(step, case.microbatches - 1)
         _record_grads(records, step, view, dtypes)
+        ctx.phase(f"step {step} user step: clip and optimizer step")
 
     def on_norm(norm: torch.Tensor) -> None:
         full = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
