@@ -2,8 +2,9 @@
 
 bare     = a plain single-process training loop (the reference without records)
          + the sharded training loop without any gathering or recording
-verified = the recording reference (reference/trainer.py) + the recording sharded loop
-           (verify/sharded/loop.py) + comparing the traces
+verified = the recording reference (reference/trainer.py; its emulated ranks split over the two
+           processes as under torchrun, verify/sharded/shared_reference.py) + the recording
+           sharded loop (verify/sharded/loop.py) + comparing the traces
 Measured in the same two rank processes, one after the other, after a warm-up.
 Target: verified / bare <= 1.3.
 
@@ -27,11 +28,12 @@ from _hygiene import private_tmp
 from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.models import build_model
-from fsdp_verify.runner import emulating_reference, judge
+from fsdp_verify.runner import judge
 from fsdp_verify.sharded.allocator import keep_freed_memory
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.loop import RankContext, run_sharded
 from fsdp_verify.sharded.pool import memory_dir
+from fsdp_verify.sharded.torchrun import reference_in_place
 from fsdp_verify.sharded.worker import MeshCache, exit_now, leave_process_group
 from fsdp_verify.training.data import global_batch, microbatch_slices
 from fsdp_verify.training.loss import loss_fn
@@ -66,9 +68,13 @@ def bare_reference(case: Case) -> None:
         optimizer.zero_grad()
 
 
-def verify(case: Case, got) -> None:
-    verdict = judge(case, emulating_reference(case), got)
-    assert verdict.ok, verdict.summary()
+def verify(case: Case, got, spill_dir: str | None) -> None:
+    """On every rank, as `check_in_place` runs it: the reference split over the ranks
+    (verify/sharded/shared_reference.py), then rank 0 judges."""
+    ref = reference_in_place(case, spill_dir)
+    if dist.get_rank() == 0:
+        verdict = judge(case, ref, got)
+        assert verdict.ok, verdict.summary()
 
 
 def timed(fn) -> float:
@@ -93,7 +99,7 @@ def rank_main(rank: int, store_path: str, repeats: int, out_path: str, spill_dir
         }
         holder: dict = {}
         row["verified_sharded"] = timed(lambda h=holder: h.update(got=run_sharded(case, ctx)))
-        row["verified_reference_and_compare"] = timed(lambda h=holder: rank == 0 and verify(case, h["got"]))
+        row["verified_reference_and_compare"] = timed(lambda h=holder: verify(case, h["got"], spill_dir))
         if i > 0:  # the first round warms up
             rows.append(row)
     if rank == 0:

@@ -11,6 +11,9 @@ virtual rank): numerically equivalent, differently rounded; it calibrates the no
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Protocol
+
 import torch
 from torch import nn
 from torch.func import functional_call
@@ -38,6 +41,7 @@ def train_reference(
     unit_input_node: bool | None = None,
     perturb: int | None = None,
     arithmetic: Arithmetic = FSDP2,
+    share: RankShare | None = None,
 ) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
@@ -50,8 +54,12 @@ def train_reference(
     derived error bound, with random signs (`Perturbation`): the run that sets the floor.
     `arithmetic` is what the engine under test declares (verify/engines/arithmetic.py): with a
     "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
-    reduction and the clip's norm, and its `unit_input_node` is the default."""
+    reduction and the clip's norm, and its `unit_input_node` is the default. `share` splits the
+    emulated ranks' forward and backward passes over processes (verify/sharded/shared_reference.py:
+    the ranks of a run in place under torchrun); every process then averages and steps alike."""
     model = reference_model(case, arithmetic, unit_input_node)
+    if share is not None:
+        share.begin(model)
     params = dict(model.named_parameters())  # tied weights appear once
     optimizer = make_optimizer(case.optim, params.values())
     flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
@@ -88,22 +96,31 @@ def train_reference(
         compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
         trainable = [n for n in compute if compute[n].requires_grad]
         for m, group in enumerate(groups):
-            rank_grads = []
+            ranks: dict[int, RankPass] = {}
             for r, index in enumerate(group):
-                if emulate:  # each rank's generator before and after its forward (verify/probes/rng.py)
-                    fingerprints.setdefault(f"before_forward.{m}", []).append(rng_fingerprint(rng_states[r]))
+                if share is not None and not share.mine(r):
+                    continue  # another process runs this rank (`share.exchange` brings it)
+                before = rng_fingerprint(rng_states[r])  # each rank's generator around its forward
                 torch.set_rng_state(rng_states[r])
                 args, kwargs = as_call(take(inputs, index))
                 out = logits_of(case.model, functional_call(model, compute, args, kwargs))
-                if emulate:
-                    fingerprints.setdefault(f"after_forward.{m}", []).append(rng_fingerprint(torch.get_rng_state()))
+                after = rng_fingerprint(torch.get_rng_state())
                 loss = microbatch_loss(case, out, targets[index], scale)
                 backpropagated = scaler.scaled(loss) if scaler is not None else loss
                 grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
-                rank_grads.append(dict(zip(trainable, grads)))
                 rng_states[r] = torch.get_rng_state()
-                rank_loss[r] += loss.detach().float()
-                _store_logits(logits, index, out.detach())
+                ranks[r] = RankPass(dict(zip(trainable, grads)), out.detach(), loss.detach().float(), before, after)
+            if share is not None:
+                ranks = share.exchange(ranks, model)
+            rank_grads = []
+            for r, index in enumerate(group):  # in rank order, as one process runs them
+                done = ranks[r]
+                if emulate:  # verify/probes/rng.py
+                    fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
+                    fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
+                rank_grads.append(done.grads)
+                rank_loss[r] += done.loss
+                _store_logits(logits, index, done.logits)
             if not case.sync_every_microbatch:
                 # Unsharded accumulation without communication. FSDP2 (FSDPParam.
                 # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
@@ -341,6 +358,29 @@ def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
             total = total + sq
         norms.append(total.sqrt())
     return torch.linalg.vector_norm(torch.stack(norms))
+
+
+@dataclass
+class RankPass:
+    """What one emulated rank's forward and backward of a micro-batch give."""
+
+    grads: dict[str, torch.Tensor]  # in `trainable` order
+    logits: torch.Tensor
+    loss: torch.Tensor  # float32
+    rng_before: int  # its dropout generator's fingerprint before and after the forward
+    rng_after: int
+
+
+class RankShare(Protocol):
+    """Emulated ranks split over processes: `mine(r)` says whether this process runs rank r;
+    `exchange` gives every rank's pass, this process's and the others' (a collective); `begin`
+    sees the model as built."""
+
+    def begin(self, model: nn.Module) -> None: ...
+
+    def mine(self, r: int) -> bool: ...
+
+    def exchange(self, passes: dict[int, RankPass], model: nn.Module) -> dict[int, RankPass]: ...
 
 
 def _store_logits(logits: dict[int, torch.Tensor], index, out: torch.Tensor) -> None:

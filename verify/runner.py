@@ -15,6 +15,7 @@ from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
+from fsdp_verify.reference.trainer import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.trace import Trace
 from fsdp_verify.validation import CaseError
@@ -33,13 +34,14 @@ def rank_like_threads() -> Iterator[None]:
         torch.set_num_threads(before)
 
 
-def emulating_reference(case: Case) -> Trace:
+def emulating_reference(case: Case, share: RankShare | None = None) -> Trace:
     """The reference run that emulates the engine under test: FSDP2's arithmetic unless the
     engine declares its own (verify/engines/arithmetic.py); with a user's step, that step on the
-    global batch (reference/user_step.py)."""
+    global batch (reference/user_step.py). `share`: the emulated ranks split over processes
+    (verify/sharded/shared_reference.py; not with a user's step)."""
     if case.step is not None:
         return train_reference_step(case, arithmetic=engine_arithmetic(case.engine))
-    return train_reference(case, arithmetic=engine_arithmetic(case.engine))
+    return train_reference(case, arithmetic=engine_arithmetic(case.engine), share=share)
 
 
 def calibration_runs(case: Case) -> list[Trace]:

@@ -121,3 +121,21 @@ class ConstantScaledLM(UserLM):
 
 def constant_scaled_lm(**kwargs) -> nn.Module:
     return ConstantScaledLM(**kwargs)
+
+
+class BatchNormLM(UserLM):
+    """A running mean and variance after the embedding: buffers every training forward changes."""
+
+    def __init__(self, **kwargs):
+        super().__init__(**kwargs)
+        self.bn = nn.BatchNorm1d(self.head.in_features)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.bn(self.embed(tokens).transpose(1, 2)).transpose(1, 2)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(x)
+
+
+def batchnorm_lm(**kwargs) -> nn.Module:
+    return BatchNormLM(**kwargs)

@@ -1,0 +1,114 @@
+"""The reference split over the ranks of a run in place (verify/sharded/shared_reference.py):
+rank 0's trace is the one a single process records, bit for bit, whatever the case; a model whose
+forward changes its buffers makes every process give up the split together; and the whole path
+under a real `torchrun`: a correct engine is EQUIVALENT, a mutant is caught."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.reference import train_reference
+from fsdp_verify.runner import rank_like_threads
+from fsdp_verify.sharded.arena import release_arenas
+from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe
+from tests.conftest import lm_case, mlp_case
+
+ROOT = Path(__file__).resolve().parent.parent
+
+FP16 = PrecisionSpec(param_dtype="fp16", reduce_dtype="fp32")
+SMALL_LM = ModelSpec(kind="transformer", vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, seq_len=6)
+CASES = {
+    "mlp-fp32": mlp_case(2, steps=3),
+    "mlp-3-ranks-on-2-processes-clip": mlp_case(3, steps=2, clip_norm=0.05),
+    "lm-dropout-microbatches-sync-last": lm_case(2, microbatches=2, sync_every_microbatch=False).with_(
+        model=dataclasses.replace(SMALL_LM, dropout=0.2)
+    ),
+    "lm-bf16-fp32-reduce": lm_case(2, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")),
+    # scales that overflow: a skipped step on every process alike
+    "mlp-fp16-loss-scaling": mlp_case(
+        2, steps=4, precision=FP16, loss_scaling=LossScaleSpec(init_scale=2.0**16, growth_interval=1)
+    ),
+    "lm-4-ranks-on-2-processes": lm_case(4, data=DataSpec(batch_size=8)),
+}
+
+
+def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, NaN payloads too (a skipped fp16 step's gradients hold NaN and inf)."""
+    return (a.dtype, a.shape) == (b.dtype, b.shape) and torch.equal(
+        a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)
+    )
+
+
+def _split(rank: int, processes: int, init: str, directory: str, case: Case, out: str) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=processes)
+    try:
+        with rank_like_threads():
+            trace = train_reference(case, share=SharedReference(rank, processes, directory))
+        if rank == 0:
+            torch.save({"records": trace.records, "meta": trace.meta}, out)
+    except SplitUnsafe as e:
+        torch.save({"unsafe": str(e)}, f"{out}.{rank}")
+    finally:
+        release_arenas()
+        dist.destroy_process_group()
+
+
+def _run_split(case: Case, processes: int = 2) -> tuple[dict, list[str]]:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.pt")
+        mp.spawn(_split, args=(processes, os.path.join(tmp, "init"), tmp, case, out), nprocs=processes)
+        got = {f"unsafe.{r}": torch.load(f"{out}.{r}") for r in range(processes) if os.path.exists(f"{out}.{r}")}
+        if os.path.exists(out):
+            got.update(torch.load(out))
+        left = sorted(n for n in os.listdir(tmp) if n.startswith("arena-"))
+        return got, left
+
+
+@pytest.mark.parametrize("name", sorted(CASES))
+def test_split_reference_records_what_one_process_records(name):
+    case = CASES[name]
+    got, left = _run_split(case)
+    with rank_like_threads():
+        whole = train_reference(case)
+    assert set(got["records"]) == set(whole.records)
+    differ = [k for k, v in whole.records.items() if not _same_bits(v, got["records"][k])]
+    assert not differ, f"{len(differ)} records differ from the single process's, first {differ[0]}"
+    assert got["meta"] == whole.meta
+    assert left == [], "the processes' arenas were left behind"
+
+
+def test_a_forward_that_changes_buffers_makes_every_process_give_up_the_split():
+    case = lm_case(2).with_(model=ModelSpec(kind="custom", factory="tests.user.models:batchnorm_lm", seq_len=6))
+    got, _ = _run_split(case)
+    assert "records" not in got
+    assert sorted(got) == ["unsafe.0", "unsafe.1"]
+    assert "buffers" in got["unsafe.0"]["unsafe"]
+
+
+def _torchrun(*args: str) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    return subprocess.run(
+        [*cmd, "-m", "fsdp_verify", "check", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
+    )
+
+
+def test_in_place_under_torchrun_a_correct_engine_passes_and_a_mutant_is_caught():
+    ok = _torchrun("--steps", "2")
+    assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
+    assert "EQUIVALENT" in ok.stdout
+    bad = _torchrun("--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
+    assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
+    assert "grads" in bad.stdout
