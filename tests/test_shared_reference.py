@@ -1,12 +1,15 @@
 """The reference split over the ranks of a run in place (verify/sharded/shared_reference.py):
 rank 0's trace is the one a single process records, bit for bit, whatever the case; a model whose
-forward changes its buffers makes every process give up the split together; and the whole path
-under a real `torchrun`: a correct engine is EQUIVALENT, a mutant is caught."""
+forward changes its buffers, or a rank that cannot write its passes, makes every process give up
+the split together; and the whole path under a real `torchrun`: a correct engine is EQUIVALENT,
+a mutant is caught."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
+import resource
+import signal
 import subprocess
 import sys
 import tempfile
@@ -50,12 +53,19 @@ def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     )
 
 
-def _split(rank: int, processes: int, init: str, directory: str, case: Case, out: str) -> None:
+def _split(rank: int, processes: int, init: str, directory: str, case: Case, out: str, full: bool) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init}", rank=rank, world_size=processes)
+    limit = resource.getrlimit(resource.RLIMIT_FSIZE)
     try:
-        with rank_like_threads():
-            trace = train_reference(case, share=SharedReference(rank, processes, directory))
+        if full and rank == 1:  # its memory directory fills up: a write past 1 KB fails
+            signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+            resource.setrlimit(resource.RLIMIT_FSIZE, (1024, limit[1]))
+        try:
+            with rank_like_threads():
+                trace = train_reference(case, share=SharedReference(rank, processes, directory))
+        finally:
+            resource.setrlimit(resource.RLIMIT_FSIZE, limit)  # the result is written below
         if rank == 0:
             torch.save({"records": trace.records, "meta": trace.meta}, out)
     except SplitUnsafe as e:
@@ -65,10 +75,10 @@ def _split(rank: int, processes: int, init: str, directory: str, case: Case, out
         dist.destroy_process_group()
 
 
-def _run_split(case: Case, processes: int = 2) -> tuple[dict, list[str]]:
+def _run_split(case: Case, processes: int = 2, full: bool = False) -> tuple[dict, list[str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        mp.spawn(_split, args=(processes, os.path.join(tmp, "init"), tmp, case, out), nprocs=processes)
+        mp.spawn(_split, args=(processes, os.path.join(tmp, "init"), tmp, case, out, full), nprocs=processes)
         got = {f"unsafe.{r}": torch.load(f"{out}.{r}") for r in range(processes) if os.path.exists(f"{out}.{r}")}
         if os.path.exists(out):
             got.update(torch.load(out))
@@ -95,6 +105,14 @@ def test_a_forward_that_changes_buffers_makes_every_process_give_up_the_split():
     assert "records" not in got
     assert sorted(got) == ["unsafe.0", "unsafe.1"]
     assert "buffers" in got["unsafe.0"]["unsafe"]
+
+
+def test_a_rank_that_cannot_write_its_passes_makes_every_process_give_up_the_split():
+    got, left = _run_split(mlp_case(2), full=True)
+    assert "records" not in got
+    assert sorted(got) == ["unsafe.0", "unsafe.1"]
+    assert "could not write" in got["unsafe.0"]["unsafe"]
+    assert left == []
 
 
 def _torchrun(*args: str) -> subprocess.CompletedProcess:

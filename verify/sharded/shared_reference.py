@@ -12,7 +12,8 @@ the same arithmetic on the same inputs in a process of the same thread count.
 One thing a split cannot reproduce: buffers a forward changes (a running mean). A single process
 runs every rank's forward on one model, so each forward sees the others' updates; split, each
 process sees only its own. A process whose buffers moved says so in the exchange, and every
-process raises `SplitUnsafe`; the caller then runs the reference whole.
+process raises `SplitUnsafe`; the caller then runs the reference whole. So does a process that
+could not write its passes (a full memory directory).
 """
 
 from __future__ import annotations
@@ -46,17 +47,23 @@ class SharedReference:
         assert self._buffers is not None, "begin(model) first"
         moved = any(not torch.equal(a, b.detach()) for a, b in zip(self._buffers, model.buffers()))
         mine = arena(self.directory, f"reference-{self.rank}").begin()
-        for r, done in passes.items():
-            for name, g in done.grads.items():
-                mine.add((r, "grads", name), g)
-            mine.add((r, "logits", "logits"), done.logits)
-            mine.add((r, "loss", "loss"), done.loss)
-            mine.add((r, "rng", "rng"), torch.tensor([done.rng_before, done.rng_after], dtype=torch.int64))
-        header = mine.header("reference", {"ranks": sorted(passes), "moved": moved})
+        written = True
+        try:
+            for r, done in passes.items():
+                for name, g in done.grads.items():
+                    mine.add((r, "grads", name), g)
+                mine.add((r, "logits", "logits"), done.logits)
+                mine.add((r, "loss", "loss"), done.loss)
+                mine.add((r, "rng", "rng"), torch.tensor([done.rng_before, done.rng_after], dtype=torch.int64))
+        except OSError:  # a full memory directory: said in the exchange, never a rank stuck in it
+            written = False
+        header = mine.header("reference", {"ranks": sorted(passes), "moved": moved, "written": written})
         headers: list = [None] * self.world_size
         dist.all_gather_object(headers, header)  # also: every arena is written
         if any(h["meta"]["moved"] for h in headers):
             raise SplitUnsafe("a forward changed the model's buffers")
+        if not all(h["meta"]["written"] for h in headers):
+            raise SplitUnsafe("a rank could not write its passes to the memory directory")
         every = dict(passes)
         for p, theirs in enumerate(headers):
             if p == self.rank:
