@@ -41,3 +41,15 @@ def private_tmp(name: str) -> Iterator[str]:
             print(f"LEFT BEHIND in the temporary directory: {left}", file=sys.stderr)
             raise SystemExit(3)
         print(f"temporary files: none left behind ({root} removed)")
+
+
+@contextlib.contextmanager
+def rendezvous_file(tmp: str) -> Iterator[str]:
+    """A path in `tmp` for rank processes' `file://` rendezvous; gloo may leave the file behind,
+    and it is ours to remove (the check above would count it)."""
+    path = os.path.join(tmp, "init")
+    try:
+        yield path
+    finally:
+        if os.path.exists(path):
+            os.remove(path)

@@ -19,7 +19,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _hygiene import private_tmp
+from _hygiene import private_tmp, rendezvous_file
 from fsdp2_floor import bare_fsdp2
 from pool_vs_cold import CASE
 
@@ -90,12 +90,10 @@ def _bare_rank(rank: int, init: str, n: int, done) -> None:
 def bare_fsdp2_threads(n: int, tmp: str) -> dict[str, float]:
     ctx = mp.get_context("spawn")
     done = ctx.Queue()
-    init = os.path.join(tmp, "init")
-    procs = mp.start_processes(_bare_rank, args=(init, n, done), nprocs=2, join=False, start_method="spawn")
-    per_thread = done.get()
-    procs.join()
-    if os.path.exists(init):  # the file:// rendezvous, ours to remove
-        os.remove(init)
+    with rendezvous_file(tmp) as init:
+        procs = mp.start_processes(_bare_rank, args=(init, n, done), nprocs=2, join=False, start_method="spawn")
+        per_thread = done.get()
+        procs.join()
     return per_thread
 
 

@@ -13,14 +13,13 @@ memory copies but the ranks' Python takes turns under the GIL.
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _hygiene import private_tmp
+from _hygiene import private_tmp, rendezvous_file
 from pool_vs_cold import CASE, ThreadedRanks
 
 from fsdp_verify.case import Case
@@ -78,12 +77,10 @@ def main() -> None:
     args = parser.parse_args()
     rounds, per_round = 5, max(1, args.cases // 5)
     times: dict[tuple[str, str], list[float]] = {}
-    with private_tmp("fsdp2-floor") as tmp:
+    with private_tmp("fsdp2-floor") as tmp, rendezvous_file(tmp) as init:
         ctx = mp.get_context("spawn")
         todo, done = [ctx.Queue(), ctx.Queue()], ctx.Queue()
-        procs = mp.start_processes(
-            _process_rank, args=(os.path.join(tmp, "init"), todo, done), nprocs=2, join=False, start_method="spawn"
-        )
+        procs = mp.start_processes(_process_rank, args=(init, todo, done), nprocs=2, join=False, start_method="spawn")
         try:
             for name, fn in RUNS.items():
                 with ThreadedRanks(2, fn) as threaded:
@@ -102,8 +99,6 @@ def main() -> None:
             for q in todo:
                 q.put(None)
             procs.join()
-            if os.path.exists(os.path.join(tmp, "init")):  # the file:// rendezvous, ours to remove
-                os.remove(os.path.join(tmp, "init"))
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"case: {CASE.model.kind} {CASE.model.widths}, world size 2, {CASE.steps} steps; medians, ms")
     print(f"{'':26s} {'processes (gloo)':>17s} {'threads':>9s} {'threads / processes':>20s}")

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from _hygiene import private_tmp
+from _hygiene import private_tmp, rendezvous_file
 
 NUMEL = 200
 
@@ -84,11 +84,9 @@ def main() -> None:
         rtt = socket_round_trip(args.iters)
         with mp.Manager() as manager:
             out = manager.dict()
-            init = os.path.join(tmp, "init")
-            mp.spawn(_collectives, args=(init, args.iters, out), nprocs=2)
+            with rendezvous_file(tmp) as init:
+                mp.spawn(_collectives, args=(init, args.iters, out), nprocs=2)
             result = dict(out)
-            if os.path.exists(init):  # the file:// rendezvous, ours to remove (gloo may leave it)
-                os.remove(init)
         print(f"{'socket round trip (1 B)':28s} {rtt * 1e6:9.1f} us   1.0x")
         for name, seconds in result.items():
             print(f"{name:28s} {seconds * 1e6:9.1f} us   {seconds / rtt:.1f}x")
