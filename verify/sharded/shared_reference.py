@@ -27,10 +27,13 @@ from fsdp_verify.sharded.arena import Fill, arena
 
 
 class SplitUnsafe(RuntimeError):
-    """A forward changed the model's buffers: the reference must run whole, in one process."""
+    """A forward changed the model's buffers, or a process could not write its passes: the
+    reference must run whole, in one process."""
 
 
 class SharedReference:
+    """This process's part of a split reference run: a `RankShare` (reference/trainer.py)."""
+
     def __init__(self, rank: int, world_size: int, directory: str):
         self.rank, self.world_size, self.directory = rank, world_size, directory
         self._buffers: list[torch.Tensor] | None = None  # the model's buffers as built
