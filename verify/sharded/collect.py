@@ -182,8 +182,8 @@ class Collector:
         pieces go in its arena in `spill_dir` (verify/sharded/arena.py), which rank 0 reads, else
         packed into one byte buffer (pickling a medium model's pieces cost 4x the sending); its
         header and `extra`, pickled (small), travel in front of that buffer. One all-gather of
-        sizes, then one send a rank: an object all-gather of the headers before the sends took two
-        all-gathers more and pickling (each a gloo round trip, bench/gloo_floor.py)."""
+        sizes, then one send a rank: an object all-gather of the headers before the sends took one
+        all-gather more and pickling (each a gloo round trip, bench/gloo_floor.py)."""
         header, buf = (None, None) if self.rank == 0 else self._sent()  # rank 0's stay as they are
         if self.world_size == 1 or not dist.is_initialized():
             self._assemble([])
