@@ -8,12 +8,11 @@ of a DTensor and their float64 sum; rank 0 writes its own DTensor rows straight 
 tensors. The pieces travel once, at the end of the case: each other rank's through its arena, a
 file rank 0 reads, where the ranks share a host and a directory (a pool's, on /dev/shm;
 verify/sharded/arena.py), else as one packed byte buffer through the process group; their
-headers and the probes' payloads, pickled, in front of that buffer (one all-gather of sizes, then
-one send a rank). Rank 0 then puts every record
-together: rows in rank order, DTensor rows in the order of rank 0's shard group (the layout
-`full_tensor()` gives), shard sums in that order, and the loss summed as gloo sums one element
-(last rank first, `gloo_scalar_sum`, which the reference's loss uses too). The bits are the ones
-the collectives gave.
+headers and the probes' payloads, pickled, in front of that buffer (one all-gather of sizes,
+then one send a rank). Rank 0 then puts every record together: rows in rank order, DTensor rows
+in the order of rank 0's shard group (the layout `full_tensor()` gives), shard sums in that
+order, and the loss summed as gloo sums one element (last rank first, `gloo_scalar_sum`, which
+the reference's loss uses too). The bits are the ones the collectives gave.
 
 What a piece cannot say is recorded whole at once, as before: a DTensor in another layout (one
 `full_tensor()`, a collective), or the full tensors of an engine view that makes its own

@@ -62,7 +62,7 @@ def reference_in_place(case: Case, spill_dir: str | None) -> Trace | None:
             try:
                 ref = emulating_reference(case, share=SharedReference(rank, world, spill_dir))
                 return ref if rank == 0 else None
-            except SplitUnsafe:  # a forward changed buffers: every rank raised it together
+            except SplitUnsafe:  # moved buffers or a full memory directory: every rank raised it together
                 pass
         return emulating_reference(case) if rank == 0 else None
 
