@@ -75,3 +75,24 @@ def test_every_dtype_spelling_is_stored_as_its_short_name(bf16):
 def test_an_unknown_dtype_names_the_field_and_the_spellings():
     with pytest.raises(CaseError, match=r"precision.param_dtype: expected null or fp32/float32, bf16/bfloat16"):
         Case(precision=PrecisionSpec(param_dtype="bf17"))
+
+
+def test_json_and_hash_are_what_dataclasses_asdict_gave():
+    """`to_dict` walks the Case itself (`_plain`, 3x cheaper than `dataclasses.asdict`): its
+    values, and so every JSON file and hash a release wrote, must stay as asdict made them."""
+    import dataclasses
+
+    from fsdp_verify.case import _plain
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+
+    user = ModelSpec(kind="custom", factory="tests.user.models:user_lm", seq_len=8, kwargs={"n_layers": 3})
+    drawn = draw_cases(cases(hsdp=True, precisions=("fp32", "bf16", "fp16")), 40, 5)
+    drawn += draw_cases(cases(custom_model=user, world_sizes=(2,)), 10, 5)
+    assert any(c.loss_scaling is not None for c in drawn) and any(c.model.is_custom for c in drawn)
+    for case in drawn:
+        assert _plain(case) == dataclasses.asdict(case)
+        assert [type(v) for v in _plain(case).values()] == [type(v) for v in dataclasses.asdict(case).values()]
+    nested = ModelSpec(kind="custom", factory="tests.user.models:user_lm", kwargs={"a": [1, (2, 3)], "b": {"c": None}})
+    assert _plain(nested) == dataclasses.asdict(nested)
+    assert Case().hash == "fd77d80f9b93"  # as every release since the hash began
