@@ -109,7 +109,9 @@ def train_reference(
                 backpropagated = scaler.scaled(loss) if scaler is not None else loss
                 grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
                 rng_states[r] = torch.get_rng_state()
-                ranks[r] = RankPass(dict(zip(trainable, grads)), out.detach(), loss.detach().float(), before, after)
+                backward = rng_fingerprint(rng_states[r])  # after its backward (verify/probes/rng.py)
+                passed = (out.detach(), loss.detach().float(), before, after, backward)
+                ranks[r] = RankPass(dict(zip(trainable, grads)), *passed)
             if share is not None:
                 ranks = share.exchange(ranks, model)
             rank_grads = []
@@ -118,6 +120,7 @@ def train_reference(
                 if emulate:  # verify/probes/rng.py
                     fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
                     fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
+                    fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
                 rank_grads.append(done.grads)
                 rank_loss[r] += done.loss
                 _store_logits(logits, index, done.logits)
@@ -367,8 +370,9 @@ class RankPass:
     grads: dict[str, torch.Tensor]  # in `trainable` order
     logits: torch.Tensor
     loss: torch.Tensor  # float32
-    rng_before: int  # its dropout generator's fingerprint before and after the forward
+    rng_before: int  # its dropout generator's fingerprint before and after the forward,
     rng_after: int
+    rng_after_backward: int  # and after the backward
 
 
 class RankShare(Protocol):

@@ -26,12 +26,12 @@ def test_dropout_case_matches_bit_for_bit_and_ranks_draw_their_own_streams(fsdp_
     assert verdict.ok, verdict.summary()
     rng = [f for f in verdict.findings if f.comparator == "RngCheck"]
     assert [f.kind for f in rng] == ["check"]  # one pass saying what was checked; no device warning on CPU
-    assert f"{2 * case.steps} generator fingerprints" in rng[0].message
+    assert f"{3 * case.steps} generator fingerprints" in rng[0].message
     logits = [f for f in verdict.findings if f.phase == "logits"]
     assert logits and all(f.ratio == 0 for f in logits)  # exact: each rank's mask reproduced
     ref = train_reference(case)
     fingerprints = [t for (s, p, n), t in ref.records.items() if p == "rng"]
-    assert len(fingerprints) == 2 * case.steps  # before and after each forward
+    assert len(fingerprints) == 3 * case.steps  # before and after each forward, after each backward
     assert all(len(set(t.tolist())) == 2 for t in fingerprints)  # two ranks, two streams
 
 
@@ -41,6 +41,26 @@ def test_same_dropout_mask_on_every_rank_is_caught_by_the_rng_check(fsdp_check):
     assert (first.step, first.phase, first.comparator) == (1, "rng", "RngCheck"), verdict.summary()
     assert first.name == "after_forward.0" and "same dropout mask" in first.message
     assert any(f.phase == "logits" and not f.ok for f in verdict.findings)  # and the masks show in the logits
+
+
+@pytest.mark.parametrize("microbatches", [1, 2])
+def test_a_backward_that_draws_is_caught_at_that_backward_even_in_one_step(fsdp_check, microbatches):
+    """Activation checkpointing that recomputes dropout without restoring the generator: the
+    gradients belong to masks no forward drew (a deviation whose size depends on the masks: 5.9x
+    its tolerance at the zoo's weakest), and the generator ends the backward further on. That is
+    exact: named at step 1's first backward, where a one-step case has no later forward to show it.
+    Checkpointing that restores the generator (the loop's own, with dropout) passes."""
+    case = with_dropout(lm_case(2, steps=1, microbatches=microbatches), 0.5)
+    verdict = fsdp_check(case.with_(engine="fsdp_verify.zoo.mutants:checkpoint_without_rng_state"))
+    first = verdict.first_divergence
+    assert (first.step, first.phase, first.name, first.comparator) == (1, "rng", "after_backward.0", "RngCheck")
+    assert "after backward of micro-batch 0" in first.message, first.message
+    correct = fsdp_check(case.with_(activation_checkpointing=True))
+    assert correct.ok, correct.summary()
+    assert (
+        f"{3 * microbatches} generator fingerprints"
+        in next(f for f in correct.findings if f.comparator == "RngCheck").message
+    )
 
 
 def test_an_engine_on_another_device_type_gets_a_warning_not_a_failure():

@@ -50,3 +50,19 @@ def test_pack_unpack_is_bit_identical_across_dtypes_and_shapes():
         got = back.records[k]
         assert got.dtype == v.dtype and got.shape == v.shape, k
         assert torch.equal(got.reshape(-1).view(torch.uint8), v.reshape(-1).view(torch.uint8)), k
+
+
+def test_generator_fingerprints_sort_in_the_order_they_are_taken():
+    """The first divergence is the first in time: micro-batch 10 after 9 (not after 1), and within
+    one, before the forward, after it, after the backward (not alphabetically)."""
+    from fsdp_verify.trace import sort_key
+
+    taken = [(1, "rng", f"{p}.{m}") for m in range(12) for p in ("before_forward", "after_forward", "after_backward")]
+    assert sorted(reversed(taken), key=sort_key) == taken
+    assert sorted(
+        [(2, "rng", "before_forward.0"), (1, "grads", "w"), (1, "rng", "after_backward.3")], key=sort_key
+    ) == [
+        (1, "rng", "after_backward.3"),
+        (1, "grads", "w"),
+        (2, "rng", "before_forward.0"),
+    ]

@@ -59,8 +59,18 @@ def packed_entry(key: Key, t: torch.Tensor, offset: int) -> list[Any]:
     return [step, phase, name, str(t.dtype).removeprefix("torch."), list(t.shape), offset, t.numel() * t.element_size()]
 
 
+# A step's generator fingerprints (verify/probes/rng.py), in the order they are taken.
+_RNG_POINTS = {"before_forward": 0, "after_forward": 1, "after_backward": 2}
+
+
 def sort_key(key: Key) -> tuple[int, int, str]:
+    """Step, then phase in PHASES order, then name; a step's generator fingerprints in the order
+    they are taken (micro-batch by micro-batch), so that the first divergence is the first in time."""
     step, phase, name = key
+    if phase == "rng":
+        point, _, microbatch = name.partition(".")
+        if point in _RNG_POINTS and microbatch.isdigit():
+            name = f"{int(microbatch):09d}.{_RNG_POINTS[point]}"
     return (step, PHASE_RANK[phase], name)
 
 

@@ -1,8 +1,11 @@
 """RNG probe: a fingerprint of each rank's global (CPU) generator before and after every
-micro-batch's forward, gathered once at the end into records (step, "rng", "before_forward.<m>")
-holding one int64 per rank. The reference replays each rank's stream and records the same points,
-so a rank that draws a different stream (a shared dropout mask, a reseed, an extra draw) shows at
-the first forward where it happens. Also notes the device type the engine's parameters live on:
+micro-batch's forward, and after its backward, gathered once at the end into records (step, "rng",
+"before_forward.<m>") holding one int64 per rank. The reference replays each rank's stream and
+records the same points, so a rank that draws a different stream (a shared dropout mask, a reseed,
+an extra draw) shows at the first forward where it happens, and a backward that draws (activation
+checkpointing that recomputes dropout without restoring the generator) at that backward, bit for
+bit, even in a one-step case. With a user's step the toolkit sees one backward a step, not one a
+micro-batch, so there the points are the forwards' only. Also notes the device type the engine's parameters live on:
 the reference draws initial values on the CPU, and CPU and CUDA generators differ for one seed."""
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ class RngProbe(Probe):
 
     def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None:
         self.points.append((step, f"after_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
+
+    def after_backward(self, step: int, microbatch: int) -> None:
+        if self.case.step is None:  # the toolkit's own loop: one backward a micro-batch
+            self.points.append((step, f"after_backward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
 
     def to_gather(self):
         return self.points

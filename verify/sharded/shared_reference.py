@@ -57,7 +57,10 @@ class SharedReference:
                     mine.add((r, "grads", name), g)
                 mine.add((r, "logits", "logits"), done.logits)
                 mine.add((r, "loss", "loss"), done.loss)
-                mine.add((r, "rng", "rng"), torch.tensor([done.rng_before, done.rng_after], dtype=torch.int64))
+                mine.add(
+                    (r, "rng", "rng"),
+                    torch.tensor([done.rng_before, done.rng_after, done.rng_after_backward], dtype=torch.int64),
+                )
         except OSError:  # a full memory directory: said in the exchange, never a rank stuck in it
             written = False
         header = mine.header("reference", {"ranks": sorted(passes), "moved": moved, "written": written})
@@ -75,10 +78,8 @@ class SharedReference:
             try:
                 for r in theirs["meta"]["ranks"]:
                     grads = {key[2]: fill.read(key) for key in fill.entries if key[:2] == (r, "grads")}
-                    before, after = fill.read((r, "rng", "rng")).tolist()
-                    every[r] = RankPass(
-                        grads, fill.read((r, "logits", "logits")), fill.read((r, "loss", "loss")), before, after
-                    )
+                    rng = fill.read((r, "rng", "rng")).tolist()
+                    every[r] = RankPass(grads, fill.read((r, "logits", "logits")), fill.read((r, "loss", "loss")), *rng)
             finally:
                 fill.close()
         dist.barrier()  # every process has read every arena: the next exchange may rewrite them
