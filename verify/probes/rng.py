@@ -5,8 +5,9 @@ records the same points, so a rank that draws a different stream (a shared dropo
 an extra draw) shows at the first forward where it happens, and a backward that draws (activation
 checkpointing that recomputes dropout without restoring the generator) at that backward, bit for
 bit, even in a one-step case. With a user's step the toolkit sees one backward a step, not one a
-micro-batch, so there the points are the forwards' only. Also notes the device type the engine's parameters live on:
-the reference draws initial values on the CPU, and CPU and CUDA generators differ for one seed."""
+micro-batch, so there the points are the forwards' only. Also notes the device type the engine's
+parameters live on: the reference draws initial values on the CPU, and CPU and CUDA generators
+differ for one seed."""
 
 from __future__ import annotations
 
