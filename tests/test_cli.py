@@ -75,6 +75,9 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
         (["--case", "no_such_case.json"], "bad case: --case: expected a Case JSON file, got 'no_such_case.json'"),
         (["--timeout", "0"], "--timeout: expected a positive number of seconds, got '0'"),
         (["--engine", "fsdp3"], "engine: expected 'fsdp2', 'fsdp1', 'flat', 'pkg.module:NAME'"),
+        # a model factory given as the engine: named here, not a rank's TypeError (exit 3) mid-case
+        (["--engine", "tests/user/models.py:user_lm"], "expected a callable engine(model, mesh, spec) -> module"),
+        (["--model", "no_such_dir/model.py:make"], "(a relative path is read from the current directory, "),
         (
             ["--model", "fsdp_verify.models.hf:tiny_llama", "--model-kwargs", '{"num_hiden_layers": 1}'],
             "LlamaConfig has no field 'num_hiden_layers'",

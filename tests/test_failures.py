@@ -74,20 +74,25 @@ def test_a_peers_collective_error_is_blamed_on_the_rank_that_died(pool):
 
 
 @pytest.mark.parametrize(
-    ("step", "phase"),
+    ("step", "kind", "phase"),
     [
-        ("rank1_dies_in_its_backward", "step 1 user step: loss and backward after forward 0"),
-        ("rank1_dies_in_its_optimizer_step", "step 1 user step: clip and optimizer step"),
+        ("rank1_dies_in_its_backward", "crash", "step 1 user step: loss and backward after forward 0"),
+        ("rank1_dies_in_its_optimizer_step", "crash", "step 1 user step: clip and optimizer step"),
+        ("rank1_raises_before_its_forward", "error", "step 1 user step"),
+        ("rank1_raises_in_its_backward", "error", "step 1 user step: loss and backward after forward 0"),
     ],
 )
-def test_a_rank_dying_in_a_users_step_is_named_with_that_part_of_the_step(pool, step, phase):
+def test_a_rank_failing_in_a_users_step_is_named_with_that_part_of_the_step(pool, step, kind, phase):
     """Before, a rank that died after the toolkit recorded the forward's output or the gradients
-    was named with that record phase ("step 1 record gradients")."""
+    was named with that record phase ("step 1 record gradients"), and a step that raised was named
+    "clip and optimizer step" wherever it raised: the gradients were recorded on the way out."""
     if not pool.alive:
         pool.start()
     with pytest.raises(RankFailure) as e:
         check_case(mlp_case(2, step=f"tests/user/faulty_steps.py:{step}"), pool=pool)
-    assert (e.value.kind, e.value.rank, e.value.phase) == ("crash", 1, phase), str(e.value)
+    assert (e.value.kind, e.value.rank, e.value.phase) == (kind, 1, phase), str(e.value)
+    if kind == "error":
+        assert "the user's step failed on rank 1" in e.value.detail
     _recovers(pool)
 
 

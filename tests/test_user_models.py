@@ -6,6 +6,7 @@ builds different models on different ranks is named at step 0; a factory that fa
 from __future__ import annotations
 
 import json
+import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -271,3 +272,24 @@ def test_a_factory_that_fails_is_bad_input_and_the_pool_stays_usable(capsys):
     assert "model.kwargs: expected a JSON object" in capsys.readouterr().err
     pool = get_pool(2)
     assert check_case(user_case(2), pool).ok  # the same ranks run the next case
+
+
+def test_a_model_file_imports_the_module_beside_it_and_a_module_name_gets_the_file_hint(tmp_path, monkeypatch):
+    """As `python path/to/file.py` does, the file's folder is importable (a user's step or model
+    file importing its neighbour). A module name that only `python -m` would find (the console
+    script does not put the current directory on sys.path) is answered with the file's spelling."""
+    from fsdp_verify.imports import load_object
+
+    (tmp_path / "neighbour_of_fsdp_verify_test.py").write_text("WIDTH = 7\n")
+    (tmp_path / "model_file_of_fsdp_verify_test.py").write_text(
+        "import torch\nfrom neighbour_of_fsdp_verify_test import WIDTH\n\n\n"
+        "def make():\n    return torch.nn.Linear(WIDTH, 3)\n"
+    )
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    model = load_object(f"{tmp_path}/model_file_of_fsdp_verify_test.py:make", "model.factory")()
+    assert model.in_features == 7
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.path", [p for p in sys.path if p not in ("", str(tmp_path))])
+    with pytest.raises(CaseError) as e:
+        load_object("model_file_of_fsdp_verify_test:make", "model.factory")
+    assert "as a file here: model_file_of_fsdp_verify_test.py:make" in str(e.value)

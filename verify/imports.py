@@ -23,7 +23,12 @@ def load_object(path: str, field: str) -> Any:
     try:
         module = import_where(where)
     except Exception as e:
-        raise CaseError(field, f"an importable module ({where!r} raised {type(e).__name__}: {e})", path) from e
+        hint = ""
+        if isinstance(e, ModuleNotFoundError) and Path(where.replace(".", "/") + ".py").is_file():
+            # `fsdp-verify` (a console script) does not put the current directory on sys.path
+            # as `python -m` does: the file's path always works.
+            hint = f"; as a file here: {where.replace('.', '/')}.py:{attr}"
+        raise CaseError(field, f"an importable module ({where!r} raised {type(e).__name__}: {e}{hint})", path) from e
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
@@ -41,10 +46,17 @@ def import_where(where: str):
 def _load_file(path: str):
     file = Path(path).resolve()
     if not file.is_file():
-        raise FileNotFoundError(f"no such file: {file}")
+        relative = (
+            "" if Path(path).is_absolute() else f" (a relative path is read from the current directory, {Path.cwd()})"
+        )
+        raise FileNotFoundError(f"no such file: {file}{relative}")
     mod_name = "fsdp_verify_file_" + hashlib.sha1(str(file).encode()).hexdigest()[:10]
     if mod_name in sys.modules:
         return sys.modules[mod_name]
+    # As `python path/to/file.py` does, the file's folder is importable: a step or model file can
+    # import the module beside it. Appended, so that it never shadows an installed package.
+    if str(file.parent) not in sys.path:
+        sys.path.append(str(file.parent))
     spec = importlib.util.spec_from_file_location(mod_name, file)
     module = importlib.util.module_from_spec(spec)
     sys.modules[mod_name] = module

@@ -7,6 +7,7 @@ model was built identically everywhere. Name one as `fsdp2` (built in), `pkg.mod
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 
 from torch import nn
@@ -46,6 +47,15 @@ def resolve_engine(name: str) -> Engine:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise EngineLoadError(f"engine {name!r}: {where!r} has no callable {attr!r}")
+    try:  # named here, not as a rank's TypeError mid-case (a model factory passed as the engine)
+        inspect.signature(fn).bind(None, None, None)
+    except TypeError:
+        raise EngineLoadError(
+            f"engine {name!r}: expected a callable engine(model, mesh, spec) -> module, "
+            f"got {attr}{inspect.signature(fn)}"
+        ) from None
+    except ValueError:  # no signature to read (a builtin): the call decides
+        pass
     return fn
 
 

@@ -179,7 +179,10 @@ class StepRecording:
         finally:
             for (module, name), original in originals.items():
                 setattr(module, name, original)
-            self._grads()  # a step that never stepped the optimizer: its gradients as they are
+        # A step that returned without stepping the optimizer: its gradients as they are. Not
+        # after a step that raised: recording then would rename the failure's phase ("clip and
+        # optimizer step") and record gradients of a step that never finished.
+        self._grads()
 
     def remove(self) -> None:
         for h in self.handles:
