@@ -16,14 +16,18 @@ def _die_on_rank_1(ctx) -> None:
         os._exit(7)
 
 
-def rank1_dies_in_its_backward(model, optimizer, batch, ctx):
+def _fails_before_its_backward(model, optimizer, batch, ctx, fail):
     inputs, targets = batch
     loss = F.mse_loss(model(inputs), targets)
-    _die_on_rank_1(ctx)
+    fail(ctx)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def rank1_dies_in_its_backward(model, optimizer, batch, ctx):
+    return _fails_before_its_backward(model, optimizer, batch, ctx, _die_on_rank_1)
 
 
 def rank1_dies_in_its_optimizer_step(model, optimizer, batch, ctx):
@@ -48,10 +52,4 @@ def rank1_raises_before_its_forward(model, optimizer, batch, ctx):
 
 
 def rank1_raises_in_its_backward(model, optimizer, batch, ctx):
-    inputs, targets = batch
-    loss = F.mse_loss(model(inputs), targets)
-    _raise_on_rank_1(ctx)
-    loss.backward()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    return loss.detach()
+    return _fails_before_its_backward(model, optimizer, batch, ctx, _raise_on_rank_1)
