@@ -47,15 +47,16 @@ def resolve_engine(name: str) -> Engine:
     fn = getattr(module, attr, None)
     if not callable(fn):
         raise EngineLoadError(f"engine {name!r}: {where!r} has no callable {attr!r}")
+    try:
+        signature = inspect.signature(fn)
+    except ValueError:  # no signature to read (a builtin): the call decides
+        return fn
     try:  # named here, not as a rank's TypeError mid-case (a model factory passed as the engine)
-        inspect.signature(fn).bind(None, None, None)
+        signature.bind(None, None, None)
     except TypeError:
         raise EngineLoadError(
-            f"engine {name!r}: expected a callable engine(model, mesh, spec) -> module, "
-            f"got {attr}{inspect.signature(fn)}"
+            f"engine {name!r}: expected a callable engine(model, mesh, spec) -> module, got {attr}{signature}"
         ) from None
-    except ValueError:  # no signature to read (a builtin): the call decides
-        pass
     return fn
 
 
