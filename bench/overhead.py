@@ -71,7 +71,7 @@ def bare_reference(case: Case) -> None:
 def verify(case: Case, got, spill_dir: str | None) -> None:
     """On every rank, as `check_in_place` runs it: the reference split over the ranks
     (verify/sharded/shared_reference.py), then rank 0 judges."""
-    ref = reference_in_place(case, spill_dir)
+    ref, _ = reference_in_place(case, spill_dir)
     if dist.get_rank() == 0:
         verdict = judge(case, ref, got)
         assert verdict.ok, verdict.summary()

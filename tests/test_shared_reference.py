@@ -130,3 +130,43 @@ def test_in_place_under_torchrun_a_correct_engine_passes_and_a_mutant_is_caught(
     bad = _torchrun("--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
     assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
     assert "grads" in bad.stdout
+
+
+def _two_hosts(tmp_path: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], dict]:
+    """`torchrun --nnodes 2 --nproc-per-node 2` with c10d rendezvous, as two launchers on this
+    machine (two "hosts": torchrun's GROUP_RANK tells them apart); returns both launchers' results
+    and rank 0's verdict JSON."""
+    import json
+    import socket
+
+    with socket.socket() as s:  # a free port for the rendezvous store
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
+    launcher = [str(Path(sys.executable).parent / "torchrun"), "--nnodes", "2", "--nproc-per-node", "2"]
+    rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts"]
+    out = tmp_path / "verdict.json"
+    cmd = [*launcher, *rendezvous, "-m", "fsdp_verify", "check", "--world-size", "4", "--json", str(out), *args]
+    nodes = [
+        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
+        for _ in range(2)
+    ]
+    done = []
+    for node in nodes:
+        stdout, stderr = node.communicate(timeout=300)
+        done.append(subprocess.CompletedProcess(cmd, node.returncode, stdout, stderr))
+    return done, json.loads(out.read_text())
+
+
+def test_in_place_across_two_hosts_the_reference_splits_only_over_rank_0s_host(tmp_path):
+    nodes, verdict = _two_hosts(tmp_path, "--steps", "2")
+    for node in nodes:
+        assert node.returncode == 0, node.stdout + node.stderr[-3000:]
+    assert verdict["ok"] and "EQUIVALENT" in verdict["summary"]
+    assert verdict["reference_ranks"] == [0, 1]  # rank 0's host; ranks 2 and 3 sit on the other
+
+
+def test_in_place_across_two_hosts_a_mutant_is_caught(tmp_path):
+    nodes, verdict = _two_hosts(tmp_path, "--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
+    assert [node.returncode for node in nodes] == [1, 1], [n.stderr[-2000:] for n in nodes]
+    assert not verdict["ok"] and verdict["first_divergence"]["phase"] == "grads"

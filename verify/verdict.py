@@ -41,6 +41,9 @@ class Verdict:
     # fp16 loss scaling: per step, the reference's scale and skip decision and the ranks' (from
     # the "loss_scale" records), for the line `check` prints; empty in unscaled cases.
     loss_scales: list[dict[str, Any]] = field(default_factory=list)
+    # In place under torchrun: the global ranks whose processes ran the reference's passes (those
+    # on rank 0's host, verify/sharded/torchrun.py); None for a pool's run.
+    reference_ranks: list[int] | None = None
 
     @property
     def ok(self) -> bool:
@@ -139,6 +142,7 @@ class Verdict:
             "seconds": self.seconds,
             "findings": [f.to_dict() for f in sorted(self.findings, key=lambda f: sort_key(f.key))],
             **({"loss_scales": self.loss_scales} if self.loss_scales else {}),
+            **({"reference_ranks": self.reference_ranks} if self.reference_ranks is not None else {}),
         }
 
     def save_json(self, path: str | Path) -> Path:

@@ -1,4 +1,4 @@
-"""The reference, split over the ranks of a run in place (under torchrun, every rank on one host).
+"""The reference, split over the ranks of a run in place that share a host (under torchrun).
 
 In place, rank 0 ran the whole reference while the other ranks waited: on bench/overhead.py's
 medium Transformer its per-rank forward and backward passes are most of the verification's cost
@@ -34,8 +34,9 @@ class SplitUnsafe(RuntimeError):
 class SharedReference:
     """This process's part of a split reference run: a `RankShare` (reference/trainer.py)."""
 
-    def __init__(self, rank: int, world_size: int, directory: str):
-        self.rank, self.world_size, self.directory = rank, world_size, directory
+    def __init__(self, rank: int, world_size: int, directory: str, group: dist.ProcessGroup | None = None):
+        """`rank` and `world_size` within `group`: the processes on one host (default: all)."""
+        self.rank, self.world_size, self.directory, self.group = rank, world_size, directory, group
         self._buffers: list[torch.Tensor] | None = None  # the model's buffers as built
 
     def mine(self, r: int) -> bool:
@@ -65,7 +66,7 @@ class SharedReference:
             written = False
         header = mine.header("reference", {"ranks": sorted(passes), "moved": moved, "written": written})
         headers: list = [None] * self.world_size
-        dist.all_gather_object(headers, header)  # also: every arena is written
+        dist.all_gather_object(headers, header, group=self.group)  # also: every arena is written
         if any(h["meta"]["moved"] for h in headers):
             raise SplitUnsafe("a forward changed the model's buffers")
         if not all(h["meta"]["written"] for h in headers):
@@ -82,5 +83,5 @@ class SharedReference:
                     every[r] = RankPass(grads, fill.read((r, "logits", "logits")), fill.read((r, "loss", "loss")), *rng)
             finally:
                 fill.close()
-        dist.barrier()  # every process has read every arena: the next exchange may rewrite them
+        dist.barrier(group=self.group)  # every process has read every arena: the next exchange may rewrite them
         return every

@@ -1,14 +1,15 @@
 """In place under `torchrun`: PyTorch's launcher started one process per rank (RANK, WORLD_SIZE and
 LOCAL_RANK set), so there is no pool: every rank runs the sharded side in this very process on the
 launcher's process group (NCCL with one GPU per rank when CUDA is present, gloo on CPU). The
-reference's emulated ranks are split over the ranks where they share a host
-(verify/sharded/shared_reference.py; rank 0 runs it whole across hosts), and rank 0 judges."""
+reference's emulated ranks are split over the ranks on rank 0's host (verify/sharded/
+shared_reference.py; across hosts, a subgroup of them: the others only wait), and rank 0 judges."""
 
 from __future__ import annotations
 
 import contextlib
 import os
 import shutil
+import socket
 import tempfile
 from collections.abc import Iterator
 
@@ -45,26 +46,65 @@ def check_in_place(case: Case, calibrate: bool = True) -> tuple[Verdict | None, 
     mesh = MeshCache(device.type).get(case.mesh)
     with shared_spill_dir() as spill_dir:
         got = run_sharded(case, RankContext(rank, world, device, mesh, spill_dir=spill_dir))
-        ref = reference_in_place(case, spill_dir)
+        ref, split = reference_in_place(case, spill_dir)
     verdict = judge(case, ref, got, calibrate) if rank == 0 else None
+    if verdict is not None:
+        verdict.reference_ranks = split
     code = torch.tensor([0 if verdict is None or verdict.ok else 1], device=device)
     dist.broadcast(code, src=0)  # every rank exits with rank 0's verdict
     return verdict, code.item() == 0
 
 
-def reference_in_place(case: Case, spill_dir: str | None) -> Trace | None:
-    """The reference, called on every rank: its emulated ranks split over the ranks where they
-    share a host (`spill_dir`, verify/sharded/shared_reference.py), else run whole by rank 0.
-    Rank 0 gets the trace, the others None."""
+def reference_in_place(case: Case, spill_dir: str | None) -> tuple[Trace | None, list[int]]:
+    """The reference, called on every rank: its emulated ranks split over the ranks that share
+    rank 0's host (verify/sharded/shared_reference.py: they exchange their passes through memory,
+    which only processes on one host share), else run whole by rank 0. Returns (rank 0: the trace,
+    the others None; the global ranks that ran its passes)."""
     rank, world = dist.get_rank(), dist.get_world_size()
     with rank_like_threads():
-        if spill_dir is not None and world > 1 and case.step is None:
-            try:
-                ref = emulating_reference(case, share=SharedReference(rank, world, spill_dir))
-                return ref if rank == 0 else None
-            except SplitUnsafe:  # moved buffers or a full memory directory: every rank raised it together
-                pass
-        return emulating_reference(case) if rank == 0 else None
+        if world > 1 and case.step is None:
+            with host_of_rank_0(spill_dir) as (group, ranks, directory):
+                if len(ranks) > 1 and rank in ranks:
+                    share = SharedReference(ranks.index(rank), len(ranks), directory, group=group)
+                    try:
+                        ref = emulating_reference(case, share=share)
+                        return (ref if rank == 0 else None), ranks
+                    except SplitUnsafe:  # moved buffers or a full memory directory: every rank of the split raised it
+                        pass
+        return (emulating_reference(case) if rank == 0 else None), [0]
+
+
+def node_of_this_rank() -> tuple[str, str]:
+    """What says two ranks share a host: the machine's name and torchrun's node (GROUP_RANK), so
+    two launchers on one machine (`--nnodes 2`, as the tests run them) count as two hosts."""
+    return socket.gethostname(), os.environ.get("GROUP_RANK", "0")
+
+
+@contextlib.contextmanager
+def host_of_rank_0(spill_dir: str | None) -> Iterator[tuple[dist.ProcessGroup | None, list[int], str | None]]:
+    """(the process group, the global ranks, a memory directory) of the ranks on rank 0's host; a
+    collective of every rank. On one host that is every rank and the run's own `spill_dir`; across
+    hosts a subgroup (`new_group` is called by every rank, as it must be) with a directory of its own,
+    removed afterwards."""
+    if spill_dir is not None:
+        yield None, list(range(dist.get_world_size())), spill_dir
+        return
+    nodes: list = [None] * dist.get_world_size()
+    dist.all_gather_object(nodes, node_of_this_rank())
+    ranks = [r for r, node in enumerate(nodes) if node == nodes[0]]
+    group = dist.new_group(ranks)
+    if dist.get_rank() not in ranks:
+        yield group, ranks, None
+        return
+    made = [tempfile.mkdtemp(prefix="fsdp-verify-ref-", dir=memory_dir()) if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(made, src=0, group=group)
+    try:
+        yield group, ranks, made[0]
+    finally:
+        release_arenas()
+        dist.barrier(group=group)
+        if dist.get_rank() == 0:
+            shutil.rmtree(made[0], ignore_errors=True)
 
 
 @contextlib.contextmanager
