@@ -229,7 +229,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
 
     if args.case and not Path(args.case).is_file():
         raise CaseError("--case", "a Case JSON file", str(args.case))
-    case = Case.load(args.case, trust_code=args.trust_code, allowed=typed(args)) if args.case else Case()
+    case = load_case(args.case, None, args) if args.case else Case()
     changes: dict = {}
     if args.engine:
         changes["engine"] = args.engine
@@ -301,7 +301,7 @@ def load_case(path: Path, engine: str | None, args: argparse.Namespace | None = 
     (--trust-code, what the command line typed; verify/trust.py). Raises CaseError or OSError."""
     from fsdp_verify.case import Case
 
-    trust_code = bool(args is not None and args.trust_code)
+    trust_code = bool(getattr(args, "trust_code", False))
     case = Case.load(path, trust_code=trust_code, allowed=typed(args) if args is not None else ())
     return case.with_(engine=engine) if engine else case
 

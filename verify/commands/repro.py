@@ -82,5 +82,6 @@ def _repro(args: argparse.Namespace) -> int:
         print("exit 0: the engine agrees with the reference (good)")
         return EXIT_OK
     again = replay_command(args.case) + (f" --engine {shlex.quote(args.engine)}" if args.engine else "")
+    again += " --trust-code" if args.trust_code else ""  # the choice made here, echoed
     print(f"exit 1: still diverges (bad). Replay: {again}")
     return EXIT_DIVERGED

@@ -81,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"Infrastructure failure: {result.outcome.failure}")
     print(f"Wrote {path}")
-    print(f"Replay: {replay_command(path)}")
+    print(f"Replay: {replay_command(path)}{' --trust-code' if args.trust_code else ''}")  # the choice made here
     return EXIT_DIVERGED if result.outcome.verdict is not None else EXIT_INFRA
