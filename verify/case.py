@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -428,15 +429,19 @@ class Case:
 
     @classmethod
     def from_json(cls, text: str) -> Case:
-        try:
-            data = json.loads(text)
-        except json.JSONDecodeError as e:
-            raise CaseError("<file>", "valid JSON", str(e)) from None
-        return cls.from_dict(data)
+        """A Case from JSON in hand (the caller's own): its code is imported as it validates."""
+        return cls.from_dict(_parse(text))
 
     @classmethod
-    def load(cls, path: str | Path) -> Case:
-        return cls.from_json(Path(path).read_text())
+    def load(cls, path: str | Path, trust_code: bool = False, allowed: Iterable[str] = ()) -> Case:
+        """A Case from a file, which is data: code it names that is not the toolkit's, not in
+        `allowed` (what the command line typed) nor trusted (`trust_code`, FSDP_VERIFY_TRUST_CODE,
+        pyproject.toml) is refused before anything is imported (verify/trust.py)."""
+        from fsdp_verify.trust import refuse_untrusted
+
+        data = _parse(Path(path).read_text())
+        refuse_untrusted(data, path, trust_code=trust_code, allowed=allowed)
+        return cls.from_dict(data)
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -462,6 +467,13 @@ class Case:
         for head, sub in nested.items():
             flat[head] = replace(getattr(self, head), **sub)
         return replace(self, **flat)
+
+
+def _parse(text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise CaseError("<file>", "valid JSON", str(e)) from None
 
 
 def _is_ancestor(parent: str, child: str) -> bool:

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_verify import dtypes
+from fsdp_verify.trust import add_trust_argument, typed
 
 if TYPE_CHECKING:
     from fsdp_verify.case import Case
@@ -121,6 +122,7 @@ def add_timeout(p: argparse.ArgumentParser) -> None:
 def add_case_arguments(p: argparse.ArgumentParser) -> None:
     """The Case overrides people change most; shared by every command that builds a case."""
     p.add_argument("--case", type=Path, help="a Case JSON file (default: the built-in default case)")
+    add_trust_argument(p)
     p.add_argument("--engine", type=engine_name, help=ENGINE_HELP)
     p.add_argument("--world-size", type=int)
     p.add_argument("--steps", type=int)
@@ -227,7 +229,7 @@ def case_from_args(args: argparse.Namespace) -> Case:
 
     if args.case and not Path(args.case).is_file():
         raise CaseError("--case", "a Case JSON file", str(args.case))
-    case = Case.load(args.case) if args.case else Case()
+    case = load_case(args.case, None, args) if args.case else Case()
     changes: dict = {}
     if args.engine:
         changes["engine"] = args.engine
@@ -294,11 +296,13 @@ def loss_scaling_from_text(text: str):
     return loss_scaling_from_dict(data)
 
 
-def load_case(path: Path, engine: str | None) -> Case:
-    """A case file with an optional engine override. Raises CaseError or OSError."""
+def load_case(path: Path, engine: str | None, args: argparse.Namespace | None = None) -> Case:
+    """A case file with an optional engine override; code it names is run only as `args` allow
+    (--trust-code, what the command line typed; verify/trust.py). Raises CaseError or OSError."""
     from fsdp_verify.case import Case
 
-    case = Case.load(path)
+    trust_code = bool(getattr(args, "trust_code", False))
+    case = Case.load(path, trust_code=trust_code, allowed=typed(args) if args is not None else ())
     return case.with_(engine=engine) if engine else case
 
 

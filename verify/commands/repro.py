@@ -19,6 +19,7 @@ import traceback
 from pathlib import Path
 
 from fsdp_verify.commands.options import ENGINE_HELP, EXIT_DIVERGED, EXIT_OK, add_timeout, engine_name, load_case
+from fsdp_verify.trust import UntrustedCode, add_trust_argument
 from fsdp_verify.validation import CaseError
 
 EXIT_CANNOT_RUN = 125  # `git bisect run`'s "skip this revision"
@@ -29,6 +30,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=engine_name, help=f"run this engine instead of the case's ({ENGINE_HELP})")
     p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
     add_timeout(p)
+    add_trust_argument(p)
 
     def usage_error(message: str) -> None:  # a flag this revision lacks: skip it, do not call it bad
         p.print_usage(sys.stderr)
@@ -58,8 +60,11 @@ def _repro(args: argparse.Namespace) -> int:
     from fsdp_verify.sharded.pool import RankFailure
 
     try:
-        case = load_case(args.case, args.engine)
+        case = load_case(args.case, args.engine, args)
         resolve_engine(case.engine)  # an engine that does not import here is a skip, before any rank starts
+    except UntrustedCode as e:  # not this revision's fault, yet never "bad": skip, having run nothing
+        print(f"fsdp-verify repro: {e}\n(exit 125: skip; nothing was imported)", file=sys.stderr)
+        return EXIT_CANNOT_RUN
     except (CaseError, OSError, EngineLoadError) as e:
         return _cannot_run(str(e))
     try:
@@ -77,5 +82,6 @@ def _repro(args: argparse.Namespace) -> int:
         print("exit 0: the engine agrees with the reference (good)")
         return EXIT_OK
     again = replay_command(args.case) + (f" --engine {shlex.quote(args.engine)}" if args.engine else "")
+    again += " --trust-code" if args.trust_code else ""  # the choice made here, echoed
     print(f"exit 1: still diverges (bad). Replay: {again}")
     return EXIT_DIVERGED

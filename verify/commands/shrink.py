@@ -22,6 +22,7 @@ from fsdp_verify.commands.options import (
     load_case,
 )
 from fsdp_verify.repro.shrink import DEFAULT_MAX_RUNS
+from fsdp_verify.trust import add_trust_argument
 from fsdp_verify.validation import CaseError
 
 
@@ -38,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--max-runs", type=int, default=DEFAULT_MAX_RUNS, help=f"candidate runs at most (default {DEFAULT_MAX_RUNS})"
     )
     add_timeout(p)
+    add_trust_argument(p)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,7 +52,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp-verify: --max-runs: expected a non-negative integer, got {args.max_runs}", file=sys.stderr)
         return EXIT_BAD_INPUT
     try:
-        case = load_case(args.case, args.engine)
+        case = load_case(args.case, args.engine, args)
         resolve_engine(case.engine)
     except (CaseError, OSError, EngineLoadError) as e:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
@@ -79,5 +81,5 @@ def run(args: argparse.Namespace) -> int:
     else:
         print(f"Infrastructure failure: {result.outcome.failure}")
     print(f"Wrote {path}")
-    print(f"Replay: {replay_command(path)}")
+    print(f"Replay: {replay_command(path)}{' --trust-code' if args.trust_code else ''}")  # the choice made here
     return EXIT_DIVERGED if result.outcome.verdict is not None else EXIT_INFRA
