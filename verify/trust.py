@@ -145,11 +145,8 @@ def trusted_patterns(project: Path | None) -> list[str]:
         return []
     try:
         import tomllib
-    except ImportError:  # Python 3.10
-        try:
-            import tomli as tomllib
-        except ImportError:
-            return []
+    except ImportError:  # Python 3.10: tomli, a dependency there (pyproject.toml)
+        import tomli as tomllib
     try:
         config = tomllib.loads(project.read_text())
     except (OSError, tomllib.TOMLDecodeError):
