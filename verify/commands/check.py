@@ -71,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if verdict.loss_scales:
         print(verdict.loss_scale_line())
     print(verdict.summary())
+    if not verdict.ok:
+        print(f"Rerun from flags: {check_command(verdict.case)}")
     if args.json:
         verdict.save_json(args.json)
     if args.html:
