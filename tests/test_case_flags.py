@@ -124,17 +124,29 @@ def test_flags_override_a_case_file_and_keep_its_other_fields(tmp_path):
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
-        (["--lr", "-1"], "--lr (optim.lr): expected a positive learning rate, got -1"),
-        (["--optimizer", "lamb"], "--optimizer (optim.name): expected one of ('sgd', 'adam', 'adamw')"),
-        (["--mesh-shape", "2,3", "--world-size", "4"], "--mesh-shape (mesh_shape): expected dimensions whose product"),
-        (["--init", "lazy"], "--init (init): expected one of ('eager', 'meta')"),
-        (["--betas", "0.9,1.5"], "--betas (optim.betas): expected two values in [0, 1)"),
-        (["--growth-factor", "0.5"], "--growth-factor (loss_scaling.growth_factor): expected a factor above 1"),
+        (["--lr", "-1"], "optim.lr: expected a positive learning rate, got -1 (from --lr)"),
+        (
+            ["--optimizer", "lamb"],
+            "optim.name: expected one of ('sgd', 'adam', 'adamw'), got 'lamb' (from --optimizer)",
+        ),
+        (
+            ["--mesh-shape", "2,3", "--world-size", "4"],
+            "mesh_shape: expected dimensions whose product is world_size=4, got (2, 3) (from --mesh-shape)",
+        ),
+        (["--init", "lazy"], "init: expected one of ('eager', 'meta'), got 'lazy' (from --init)"),
+        (["--betas", "0.9,1.5"], "optim.betas: expected two values in [0, 1), got (0.9, 1.5) (from --betas)"),
+        (
+            ["--growth-factor", "0.5"],
+            "loss_scaling.growth_factor: expected a factor above 1, got 0.5 (from --growth-factor)",
+        ),
         (["--loss-scaling", "off", "--init-scale", "8"], "--init-scale: expected no loss scaling field"),
-        (["--data-kind", "cancellation"], "--data-kind (data.kind): expected 'normal' for a transformer"),
+        (
+            ["--data-kind", "cancellation"],
+            "data.kind: expected 'normal' for a transformer (token ids cannot cancel), got 'cancellation' (from --data-kind)",
+        ),
     ],
 )
-def test_a_bad_value_exits_2_naming_the_flag_the_field_and_what_was_expected(flags, message, capsys):
+def test_a_bad_value_exits_2_naming_the_field_what_was_expected_and_the_flag(flags, message, capsys):
     assert main(["check", *flags]) == 2
     assert message in capsys.readouterr().err
 
@@ -170,6 +182,14 @@ def test_fuzz_and_sweep_take_the_same_flags_to_pin_a_field_or_draw_among_values(
     fp16 = draw_cases(strategy_from_args(_sweep_args("--precisions", "fp16", "--growth-interval", "1")), 10, 0)
     assert all(c.loss_scaling.growth_interval == 1 for c in fp16)
     assert draw_cases(strategy_from_args(_sweep_args()), 10, 0) == draw_cases(cases(), 10, 0)  # no flag: the old draw
+
+
+def test_a_sweep_runs_its_draw_flags_and_records_them(tmp_path, capsys):
+    args = ["sweep", "--world-sizes", "2", "--models", "mlp", "--optimizer", "sgd", "--steps", "1", "--sync-last"]
+    assert main([*args, "--cases", "2", "--no-progress", "--out", str(tmp_path)]) == 0, capsys.readouterr()
+    report = json.loads((tmp_path / "report.json").read_text())
+    assert report["counts"]["cases"] == 2
+    assert report["draw"]["flags"] == ["--optimizer sgd", "--steps 1", "--sync-last"]
 
 
 def test_a_mesh_no_world_size_can_hold_is_bad_input(tmp_path, capsys):

@@ -502,12 +502,12 @@ def given(args: argparse.Namespace) -> dict[str, Any]:
 
 
 def name_flag(error: Exception, fields_given: dict[str, Any]) -> Exception:
-    """A CaseError about a field a flag set, with the flag named first: `--lr (optim.lr): expected
-    a positive learning rate, got -1`."""
+    """A CaseError about a field a flag set, with the flag named after it: `optim.lr: expected a
+    positive learning rate, got -1 (from --lr)`."""
     path = getattr(error, "field_path", None)
     flag = flag_of(path) if path in fields_given else None
-    if flag is not None and str(error).startswith(f"{path}: "):
-        error.args = (f"{flag} ({path}): {str(error)[len(path) + 2 :]}",)
+    if flag is not None:
+        error.args = (f"{error} (from {flag})",)
     return error
 
 
@@ -614,6 +614,16 @@ def draw_pins(args: argparse.Namespace) -> dict[str, Any]:
         if values is not None:
             pins[f.field] = _pin([f.value(v) for v in values or [f.const]])
     return pins
+
+
+def draw_flag_texts(args: argparse.Namespace) -> list[str]:
+    """The draw flags given, as typed (`--optimizer adam sgd`): for a report's record of its draw."""
+    out = []
+    for f in FLAGS:
+        values = getattr(args, f.dest, None) if f.draw == "pin" else None
+        if values is not None:
+            out.append(" ".join([f.flag, *(text(v) for v in values)]))
+    return out
 
 
 _TUPLE_VALUED = {"model.widths", "model.frozen", "model.shrinkable", "optim.betas", "mesh_shape", "wrap"}
