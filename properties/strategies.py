@@ -74,6 +74,31 @@ def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) 
         raise PinError("precisions: fp16 cases are drawn with loss scaling, which a user's step (--step) cannot take")
 
 
+_SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
+
+
+def check_pin_value(name: str, value: Any) -> None:
+    """Raise the CaseError a pinned value gets whatever else is drawn (`optim.name="lamb"`,
+    `steps=0`), now, naming the field, rather than discard every draw. A value that is only wrong
+    beside other fields (a batch size some world sizes do not divide) is left to the draw."""
+    if isinstance(value, SearchStrategy) or name.startswith(("model", "wrap")):
+        return
+    head, _, tail = name.partition(".")
+    try:
+        if tail and head in _SPECS:
+            _SPECS[head](**{tail: value}).validate()
+        elif not tail:
+            changes = {name: value}
+            if name == "mesh_shape" and isinstance(value, tuple) and all(isinstance(d, int) for d in value):
+                changes["world_size"] = math.prod(value)
+            Case().with_(**changes)
+    except CaseError as e:
+        if e.field_path == name:
+            raise
+    except TypeError:
+        pass  # a value of the wrong kind altogether: the draw's Case names it
+
+
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
     """The strategy for field `name`: the pin (a strategy, or a value to fix) or the default."""
     if name not in pins:
@@ -422,6 +447,8 @@ def cases(
     pins = keyword_pins(pins, _valid_pin_names())
     model_kinds, custom_model, pins = _model_keywords(model_kinds, custom_model, pins)
     _check_pins(pins)
+    for name, value in pins.items():
+        check_pin_value(name, value)
     world_sizes, model_kinds = tuple(world_sizes), tuple(model_kinds)
     mesh = pins.get("mesh_shape")
     if isinstance(mesh, tuple) and mesh and all(isinstance(d, int) and d >= 1 for d in mesh):

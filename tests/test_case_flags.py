@@ -10,7 +10,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands import case_flags
 from fsdp_verify.commands.case_flags import case_to_flags, flag_of
 from fsdp_verify.commands.cli import build_parser, main
@@ -190,6 +190,20 @@ def test_a_sweep_runs_its_draw_flags_and_records_them(tmp_path, capsys):
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["counts"]["cases"] == 2
     assert report["draw"]["flags"] == ["--optimizer sgd", "--steps 1", "--sync-last"]
+
+
+def test_a_draw_value_no_case_can_hold_is_bad_input_before_any_draw(tmp_path, capsys):
+    """`--optimizer adam lamb` would discard every draw holding lamb: named now, exit 2."""
+    assert main(["fuzz", "--optimizer", "adam", "lamb", "--out", str(tmp_path)]) == 2
+    assert (
+        "optim.name: expected one of ('sgd', 'adam', 'adamw'), got 'lamb' (from --optimizer)" in capsys.readouterr().err
+    )
+    assert main(["sweep", "--steps", "0", "--out", str(tmp_path)]) == 2
+    assert "steps: expected a positive integer, got 0 (from --steps)" in capsys.readouterr().err
+    with pytest.raises(CaseError, match=r"^reshard_after_forward: expected true, false or a positive int, got 0"):
+        cases(reshard_after_forward=[True, 0])
+    with pytest.raises(CaseError, match=r"^optim.lr: expected a positive learning rate"):
+        cases(**{"optim.lr": -1.0})
 
 
 def test_a_mesh_no_world_size_can_hold_is_bad_input(tmp_path, capsys):

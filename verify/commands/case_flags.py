@@ -597,10 +597,15 @@ def _distinct(values: list[Any]) -> list[Any]:
     return out
 
 
-def _pin(values: list[Any]) -> Any:
+def _pin(field: str, values: list[Any]) -> Any:
+    """One value (pinned) or a strategy drawing among several, each checked as a pin first."""
     from hypothesis import strategies as st
 
+    from fsdp_verify.properties.strategies import check_pin_value
+
     values = _distinct(values)
+    for value in values:
+        check_pin_value(field, value)
     return values[0] if len(values) == 1 else st.sampled_from(values)
 
 
@@ -612,7 +617,7 @@ def draw_pins(args: argparse.Namespace) -> dict[str, Any]:
             continue
         values = getattr(args, f.dest, None)
         if values is not None:
-            pins[f.field] = _pin([f.value(v) for v in values or [f.const]])
+            pins[f.field] = _pin(f.field, [f.value(v) for v in values or [f.const]])
     return pins
 
 
@@ -654,7 +659,7 @@ def keyword_pins(keywords: dict[str, Any], field_names: set[str]) -> dict[str, A
         ):
             if not value:
                 raise TypeError(f"{key}: expected a value or a non-empty list of values to draw among, got []")
-            out[f.field] = _pin([read(v) for v in value])
+            out[f.field] = _pin(f.field, [read(v) for v in value])
         else:
             out[f.field] = tuple(value) if isinstance(value, list) else read(value)
     return out

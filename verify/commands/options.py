@@ -353,6 +353,7 @@ def strategy_from_args(args: argparse.Namespace, **options):
     the argument."""
     from fsdp_verify.engines import resolve_engine
     from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.validation import CaseError
 
     if any(w < 1 for w in args.world_sizes):
         from fsdp_verify.properties.strategies import PinError
@@ -361,7 +362,10 @@ def strategy_from_args(args: argparse.Namespace, **options):
     resolve_engine(args.engine)
     model = model_from_args(args, sizes=False)
     custom = model if model is not None and model.is_custom else None
-    pins = {**case_flags.draw_pins(args), **pins_from_args(args.pin)}
+    try:
+        pins = {**case_flags.draw_pins(args), **pins_from_args(args.pin)}
+    except CaseError as e:
+        raise case_flags.name_flag(e, {e.field_path: None}) from None
     return cases(
         engine=args.engine,
         world_sizes=_mesh_world_sizes(args, pins),
