@@ -217,7 +217,21 @@ def test_a_mesh_no_world_size_can_hold_is_bad_input(tmp_path, capsys):
 def test_the_strategies_take_the_flag_names_as_keywords(case):
     assert case.optim.name in ("adam", "sgd") and case.optim.lr == 0.5 and not case.sync_every_microbatch
     assert case.mesh_shape == (2, 2) and case.world_size == 4
-    assert case.precision.reduce_dtype in (None, "fp32") or case.precision.param_dtype is None
+    assert case.precision.reduce_dtype == "fp32"  # "float32", read as --reduce-dtype reads it
+
+
+def test_a_keyword_list_draws_among_values_or_is_one_tuple_value():
+    from fsdp_verify.commands.case_flags import keyword_pins
+
+    pins = keyword_pins({"frozen": ["a", "b"], "betas": [0.8, 0.9], "mesh_shape": [(2, 2), "1,4"]}, set())
+    assert pins["model.frozen"] == ("a", "b") and pins["optim.betas"] == (0.8, 0.9)
+    assert set(draw_cases(pins["mesh_shape"], 20, 0)) == {(2, 2), (1, 4)}
+    assert keyword_pins({"frozen": [], "sync_last": True}, set()) == {
+        "model.frozen": (),
+        "sync_every_microbatch": False,
+    }
+    with pytest.raises(TypeError, match=r"^optimizer: expected a value or a non-empty list"):
+        keyword_pins({"optimizer": []}, set())
 
 
 def test_the_strategies_take_a_user_model_as_check_model_does():

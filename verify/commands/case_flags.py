@@ -632,6 +632,7 @@ def draw_flag_texts(args: argparse.Namespace) -> list[str]:
 
 
 _TUPLE_VALUED = {"model.widths", "model.frozen", "model.shrinkable", "optim.betas", "mesh_shape", "wrap"}
+_NAME_TUPLES = {"model.frozen", "model.shrinkable", "wrap"}
 
 
 def keyword_pins(keywords: dict[str, Any], field_names: set[str]) -> dict[str, Any]:
@@ -650,16 +651,26 @@ def keyword_pins(keywords: dict[str, Any], field_names: set[str]) -> dict[str, A
             continue
 
         def read(v: Any, f: Flag = f) -> Any:
-            return f.value(f.parse(v) if isinstance(v, str) else v)
+            if isinstance(v, str):
+                return f.value(f.parse(v))
+            return f.value(tuple(v) if isinstance(v, list) else v)
 
         if isinstance(value, SearchStrategy):
             out[f.field] = value
-        elif isinstance(value, list) and (
-            f.field not in _TUPLE_VALUED or all(isinstance(v, (list, tuple, str)) or v is None for v in value)
-        ):
+        elif isinstance(value, list) and not _one_tuple(f.field, value):
             if not value:
                 raise TypeError(f"{key}: expected a value or a non-empty list of values to draw among, got []")
             out[f.field] = _pin(f.field, [read(v) for v in value])
         else:
             out[f.field] = tuple(value) if isinstance(value, list) else read(value)
     return out
+
+
+def _one_tuple(field: str, value: list) -> bool:
+    """Is list `value` one value of a tuple-valued field (`frozen=["a", "b"]`, `betas=[0.9, 0.99]`)
+    rather than values to draw among (`mesh_shape=[(2, 2), "1,4"]`)?"""
+    if field not in _TUPLE_VALUED:
+        return False
+    if field in _NAME_TUPLES:
+        return all(isinstance(v, str) for v in value)
+    return all(not isinstance(v, (list, tuple, str)) and v is not None for v in value)
