@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -585,7 +586,9 @@ def add_draw_flags(p: argparse.ArgumentParser) -> None:
             nargs="*" if switch else "+",
             default=None,
             metavar=f.metavar,
-            help=f"{f.help}; several values: drawn among them" + ("; alone: pinned on" if switch else ""),
+            help=re.sub(r" \(default[^)]*\)", "", f.help)  # a draw's default is drawn
+            + "; several values: drawn among them"
+            + ("; alone: pinned on" if switch else ""),
         )
 
 
