@@ -13,6 +13,7 @@ shrinking ends at a small case a person can read.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import fields, replace
 from functools import lru_cache
@@ -71,6 +72,31 @@ def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) 
         # Case validation refuses loss_scaling with a user's step (the scaler would be the
         # step's own), and every fp16 case is drawn with one: say so now, not after every draw.
         raise PinError("precisions: fp16 cases are drawn with loss scaling, which a user's step (--step) cannot take")
+
+
+_SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
+
+
+def check_pin_value(name: str, value: Any) -> None:
+    """Raise the CaseError a pinned value gets whatever else is drawn (`optim.name="lamb"`,
+    `steps=0`), now, naming the field, rather than discard every draw. A value that is only wrong
+    beside other fields (a batch size some world sizes do not divide) is left to the draw."""
+    if isinstance(value, SearchStrategy) or name.startswith(("model", "wrap")):
+        return
+    head, _, tail = name.partition(".")
+    try:
+        if tail and head in _SPECS:
+            _SPECS[head](**{tail: value}).validate()
+        elif not tail:
+            changes = {name: value}
+            if name == "mesh_shape" and isinstance(value, tuple) and all(isinstance(d, int) for d in value):
+                changes["world_size"] = math.prod(value)
+            Case().with_(**changes)
+    except CaseError as e:
+        if e.field_path == name:
+            raise
+    except TypeError:
+        pass  # a value of the wrong kind altogether: the draw's Case names it
 
 
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
@@ -410,10 +436,23 @@ def cases(
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
-    value (fixed) or a strategy (drawn from it); every other field is drawn. For "fsdp1", only
-    cases FSDP1 can express and the reference models (`fsdp1_modelled`)."""
+    value (fixed) or a strategy (drawn from it), or the command line's flag names (`optimizer=
+    ["adam", "sgd"]`, `sync_last=True`, `mesh_shape="2,2"`: verify/commands/case_flags.py); every
+    other field is drawn. `model`: "mlp", "transformer", a user's factory as `check --model`
+    spells it ("pkg.module:NAME" or "path/to/file.py:NAME", with `model_kwargs`, `init_fn`,
+    `output_fn`, `shrinkable`) or a ModelSpec. For "fsdp1", only cases FSDP1 can express and the
+    reference models (`fsdp1_modelled`)."""
+    from fsdp_verify.commands.case_flags import keyword_pins
+
+    pins = keyword_pins(pins, _valid_pin_names())
+    model_kinds, custom_model, pins = _model_keywords(model_kinds, custom_model, pins)
     _check_pins(pins)
+    for name, value in pins.items():
+        check_pin_value(name, value)
     world_sizes, model_kinds = tuple(world_sizes), tuple(model_kinds)
+    mesh = pins.get("mesh_shape")
+    if isinstance(mesh, tuple) and mesh and all(isinstance(d, int) and d >= 1 for d in mesh):
+        world_sizes = (math.prod(mesh),)  # a pinned mesh pins the world size (its product)
     precisions = tuple(_policy_name(p) for p in precisions)
     if not world_sizes or not all(isinstance(w, int) and w >= 1 for w in world_sizes):
         raise PinError(f"world_sizes: expected positive integers, got {world_sizes!r}")
@@ -428,6 +467,61 @@ def cases(
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
     return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+
+
+_MODEL_EXPECTED = (
+    "'mlp', 'transformer', a model factory 'pkg.module:NAME' or 'path/to/file.py:NAME' (as `check --model`"
+    " takes it), a ModelSpec or a strategy of ModelSpecs"
+)
+_FACTORY_KEYWORDS = ("model_kwargs", "init_fn", "output_fn", "shrinkable")
+
+
+def _model_keywords(
+    model_kinds: tuple[str, ...], custom_model: Any, pins: dict[str, Any]
+) -> tuple[tuple[str, ...], ModelSpec | None, dict[str, Any]]:
+    """`model=` and a factory's keywords as the command line takes them: a built-in kind restricts
+    `model_kinds`, a factory's import string (or a custom ModelSpec) becomes `custom_model`. A value
+    of another type is a TypeError naming the argument, not an AttributeError inside a draw."""
+    import json
+
+    from fsdp_verify.models.spec import is_import_path
+
+    pins = dict(pins)
+    extras = {k: pins.pop(k) for k in _FACTORY_KEYWORDS if k in pins}
+    model = pins.get("model")
+    if custom_model is not None and not (isinstance(custom_model, ModelSpec) and custom_model.is_custom):
+        raise TypeError(f"custom_model: expected a ModelSpec with kind='custom', got {custom_model!r}")
+    if isinstance(model, str):
+        del pins["model"]
+        if model in ("mlp", "transformer"):
+            model_kinds = (model,)
+        elif is_import_path(model):
+            custom_model = ModelSpec(kind="custom", factory=model)
+        else:
+            raise TypeError(f"model: expected {_MODEL_EXPECTED}, got {model!r}")
+    elif isinstance(model, ModelSpec):
+        if model.is_custom:
+            custom_model = pins.pop("model")
+    elif "model" in pins and not isinstance(model, SearchStrategy):
+        raise TypeError(f"model: expected {_MODEL_EXPECTED}, got {type(model).__name__} {model!r}")
+    if extras:
+        if custom_model is None:
+            raise TypeError(f"{', '.join(extras)}: only with a user's model (model='pkg.module:NAME')")
+        changes = {k.removeprefix("model_"): v for k, v in extras.items()}
+        if isinstance(changes.get("kwargs"), str):
+            try:
+                changes["kwargs"] = json.loads(changes["kwargs"])
+            except json.JSONDecodeError as e:
+                raise TypeError(
+                    f"model_kwargs: expected a dict or a JSON object, got {extras['model_kwargs']!r} ({e})"
+                ) from None
+        if isinstance(changes.get("shrinkable"), (str, list)):
+            from fsdp_verify.commands.case_flags import names
+
+            raw = changes["shrinkable"]
+            changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)
+        custom_model = replace(custom_model, **changes)
+    return model_kinds, custom_model, pins
 
 
 def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:

@@ -60,6 +60,8 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
     first = json.loads(out.read_text())["first_divergence"]
     assert (first["step"], first["phase"]) == (1, "grads")
     assert "First divergence at step 1, gradients" in r.stdout
+    rerun = "Rerun from flags: fsdp-verify check --model mlp --engine fsdp_verify.zoo.mutants:grads_divided_twice"
+    assert rerun in r.stdout
 
 
 @pytest.mark.parametrize(

@@ -153,7 +153,8 @@ def fsdp_property(request: pytest.FixtureRequest, fsdp_pool):
 @pytest.fixture(scope="session")
 def fsdp_cases(request: pytest.FixtureRequest) -> Callable:
     """`fsdp_cases(**pins) -> SearchStrategy[Case]`: `fsdp_verify.properties.strategies.cases` with the engine,
-    world sizes and precisions from the command line as defaults."""
+    world sizes and precisions from the command line as defaults. Pins by field name or by `check`'s
+    flag names (`optimizer=["adam", "sgd"]`, `sync_last=True`); `model="file.py:NAME"` as `--model`."""
     from fsdp_verify.properties.strategies import cases
 
     config = request.config

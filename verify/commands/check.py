@@ -26,6 +26,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_timeout(p)
     p.add_argument("--no-calibrate", action="store_true", help="hold records to the bound only (no calibration runs)")
     p.add_argument("--save-case", type=Path, metavar="PATH", help="write the resolved case JSON here")
+    p.add_argument(
+        "--print-flags",
+        action="store_true",
+        help="print the command line that rebuilds the resolved case from flags alone (no --case), and exit",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -45,6 +50,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     if args.save_case:
         case.save(args.save_case)
+    if args.print_flags:
+        print(check_command(case))
+        return EXIT_OK
     try:
         if launched_by_torchrun():
             verdict, ok = check_in_place(case, calibrate=not args.no_calibrate)
@@ -63,6 +71,8 @@ def run(args: argparse.Namespace) -> int:
     if verdict.loss_scales:
         print(verdict.loss_scale_line())
     print(verdict.summary())
+    if not verdict.ok:
+        print(f"Rerun from flags: {check_command(verdict.case)}")
     if args.json:
         verdict.save_json(args.json)
     if args.html:
@@ -72,6 +82,15 @@ def run(args: argparse.Namespace) -> int:
     if args.out:
         write_check_report(verdict, args.out)
     return EXIT_OK if verdict.ok else EXIT_DIVERGED
+
+
+def check_command(case) -> str:
+    """`fsdp-verify check` with the flags that rebuild `case` (verify/commands/case_flags.py)."""
+    import shlex
+
+    from fsdp_verify.commands.case_flags import case_to_flags
+
+    return shlex.join(["fsdp-verify", "check", *case_to_flags(case)])
 
 
 def write_check_report(verdict, out: Path) -> None:

@@ -39,6 +39,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.commands.case_flags import draw_flag_texts
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.properties import PROPERTIES
     from fsdp_verify.properties.search import search
@@ -88,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         "precisions": args.precisions,
         "models": [args.model] if args.model else args.models,
         "seed": args.seed,
+        **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
     }
     json_path, html_path = write_report(result, args.out, meta)
     passed = sum(e.ok for e in result.examples)

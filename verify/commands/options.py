@@ -11,6 +11,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from fsdp_verify import dtypes
+from fsdp_verify.commands import case_flags
+from fsdp_verify.commands.case_flags import _items, dtype
 from fsdp_verify.trust import add_trust_argument, typed
 
 if TYPE_CHECKING:
@@ -29,17 +31,6 @@ def engine_name(text: str) -> str:
     from fsdp_verify.engines import canonical_engine
 
     return canonical_engine(text)
-
-
-def dtype(text: str) -> str:
-    try:
-        return dtypes.canonical(text)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(str(e)) from None
-
-
-def _items(text: str) -> list[str]:
-    return [s for s in text.replace(",", " ").split() if s]
 
 
 def world_sizes(text: str) -> list[int]:
@@ -120,72 +111,25 @@ def add_timeout(p: argparse.ArgumentParser) -> None:
 
 # ---- a Case from the command line -------------------------------------------------------------
 def add_case_arguments(p: argparse.ArgumentParser) -> None:
-    """The Case overrides people change most; shared by every command that builds a case."""
+    """`--case FILE` and a flag for every Case field (verify/commands/case_flags.py, grouped as
+    the Case nests them); shared by every command that builds a case."""
     p.add_argument("--case", type=Path, help="a Case JSON file (default: the built-in default case)")
     add_trust_argument(p)
-    p.add_argument("--engine", type=engine_name, help=ENGINE_HELP)
-    p.add_argument("--world-size", type=int)
-    p.add_argument("--steps", type=int)
-    add_model_arguments(p)
-    p.add_argument("--microbatches", type=int, help="micro-batches per step (gradient accumulation)")
-    p.add_argument(
-        "--wrap",
-        nargs="+",
-        metavar="ENTRY",
-        help="the wrap plan: module FQNs and/or class names (LlamaDecoderLayer = every such module);"
-        " children first, the root added last",
-    )
-    p.add_argument(
-        "--padded", action="store_true", help="variable-length sequences padded with ignore_index (token models)"
-    )
-    p.add_argument("--data", metavar="IMPORT", help="a data function pkg.module:NAME, fn(case, step, generator)")
-    p.add_argument("--loss", metavar="IMPORT", help="a loss pkg.module:NAME, loss(logits, targets) -> sum over items")
-    add_step_arguments(p)
-    p.add_argument("--param-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
-    p.add_argument("--reduce-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
-    p.add_argument("--output-dtype", type=dtype, metavar="DTYPE", help="fp32 | bf16 | fp16 (float32 ... accepted)")
-    p.add_argument("--seed", type=int, help="the case's seed (initial values and dropout masks)")
-    p.add_argument("--data-seed", type=int, help="the seed of the generated batches")
-    p.add_argument("--batch-size", type=int, help="global batch (default: rounded up to fit the world size)")
-    p.add_argument(
-        "--loss-scaling",
-        nargs="?",
-        const="",
-        metavar="KEY=VALUE,...",
-        help="fp16 dynamic loss scaling on both sides (torch.amp.GradScaler / ShardedGradScaler on the"
-        " sharded one, written out in the reference): optionally KEY=VALUE pairs joined by commas, keys"
-        " init_scale (65536), growth_factor (2), backoff_factor (0.5), growth_interval (2000), the rest"
-        " default; 'off' removes a case file's",
-    )
-
-
-def add_step_arguments(p: argparse.ArgumentParser) -> None:
-    """`--step` and `--activation-checkpointing` (check, fuzz, sweep)."""
-    p.add_argument(
-        "--step",
-        metavar="IMPORT",
-        help="your training step pkg.module:NAME or file.py:NAME, NAME(model, optimizer, batch, ctx) -> loss,"
-        " run unchanged on the reference and on every rank",
-    )
-    p.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="checkpoint every wrapped unit but the root (recomputation must replay dropout masks)",
-    )
+    case_flags.add_flags(p)
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
-    """`--model` and what a user's model factory takes (shared by check, fuzz, ownership)."""
-    p.add_argument("--model", metavar="MODEL", help=f"mlp | transformer | {MODEL_HELP}")
-    p.add_argument("--model-kwargs", metavar="JSON", help="keyword arguments of a model factory, a JSON object")
-    p.add_argument("--init-fn", metavar="IMPORT", help="init_fn(model, generator) run after the factory")
-    p.add_argument("--output-fn", metavar="IMPORT", help="output_fn(output) -> logits, for a model's forward output")
-    p.add_argument("--shrinkable", metavar="NAMES", help="integer model kwargs the shrinker may lower, comma-separated")
-    p.add_argument("--seq-len", type=int, help="length of the generated token sequences")
+    """`--model` and what a user's model factory takes, one value each (fuzz and sweep draw
+    around the model they name)."""
+    group = p.add_argument_group(case_flags.MODEL)
+    for f in case_flags.FLAGS:
+        if f.draw == "fixed":
+            group.add_argument(f.flag, dest=f.dest, type=f.parse, metavar=f.metavar, help=f.help, default=None)
 
 
-def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None) -> ModelSpec | None:
-    """The ModelSpec `--model` and its options name, or None when they change nothing."""
+def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None, sizes: bool = True) -> ModelSpec | None:
+    """The ModelSpec `--model` and its options name, or None when they change nothing. `sizes`:
+    the built-in sizes (`--widths`, `--seq-len`, ...) too (in fuzz and sweep they are pins)."""
     import json
 
     from fsdp_verify.models import ModelSpec
@@ -193,8 +137,16 @@ def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None) 
     from fsdp_verify.validation import CaseError
 
     name = getattr(args, "model", None)
-    extras = {k: getattr(args, k, None) for k in ("model_kwargs", "init_fn", "output_fn", "shrinkable")}
-    if name is None and not any(v is not None for v in extras.values()) and getattr(args, "seq_len", None) is None:
+    changes = {
+        f.field.split(".", 1)[1]: f.value(getattr(args, f.dest))
+        for f in case_flags.FLAGS
+        if f.field.startswith("model.")
+        and not f.special
+        and (sizes or f.draw == "fixed")
+        and getattr(args, f.dest, None) is not None
+    }
+    kwargs = getattr(args, "model_kwargs", None)
+    if name is None and kwargs is None and not changes:
         return None
     base = current or ModelSpec()
     if name in ("mlp", "transformer"):
@@ -203,75 +155,101 @@ def model_from_args(args: argparse.Namespace, current: ModelSpec | None = None) 
     elif name is not None:
         if not is_import_path(name):
             raise CaseError("model", f"'mlp', 'transformer' or {MODEL_HELP}", name)
-        base = ModelSpec(kind="custom", factory=name)
-    changes: dict = {}
-    if extras["model_kwargs"] is not None:
+        if not (base.is_custom and base.factory == name):  # the same factory keeps a case file's kwargs
+            base = ModelSpec(kind="custom", factory=name)
+    if kwargs is not None:
         try:
-            changes["kwargs"] = json.loads(extras["model_kwargs"])
+            changes["kwargs"] = json.loads(kwargs)
         except json.JSONDecodeError as e:
-            raise CaseError("model.kwargs", f"a JSON object ({e})", extras["model_kwargs"]) from None
+            raise CaseError("model.kwargs", f"a JSON object ({e})", kwargs) from None
         if not isinstance(changes["kwargs"], dict):
-            raise CaseError("model.kwargs", "a JSON object", extras["model_kwargs"])
-    for key in ("init_fn", "output_fn"):
-        if extras[key] is not None:
-            changes[key] = extras[key]
-    if extras["shrinkable"] is not None:
-        changes["shrinkable"] = tuple(_items(extras["shrinkable"]))
-    if getattr(args, "seq_len", None) is not None:
-        changes["seq_len"] = args.seq_len
+            raise CaseError("model.kwargs", "a JSON object", kwargs)
     return replace(base, **changes) if changes else base
 
 
 def case_from_args(args: argparse.Namespace) -> Case:
-    """The built-in default or --case, with the command-line overrides applied. Raises CaseError."""
+    """The built-in default or --case, with the command-line overrides applied (a flag overrides
+    the file's field). Raises CaseError, naming the flag where one set the field."""
     from fsdp_verify.case import Case
     from fsdp_verify.validation import CaseError
 
     if args.case and not Path(args.case).is_file():
         raise CaseError("--case", "a Case JSON file", str(args.case))
     case = load_case(args.case, None, args) if args.case else Case()
-    changes: dict = {}
-    if args.engine:
-        changes["engine"] = args.engine
-    if args.world_size is not None:
-        changes["world_size"] = args.world_size
-        changes["mesh_shape"] = None
-    for name in ("steps", "seed", "data_seed"):
-        if getattr(args, name) is not None:
-            changes[name] = getattr(args, name)
+    flags = case_flags.given(args)
+    try:
+        return _apply_flags(case, args, flags)
+    except CaseError as e:
+        raise case_flags.name_flag(e, flags) from None
+
+
+def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
+    """`case` with the flags in `flags` (field path -> value) applied."""
+    changes = {
+        f.field: flags[f.field]
+        for f in case_flags.FLAGS
+        if f.field in flags and not f.special and not f.field.startswith("model.")
+    }
+    if "mesh_shape" in flags:
+        changes["mesh_shape"] = flags["mesh_shape"]
+        shape = flags["mesh_shape"] or ()
+        if "world_size" not in flags and shape and all(isinstance(d, int) for d in shape):
+            changes["world_size"] = _product(shape)
+    if "world_size" in flags:
+        changes["world_size"] = flags["world_size"]
+        changes.setdefault("mesh_shape", None)
     model = model_from_args(args, case.model)
     if model is not None and model != case.model:
         changes["model"] = model
         if model.kind != case.model.kind or model.factory != case.model.factory:
             changes["wrap"] = None
     if args.wrap:
-        plan = tuple(e for e in args.wrap if e != "root")
-        changes["wrap"] = plan if plan and plan[-1] == "" else plan + ("",)
-    if args.microbatches is not None:
-        changes["microbatches"] = args.microbatches
-    if args.padded:
-        changes["data.padded"] = True
-    if args.data:
-        changes["data.fn"] = args.data
-    if args.loss:
-        changes["loss"] = args.loss
-    if getattr(args, "step", None):
-        changes["step"] = args.step
-    if getattr(args, "activation_checkpointing", False):
-        changes["activation_checkpointing"] = True
-    for name in ("param_dtype", "reduce_dtype", "output_dtype"):
-        if getattr(args, name):
-            changes[f"precision.{name}"] = getattr(args, name)
-    if getattr(args, "loss_scaling", None) is not None:
-        changes["loss_scaling"] = loss_scaling_from_text(args.loss_scaling)
+        changes["wrap"] = _wrap_plan(args.wrap)
+    scaling = _loss_scaling(case, args, flags)
+    if scaling is not case.loss_scaling:
+        changes["loss_scaling"] = scaling
     world = changes.get("world_size", case.world_size)
     microbatches = changes.get("microbatches", case.microbatches)
-    if args.batch_size is not None:
-        changes["data.batch_size"] = args.batch_size
+    if "data.batch_size" in flags:
+        changes["data.batch_size"] = flags["data.batch_size"]
     elif (not args.case or "microbatches" in changes) and isinstance(world, int) and world > 0:
         per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
     return case.with_(**changes) if changes else case
+
+
+def _product(shape) -> int:
+    prod = 1
+    for d in shape:
+        prod *= d
+    return prod
+
+
+def _wrap_plan(entries: list[str]) -> tuple[str, ...] | None:
+    """`--wrap`'s entries: `root` stands for the root, added last if missing; `default` alone for
+    the model's own plan (None)."""
+    if entries == ["default"]:
+        return None
+    plan = tuple(e for e in entries if e != "root")
+    return plan if plan and plan[-1] == "" else plan + ("",)
+
+
+def _loss_scaling(case: Case, args: argparse.Namespace, flags: dict):
+    """`--loss-scaling` (on, off or KEY=VALUE pairs) and the single-field flags over it; a field
+    flag alone turns scaling on with the other fields as the case file's or the defaults."""
+    from fsdp_verify.case import LossScaleSpec
+    from fsdp_verify.validation import CaseError
+
+    spec = case.loss_scaling
+    if getattr(args, "loss_scaling", None) is not None:
+        spec = loss_scaling_from_text(args.loss_scaling)
+    fields = {k.split(".", 1)[1]: v for k, v in flags.items() if k.startswith("loss_scaling.")}
+    if not fields:
+        return spec
+    if spec is None and getattr(args, "loss_scaling", None) is not None:
+        first = case_flags.flag_of(f"loss_scaling.{next(iter(fields))}")
+        raise CaseError(first, "no loss scaling field with --loss-scaling off", args.loss_scaling)
+    return replace(spec or LossScaleSpec(), **fields)
 
 
 def loss_scaling_from_text(text: str):
@@ -306,10 +284,13 @@ def load_case(path: Path, engine: str | None, args: argparse.Namespace | None = 
     return case.with_(engine=engine) if engine else case
 
 
+DEFAULT_WORLD_SIZES = [1, 2, 3, 4]  # identity tells "--world-sizes not given" (see _mesh_world_sizes)
+
+
 def add_draw_arguments(p: argparse.ArgumentParser) -> None:
     """What a generated draw may hold (fuzz, sweep): world sizes, precisions, the built-in models or
     a user's model, and pinned Case fields."""
-    add_world_sizes(p, [1, 2, 3, 4], "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
+    add_world_sizes(p, DEFAULT_WORLD_SIZES, "world sizes to draw, space- or comma-separated (default 1 2 3 4)")
     add_precisions(p)
     p.add_argument(
         "--models",
@@ -322,7 +303,7 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
         " --model takes your own",
     )
     add_model_arguments(p)
-    add_step_arguments(p)
+    case_flags.add_draw_flags(p)
     p.add_argument(
         "--pin",
         action="append",
@@ -330,6 +311,24 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
         metavar="FIELD=JSON",
         help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
     )
+
+
+def _mesh_world_sizes(args: argparse.Namespace, pins: dict) -> list[int]:
+    """`--mesh-shape` pins the mesh, so the world size too: the sizes of its meshes (those among
+    `--world-sizes` where that was given). PinError when none is left."""
+    from fsdp_verify.properties.strategies import PinError
+
+    if getattr(args, "mesh_shape", None) is None:
+        return args.world_sizes
+    sizes = sorted({_product(m) for m in args.mesh_shape if m})
+    if not sizes:
+        return args.world_sizes
+    if args.world_sizes is not DEFAULT_WORLD_SIZES:
+        given = [w for w in args.world_sizes if w in sizes]
+        if not given:
+            raise PinError(f"--mesh-shape: meshes of {sizes} ranks, none among --world-sizes {args.world_sizes}")
+        return given
+    return sizes
 
 
 def pins_from_args(items: list[str]) -> dict[str, object]:
@@ -358,22 +357,22 @@ def strategy_from_args(args: argparse.Namespace, **options):
     the argument."""
     from fsdp_verify.engines import resolve_engine
     from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.validation import CaseError
 
     if any(w < 1 for w in args.world_sizes):
         from fsdp_verify.properties.strategies import PinError
 
         raise PinError(f"--world-sizes: expected positive integers, got {args.world_sizes}")
     resolve_engine(args.engine)
-    model = model_from_args(args)
+    model = model_from_args(args, sizes=False)
     custom = model if model is not None and model.is_custom else None
-    pins = pins_from_args(args.pin)
-    if getattr(args, "step", None):
-        pins = {"step": args.step, **pins}
-    if getattr(args, "activation_checkpointing", False):
-        pins = {"activation_checkpointing": True, **pins}
+    try:
+        pins = {**case_flags.draw_pins(args), **pins_from_args(args.pin)}
+    except CaseError as e:
+        raise case_flags.name_flag(e, {e.field_path: None}) from None
     return cases(
         engine=args.engine,
-        world_sizes=args.world_sizes,
+        world_sizes=_mesh_world_sizes(args, pins),
         precisions=args.precisions,
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
         custom_model=custom,

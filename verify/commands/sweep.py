@@ -87,6 +87,7 @@ def load_zoo(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.commands.case_flags import draw_flag_texts
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.draw import draw_cases, in_shard
     from fsdp_verify.properties.strategies import PinError
@@ -133,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
             "models": [args.model] if args.model else args.models,
             "hsdp": args.hsdp,
             "pins": args.pin,
+            **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
         },
     )
     _, html_path = write(report, out)

@@ -1,0 +1,679 @@
+"""Every Case field as a command-line flag, in one table (`FLAGS`): `check` (and every command that
+builds one case) takes each as an override of `--case FILE`, `fuzz`/`sweep` take most as draw
+options (one value pins the field, several are drawn among), the case strategies and the pytest
+plugin take them as keywords (`fsdp_cases(optimizer=["adam", "sgd"], sync_last=True)`), and
+`case_to_flags(case)` prints a case as the flags that rebuild it, hash for hash. A Case field
+without a flag here fails tests/test_case_flags.py. Free of torch: pytest parses its options
+with it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from fsdp_verify import dtypes
+
+if TYPE_CHECKING:
+    from fsdp_verify.case import Case
+
+_NONE = ("none", "null", "off")
+_MISSING = object()
+
+
+# ---- value parsers: text -> the field's value (argparse `type=`) --------------------------------
+def _fail(expected: str, text: str) -> argparse.ArgumentTypeError:
+    return argparse.ArgumentTypeError(f"expected {expected}, got {text!r}")
+
+
+def boolean(text: str) -> bool:
+    key = text.strip().lower()
+    if key in ("true", "yes", "on", "1"):
+        return True
+    if key in ("false", "no", "off", "0"):
+        return False
+    raise _fail("true or false", text)
+
+
+def number(text: str) -> int | float:
+    """An int where the text is one (as a Case file's JSON keeps it, so its hash), else a float."""
+    try:
+        return int(text)
+    except ValueError:
+        pass
+    try:
+        return float(text)
+    except ValueError:
+        raise _fail("a number", text) from None
+
+
+def integer(text: str) -> int:
+    try:
+        return int(text)
+    except ValueError:
+        raise _fail("an integer", text) from None
+
+
+def _items(text: str) -> list[str]:
+    return [s for s in text.replace(",", " ").split() if s]
+
+
+def _tuple_of(parse: Callable[[str], Any], what: str) -> Callable[[str], tuple]:
+    def parse_tuple(text: str) -> tuple:
+        try:
+            return tuple(parse(item) for item in _items(text))
+        except argparse.ArgumentTypeError:
+            raise _fail(what, text) from None
+
+    parse_tuple.__name__ = what
+    return parse_tuple
+
+
+integers = _tuple_of(integer, "integers separated by commas (e.g. 16,33,8)")
+numbers = _tuple_of(number, "numbers separated by commas (e.g. 0.9,0.999)")
+
+
+def names(text: str) -> tuple[str, ...]:
+    """`a,b` or `a b` -> ("a", "b"); `none` -> ()."""
+    return () if text.strip().lower() in _NONE else tuple(_items(text))
+
+
+def or_none(parse: Callable[[str], Any]) -> Callable[[str], Any]:
+    """`parse`, and `none`/`null`/`off` for None (a case file's value set back to the default)."""
+
+    def parse_or_none(text: str) -> Any:
+        return None if text.strip().lower() in _NONE else parse(text)
+
+    parse_or_none.__name__ = getattr(parse, "__name__", "value")
+    return parse_or_none
+
+
+def dtype(text: str) -> str:
+    try:
+        return dtypes.canonical(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def reshard(text: str) -> bool | int:
+    """`true`, `false` or a positive int K (FSDP2 reshards to groups of K after forward)."""
+    key = text.strip().lower()
+    if key in ("true", "false"):
+        return key == "true"
+    try:
+        return int(key)
+    except ValueError:
+        raise _fail("true, false or a positive int", text) from None
+
+
+def mesh(text: str) -> tuple[int, ...] | None:
+    return or_none(_tuple_of(integer, "SHARD or REPLICATE,SHARD (e.g. 2,2)"))(text)
+
+
+def text(value: Any) -> str:
+    """The flag spelling of a field value; `parse(text(v)) == v`, JSON type included."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if value is None:
+        return "none"
+    if isinstance(value, (tuple, list)):
+        return ",".join(text(v) for v in value) if value else "none"
+    if isinstance(value, float):
+        return repr(value)
+    if isinstance(value, dict):
+        return json.dumps(value, sort_keys=True, separators=(",", ":"))
+    return str(value)
+
+
+# ---- the table ----------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Flag:
+    """One Case field's flag. `const`: the flag alone sets the field to it (a switch). `draw`:
+    how fuzz/sweep offer it: "pin" (values to pin or draw among), "fixed" (one value, as `check`
+    takes it) or None (spelled otherwise there, e.g. `--world-sizes`, or meaningless in a draw).
+    `special`: applied by `case_from_args` itself (fields that depend on each other)."""
+
+    flag: str
+    field: str
+    group: str
+    help: str
+    parse: Callable[[str], Any] = str
+    metavar: str | None = None
+    const: Any = _MISSING
+    draw: str | None = "pin"
+    special: bool = False
+    covers: tuple[str, ...] = ()  # further fields this flag sets (--model: kind and factory)
+    invert: bool = False  # the field holds the flag's negation (--sync-last: sync_every_microbatch)
+
+    @property
+    def dest(self) -> str:
+        return self.flag[2:].replace("-", "_")
+
+    def value(self, given: Any) -> Any:
+        """The field's value for the flag's value."""
+        return (not given) if self.invert else given
+
+    def tokens(self, field_value: Any) -> list[str]:
+        """The flag and its text for a field value (the flag alone where that is its const)."""
+        given = self.value(field_value)
+        if self.const is not _MISSING and _same(given, self.const):
+            return [self.flag]
+        return [self.flag, text(given)]
+
+
+DTYPE = "fp32 | bf16 | fp16 (float32 ... accepted) | none"
+IMPORT = "pkg.module:NAME or path/to/file.py:NAME"
+MODEL = "model (built-in sizes, or your factory)"
+MESH = "world and mesh"
+PREC = "precision (FSDP2 MixedPrecisionPolicy)"
+OPTIM = "optimizer"
+LOOP = "training loop"
+DATA = "data"
+SCALE = "fp16 dynamic loss scaling"
+CODE = "engine and your code"
+
+FLAGS: tuple[Flag, ...] = (
+    # model
+    Flag(
+        "--model",
+        "model.kind",
+        MODEL,
+        f"mlp | transformer | {IMPORT} (a factory NAME(**kwargs) -> nn.Module)",
+        metavar="MODEL",
+        draw="fixed",
+        special=True,
+        covers=("model.factory",),
+    ),
+    Flag(
+        "--model-kwargs",
+        "model.kwargs",
+        MODEL,
+        "keyword arguments of a model factory, a JSON object",
+        metavar="JSON",
+        draw="fixed",
+        special=True,
+    ),
+    Flag(
+        "--init-fn",
+        "model.init_fn",
+        MODEL,
+        "init_fn(model, generator) run after the factory",
+        or_none(str),
+        "IMPORT",
+        draw="fixed",
+    ),
+    Flag(
+        "--output-fn",
+        "model.output_fn",
+        MODEL,
+        "output_fn(output) -> logits, for a model's forward output",
+        or_none(str),
+        "IMPORT",
+        draw="fixed",
+    ),
+    Flag(
+        "--shrinkable",
+        "model.shrinkable",
+        MODEL,
+        "integer model kwargs the shrinker may lower, comma-separated",
+        names,
+        "NAMES",
+        draw="fixed",
+    ),
+    Flag("--widths", "model.widths", MODEL, "MLP widths input,hidden...,output (e.g. 16,33,8)", integers, "W,W,..."),
+    Flag("--vocab-size", "model.vocab_size", MODEL, "Transformer vocabulary", int, "N"),
+    Flag("--dim", "model.dim", MODEL, "Transformer model dimension (n_heads x an even head dimension)", int, "N"),
+    Flag("--n-layers", "model.n_layers", MODEL, "Transformer blocks", int, "N"),
+    Flag("--n-heads", "model.n_heads", MODEL, "Transformer attention heads", int, "N"),
+    Flag("--ffn-hidden", "model.ffn_hidden", MODEL, "Transformer feed-forward width", int, "N"),
+    Flag("--seq-len", "model.seq_len", MODEL, "length of the generated token sequences", int, "N"),
+    Flag(
+        "--tie-embeddings",
+        "model.tie_embeddings",
+        MODEL,
+        "Transformer: output layer shares the embedding",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag("--dropout", "model.dropout", MODEL, "dropout probability", number, "P"),
+    Flag(
+        "--frozen",
+        "model.frozen",
+        MODEL,
+        "parameter-name prefixes with requires_grad=False, comma-separated, or none",
+        names,
+        "NAMES",
+    ),
+    # world, mesh, wrap
+    Flag(
+        "--world-size",
+        "world_size",
+        MESH,
+        "ranks (default 2; --world-sizes in fuzz/sweep)",
+        int,
+        "N",
+        draw=None,
+        special=True,
+    ),
+    Flag(
+        "--mesh-shape",
+        "mesh_shape",
+        MESH,
+        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product; none = 1-D",
+        mesh,
+        "R,S",
+        special=True,
+    ),
+    Flag(
+        "--wrap",
+        "wrap",
+        MESH,
+        "the wrap plan: module FQNs and/or class names (LlamaDecoderLayer = every such module); children"
+        " first, the root added last; `default` = the model's plan",
+        metavar="ENTRY",
+        draw=None,
+        special=True,
+    ),
+    Flag(
+        "--reshard-after-forward",
+        "reshard_after_forward",
+        MESH,
+        "true | false | K (reshard to groups of K ranks after forward)",
+        reshard,
+        "true|false|K",
+    ),
+    # precision
+    Flag(
+        "--param-dtype",
+        "precision.param_dtype",
+        PREC,
+        DTYPE + " (--precisions in fuzz/sweep)",
+        or_none(dtype),
+        "DTYPE",
+        draw=None,
+    ),
+    Flag("--reduce-dtype", "precision.reduce_dtype", PREC, DTYPE, or_none(dtype), "DTYPE"),
+    Flag("--output-dtype", "precision.output_dtype", PREC, DTYPE, or_none(dtype), "DTYPE"),
+    Flag(
+        "--cast-forward-inputs",
+        "precision.cast_forward_inputs",
+        PREC,
+        "cast forward inputs to param_dtype (default true)",
+        boolean,
+        "BOOL",
+    ),
+    # optimizer
+    Flag("--optimizer", "optim.name", OPTIM, "sgd | adam | adamw (default adamw)", str, "NAME"),
+    Flag("--lr", "optim.lr", OPTIM, "learning rate (default 0.01)", number, "LR"),
+    Flag("--momentum", "optim.momentum", OPTIM, "SGD momentum (default 0.9)", number, "M"),
+    Flag("--weight-decay", "optim.weight_decay", OPTIM, "SGD and AdamW weight decay (default 0.01)", number, "WD"),
+    Flag("--betas", "optim.betas", OPTIM, "Adam(W) betas B1,B2 (default 0.9,0.999)", numbers, "B1,B2"),
+    Flag("--eps", "optim.eps", OPTIM, "Adam(W) eps (default 1e-8)", number, "EPS"),
+    Flag(
+        "--clip-norm",
+        "clip_norm",
+        OPTIM,
+        "clip the gradient norm to this max norm; none = no clipping",
+        or_none(number),
+        "NORM",
+    ),
+    # training loop
+    Flag("--steps", "steps", LOOP, "optimizer steps (default 3)", int, "N"),
+    Flag("--microbatches", "microbatches", LOOP, "micro-batches per step (gradient accumulation)", int, "N"),
+    Flag(
+        "--sync-last",
+        "sync_every_microbatch",
+        LOOP,
+        "reduce gradients on the last micro-batch only (no_sync before it); `--sync-last false` = every one",
+        boolean,
+        "BOOL",
+        const=True,
+        invert=True,
+    ),
+    Flag("--init", "init", LOOP, "eager | meta (build on the meta device, then materialise)", str, "MODE"),
+    Flag("--seed", "seed", LOOP, "the case's seed (initial values and dropout masks)", int, "N", draw=None),
+    Flag(
+        "--activation-checkpointing",
+        "activation_checkpointing",
+        LOOP,
+        "checkpoint every wrapped unit but the root (recomputation must replay dropout masks)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    # data
+    Flag(
+        "--batch-size",
+        "data.batch_size",
+        DATA,
+        "global batch (default: rounded up to fit the world size)",
+        int,
+        "N",
+        special=True,
+    ),
+    Flag(
+        "--data-kind",
+        "data.kind",
+        DATA,
+        "normal | cancellation (large per-rank gradients that nearly cancel; MLP)",
+        str,
+        "KIND",
+    ),
+    Flag("--data-scale", "data.scale", DATA, "scale of the generated inputs (default 1)", number, "S"),
+    Flag(
+        "--padded",
+        "data.padded",
+        DATA,
+        "variable-length sequences padded with ignore_index (token models)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag("--data-seed", "data_seed", DATA, "the seed of the generated batches", int, "N"),
+    Flag(
+        "--data",
+        "data.fn",
+        DATA,
+        "a data function, fn(case, step, generator) -> (inputs, targets); none = generated",
+        or_none(str),
+        "IMPORT",
+    ),
+    # loss scaling
+    Flag(
+        "--loss-scaling",
+        "loss_scaling",
+        SCALE,
+        "fp16 dynamic loss scaling on both sides (torch.amp.GradScaler / ShardedGradScaler on the sharded one,"
+        " written out in the reference): optionally KEY=VALUE pairs joined by commas, keys init_scale (65536),"
+        " growth_factor (2), backoff_factor (0.5), growth_interval (2000), the rest default; 'off' removes a"
+        " case file's",
+        metavar="KEY=VALUE,...",
+        const="",
+        draw=None,
+        special=True,
+    ),
+    Flag(
+        "--init-scale",
+        "loss_scaling.init_scale",
+        SCALE,
+        "the first loss scale (default 65536); turns loss scaling on",
+        number,
+        "S",
+        special=True,
+    ),
+    Flag(
+        "--growth-factor",
+        "loss_scaling.growth_factor",
+        SCALE,
+        "scale growth after good steps (default 2); turns loss scaling on",
+        number,
+        "F",
+        special=True,
+    ),
+    Flag(
+        "--backoff-factor",
+        "loss_scaling.backoff_factor",
+        SCALE,
+        "scale factor on inf/NaN (default 0.5); turns loss scaling on",
+        number,
+        "F",
+        special=True,
+    ),
+    Flag(
+        "--growth-interval",
+        "loss_scaling.growth_interval",
+        SCALE,
+        "good steps before the scale grows (default 2000); turns loss scaling on",
+        int,
+        "N",
+        special=True,
+    ),
+    # engine and user code
+    Flag(
+        "--engine",
+        "engine",
+        CODE,
+        "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME",
+        metavar="ENGINE",
+        draw=None,
+    ),
+    Flag(
+        "--loss",
+        "loss",
+        CODE,
+        "a loss, loss(logits, targets) -> sum over items; none = cross-entropy",
+        or_none(str),
+        "IMPORT",
+    ),
+    Flag(
+        "--step",
+        "step",
+        CODE,
+        "your training step NAME(model, optimizer, batch, ctx) -> loss, run unchanged on the reference and on every rank",
+        or_none(str),
+        "IMPORT",
+    ),
+)
+BY_FLAG = {f.flag: f for f in FLAGS}
+BY_DEST = {f.dest: f for f in FLAGS}
+GROUPS = tuple(dict.fromkeys(f.group for f in FLAGS))
+
+
+def flag_of(field: str) -> str | None:
+    """The flag that sets Case field `field` (dotted for nested specs), or None."""
+    for f in FLAGS:
+        if field == f.field or field in f.covers:
+            return f.flag
+    return None
+
+
+def _engine_type(text: str) -> str:
+    from fsdp_verify.commands.options import engine_name
+
+    return engine_name(text)
+
+
+def _argparse_type(f: Flag) -> Callable[[str], Any]:
+    return _engine_type if f.flag == "--engine" else f.parse
+
+
+# ---- check: one value per flag ------------------------------------------------------------------
+def add_flags(p: argparse.ArgumentParser, groups: dict[str, Any] | None = None) -> None:
+    """Every flag of the table, by argument group, each defaulting to None (not given)."""
+    groups = groups if groups is not None else {}
+    for f in FLAGS:
+        group = groups.get(f.group) or groups.setdefault(f.group, p.add_argument_group(f.group))
+        kwargs: dict[str, Any] = {"dest": f.dest, "metavar": f.metavar, "help": f.help, "default": None}
+        if f.flag == "--wrap":
+            kwargs["nargs"] = "+"
+        else:
+            kwargs["type"] = _argparse_type(f)
+        if f.const is not _MISSING:
+            kwargs.update(nargs="?", const=f.const)
+        group.add_argument(f.flag, **kwargs)
+
+
+def given(args: argparse.Namespace) -> dict[str, Any]:
+    """The table's flags the command line gave: field path -> the field's value."""
+    return {f.field: f.value(getattr(args, f.dest)) for f in FLAGS if getattr(args, f.dest, None) is not None}
+
+
+def name_flag(error: Exception, fields_given: dict[str, Any]) -> Exception:
+    """A CaseError about a field a flag set, with the flag named after it: `optim.lr: expected a
+    positive learning rate, got -1 (from --lr)`."""
+    path = getattr(error, "field_path", None)
+    flag = flag_of(path) if path in fields_given else None
+    if flag is not None:
+        error.args = (f"{error} (from {flag})",)
+    return error
+
+
+# ---- a case as flags ----------------------------------------------------------------------------
+def _same(a: Any, b: Any) -> bool:
+    """Equal as JSON holds them (1 is not 1.0, True is not 1): what a case's hash sees."""
+    return json.dumps(a, sort_keys=True, default=list) == json.dumps(b, sort_keys=True, default=list)
+
+
+def _get(obj: Any, path: str) -> Any:
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def case_to_flags(case: Case) -> list[str]:
+    """The flags that rebuild `case` from the built-in default (`check` with no `--case`): every
+    field that differs from it, and only those. `case_from_args(parse(flags)) == case`, hash for
+    hash (tests/test_case_flags.py draws the cases)."""
+    from fsdp_verify.case import Case, LossScaleSpec
+    from fsdp_verify.models import ModelSpec
+
+    default = Case()
+    m = case.model
+    out: list[str] = []
+    if m.is_custom:
+        base = ModelSpec(kind="custom", factory=m.factory)
+        out += ["--model", m.factory]
+    elif m.kind != default.model.kind:
+        base = ModelSpec(kind=m.kind)
+        out += ["--model", m.kind]
+    else:
+        base = default.model
+    for f in FLAGS:
+        if f.field.startswith("model.") and f.flag != "--model":
+            name = f.field.split(".", 1)[1]
+            if not _same(getattr(m, name), getattr(base, name)):
+                out += f.tokens(getattr(m, name))
+    if case.mesh_shape is not None:
+        out += ["--mesh-shape", text(case.mesh_shape)]
+    elif case.world_size != default.world_size:
+        out += ["--world-size", text(case.world_size)]
+    if case.wrap is not None:
+        entries = [e for e in case.wrap if e != ""]
+        out += ["--wrap", *(entries or ["root"])]
+    for f in FLAGS:
+        if f.field.startswith(("model.", "loss_scaling")) or f.field in ("world_size", "mesh_shape", "wrap"):
+            continue
+        value = _get(case, f.field)
+        if not _same(value, _get(default, f.field)):
+            out += f.tokens(value)
+    if case.loss_scaling is not None:
+        out.append("--loss-scaling")
+        for f in FLAGS:
+            if f.field.startswith("loss_scaling."):
+                name = f.field.split(".", 1)[1]
+                if not _same(getattr(case.loss_scaling, name), getattr(LossScaleSpec(), name)):
+                    out += f.tokens(getattr(case.loss_scaling, name))
+    return out
+
+
+# ---- fuzz and sweep: values to pin or draw among ------------------------------------------------
+def add_draw_flags(p: argparse.ArgumentParser) -> None:
+    """The table's "pin" flags, each taking one value (pinned) or several (drawn among)."""
+    groups: dict[str, Any] = {}
+    for f in FLAGS:
+        if f.draw != "pin":
+            continue
+        group = groups.get(f.group) or groups.setdefault(f.group, p.add_argument_group(f"draw: {f.group}"))
+        switch = f.const is not _MISSING
+        group.add_argument(
+            f.flag,
+            dest=f.dest,
+            type=f.parse,
+            nargs="*" if switch else "+",
+            default=None,
+            metavar=f.metavar,
+            help=re.sub(r" \(default[^)]*\)", "", f.help)  # a draw's default is drawn
+            + "; several values: drawn among them"
+            + ("; alone: pinned on" if switch else ""),
+        )
+
+
+def _distinct(values: list[Any]) -> list[Any]:
+    out: list[Any] = []
+    for v in values:
+        if not any(_same(v, w) for w in out):
+            out.append(v)
+    return out
+
+
+def _pin(field: str, values: list[Any]) -> Any:
+    """One value (pinned) or a strategy drawing among several, each checked as a pin first."""
+    from hypothesis import strategies as st
+
+    from fsdp_verify.properties.strategies import check_pin_value
+
+    values = _distinct(values)
+    for value in values:
+        check_pin_value(field, value)
+    return values[0] if len(values) == 1 else st.sampled_from(values)
+
+
+def draw_pins(args: argparse.Namespace) -> dict[str, Any]:
+    """The draw flags given: field path -> a value (one given) or a strategy (several)."""
+    pins: dict[str, Any] = {}
+    for f in FLAGS:
+        if f.draw != "pin":
+            continue
+        values = getattr(args, f.dest, None)
+        if values is not None:
+            pins[f.field] = _pin(f.field, [f.value(v) for v in values or [f.const]])
+    return pins
+
+
+def draw_flag_texts(args: argparse.Namespace) -> list[str]:
+    """The draw flags given, as typed (`--optimizer adam sgd`): for a report's record of its draw."""
+    out = []
+    for f in FLAGS:
+        values = getattr(args, f.dest, None) if f.draw == "pin" else None
+        if values is not None:
+            out.append(" ".join([f.flag, *(text(v) for v in values)]))
+    return out
+
+
+_TUPLE_VALUED = {"model.widths", "model.frozen", "model.shrinkable", "optim.betas", "mesh_shape", "wrap"}
+_NAME_TUPLES = {"model.frozen", "model.shrinkable", "wrap"}
+
+
+def keyword_pins(keywords: dict[str, Any], field_names: set[str]) -> dict[str, Any]:
+    """The strategies' keywords with flag names (`optimizer`, `sync_last`, `lr`) turned into pins
+    of their fields. A string is read as the flag reads it (`mesh_shape="2,2"`, `"bfloat16"`); a
+    list draws among its items (for a tuple-valued field a list of plain items is one value); a
+    strategy is drawn from; anything else pins. A Case field name that no flag spells alike
+    (`data`, `optim.name`) keeps its meaning; other keys are left for the caller to name."""
+    from hypothesis.strategies import SearchStrategy
+
+    out: dict[str, Any] = {}
+    for key, value in keywords.items():
+        f = BY_DEST.get(key)
+        if f is None or f.draw != "pin" or (key in field_names and f.field != key):
+            out[key] = value
+            continue
+
+        def read(v: Any, f: Flag = f) -> Any:
+            if isinstance(v, str):
+                return f.value(f.parse(v))
+            return f.value(tuple(v) if isinstance(v, list) else v)
+
+        if isinstance(value, SearchStrategy):
+            out[f.field] = value
+        elif isinstance(value, list) and not _one_tuple(f.field, value):
+            if not value:
+                raise TypeError(f"{key}: expected a value or a non-empty list of values to draw among, got []")
+            out[f.field] = _pin(f.field, [read(v) for v in value])
+        else:
+            out[f.field] = tuple(value) if isinstance(value, list) else read(value)
+    return out
+
+
+def _one_tuple(field: str, value: list) -> bool:
+    """Is list `value` one value of a tuple-valued field (`frozen=["a", "b"]`, `betas=[0.9, 0.99]`)
+    rather than values to draw among (`mesh_shape=[(2, 2), "1,4"]`)?"""
+    if field not in _TUPLE_VALUED:
+        return False
+    if field in _NAME_TUPLES:
+        return all(isinstance(v, str) for v in value)
+    return all(not isinstance(v, (list, tuple, str)) and v is not None for v in value)
