@@ -50,7 +50,7 @@ def train_reference(
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
     norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
     norm of the full gradients, summed in reverse) or "flat" (ring order over each unit's
-    gradients flattened into one padded buffer, see `_average_flat`): the latter three are
+    gradients flattened into one padded buffer, see `_FlatLayout.average`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
@@ -279,6 +279,7 @@ class _Run:
         return averaged
 
     def hand_grads_to_params(self, state: _Step) -> None:
+        """The reduced fp32 gradients become the parameters' `.grad` (the same tensors)."""
         for n, p in self.params.items():
             p.grad = state.master_grads.get(n)
 
@@ -352,6 +353,7 @@ class _Run:
             self.trace.add(step, "optim_state", key, value)
 
     def finish(self) -> Trace:
+        """The trace, with the records the perturbation moved directly."""
         if self.jolt is not None:
             self.trace.meta["moved"] = sorted(self.jolt.moved)
         return self.trace

@@ -15,6 +15,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from fsdp_verify.case import DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.dtypes import DRAWABLE_POLICIES
 from fsdp_verify.engines import BUILTIN, resolve_engine
 from fsdp_verify.engines.arithmetic import Arithmetic, arithmetic_of
 from fsdp_verify.properties.strategies import cases
@@ -55,6 +56,7 @@ def _modes(draw) -> tuple[bool, str, Arithmetic]:
 
 
 FP16 = PrecisionSpec(param_dtype="fp16", reduce_dtype="fp32")
+BF16_FP32_REDUCE = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
 
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -127,9 +129,18 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
     assert not different, f"{len(different)} records differ, the first {different[0]}"
 
 
-# Pinned modes every run covers, whatever the draws: a flat engine's arithmetic over 3 ranks with a
+# Pinned modes every run covers, whatever the draws: the "flat" calibration order in bf16 over 4
+# ranks, clipped and perturbed; a flat engine's arithmetic over 3 ranks with a
 # clip and the perturbation (its moves need W > 2); fp16 scales that overflow (a skipped step, NaN
-# and inf in the recorded gradients); sync-last micro-batches with dropout, split over processes.
+# and inf in the recorded gradients); sync-last bf16 micro-batches accumulated in fp32, with dropout,
+# split over processes.
+@example(
+    case=lm_case(4, clip_norm=0.01, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")),
+    modes=(True, "flat", ENGINE_ARITHMETICS["fsdp2"]),
+    unit_input_node=False,
+    perturb=11,
+    share=True,
+)
 @example(
     case=mlp_case(3, clip_norm=0.01, microbatches=2),
     modes=(True, "ring", ENGINE_ARITHMETICS["flat"]),
@@ -152,7 +163,9 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
     share=True,
 )
 @example(
-    case=lm_case(3, microbatches=2, sync_every_microbatch=False, data=DataSpec(batch_size=12)).with_(
+    case=lm_case(
+        3, microbatches=2, sync_every_microbatch=False, data=DataSpec(batch_size=12), precision=BF16_FP32_REDUCE
+    ).with_(
         model=ModelSpec(
             kind="transformer", vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, seq_len=6, dropout=0.2
         )
@@ -163,13 +176,14 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
     share=True,
 )
 @given(
-    case=cases(steps=st.integers(1, 2), microbatches=st.integers(1, 3)),  # 2 steps carry state; kept cheap
+    # fp16 too (drawn with dynamic loss scaling); 2 steps carry state from one step to the next
+    case=cases(precisions=DRAWABLE_POLICIES, steps=st.integers(1, 2), microbatches=st.integers(1, 3)),
     modes=_modes(),
     unit_input_node=st.sampled_from((None, False, True)),
     perturb=st.none() | st.integers(0, 2**32 - 1),
     share=st.booleans(),
 )
-@settings(max_examples=40, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
+@settings(max_examples=50, deadline=None, database=None, derandomize=True, suppress_health_check=list(HealthCheck))
 def test_the_phased_reference_records_what_the_single_function_did(case, modes, unit_input_node, perturb, share):
     emulate, order, arithmetic = modes
     modes = {"emulate": emulate, "order": order, "unit_input_node": unit_input_node, "perturb": perturb}
