@@ -7,6 +7,9 @@ MixedPrecisionPolicy casts them, gradients in `param_dtype`, upcast to `reduce_d
 ranks in rank order and divided by the world size (ReduceOp.AVG), then accumulated into fp32
 master gradients. `emulate=False` runs each micro-batch of the global batch in one piece (one
 virtual rank): numerically equivalent, differently rounded; it calibrates the noise floor.
+
+A step is a sequence of named phases (`_Run`'s methods, called in order by `train_reference`),
+each a screen long, so that a new knob changes one phase and the reference stays checkable by eye.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ def train_reference(
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
     norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
     norm of the full gradients, summed in reverse) or "flat" (ring order over each unit's
-    gradients flattened into one padded buffer, see `_average_flat`): the latter three are
+    gradients flattened into one padded buffer, see `_FlatLayout.average`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
@@ -57,140 +60,303 @@ def train_reference(
     reduction and the clip's norm, and its `unit_input_node` is the default. `share` splits the
     emulated ranks' forward and backward passes over processes (verify/sharded/shared_reference.py:
     the ranks of a run in place under torchrun); every process then averages and steps alike."""
-    model = reference_model(case, arithmetic, unit_input_node)
-    if share is not None:
-        share.begin(model)
-    params = dict(model.named_parameters())  # tied weights appear once
-    optimizer = make_optimizer(case.optim, params.values())
-    flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
-    emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
-    layout = _FlatLayout(model, case, emulated) if flat else None
-    trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
-    jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
-    _record_params(trace, 0, params, initial=True)
-    _record_buffers(trace, 0, model)
-
-    param_dtype = to_torch(case.precision.param_dtype) or torch.float32
-    reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
-    # The engine's own division of the average (every order: a division, not a summation order).
-    divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
-    # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
-    rng_states = dropout_states(case)
-    scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
+    run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share)
     for step in range(1, case.steps + 1):
+        state = run.begin_step(step)
+        for m, group in enumerate(state.groups):
+            passes = run.rank_passes(state, group)  # each emulated rank's forward and backward
+            rank_grads = run.collect(state, m, group, passes)
+            run.reduce(state, m, rank_grads)
+        run.hand_grads_to_params(state)
+        run.record_passes(state)
+        skip = run.unscale(state)
+        run.clip(state)
+        run.optimizer_step(skip)
+        run.record_state(step)
+    return run.finish()
+
+
+@dataclass
+class _Step:
+    """One step's batch and what its phases accumulate."""
+
+    step: int
+    inputs: object
+    targets: torch.Tensor
+    groups: list[list]  # groups[m] = the per-rank sample slices of micro-batch m (one virtual rank if not emulating)
+    loss_factor: float  # each (virtual) rank's loss sum times this: the mean over the step's real tokens
+    # Every rank computes with the same cast of the parameters: one set of leaves for all
+    # (`autograd.grad` gives each rank's graph its own gradients; nothing accumulates).
+    compute: dict[str, torch.Tensor]
+    trainable: list[str]
+    logits: dict[int, torch.Tensor]  # by sample
+    rank_loss: list[torch.Tensor]  # each rank's sum over micro-batches
+    master_grads: dict[str, torch.Tensor]  # fp32, reduced
+    local_grads: list[dict[str, torch.Tensor]]  # sync-last accumulators, per rank
+    fingerprints: dict[str, list[int]]  # verify/probes/rng.py
+
+
+@dataclass
+class _Run:
+    """A reference run's context, built once (`build`): what every phase reads. `rng_states`
+    (each rank's dropout generator), the optimizer, the scaler, the perturbation's generator and
+    the trace move on as the run goes; nothing else changes."""
+
+    case: Case
+    emulate: bool
+    order: str
+    model: nn.Module
+    params: dict[str, nn.Parameter]  # tied weights appear once
+    optimizer: torch.optim.Optimizer
+    layout: _FlatLayout | None  # a flat engine's buffers, for the reduction and the clip's norm
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    divide: tuple[float, float]  # the engine's own division of the average (`Arithmetic.divide_factors`)
+    jolt: Perturbation | None
+    scaler: DynamicLossScale | None
+    share: RankShare | None
+    rng_states: list[torch.Tensor]
+    trace: Trace
+
+    @classmethod
+    def build(
+        cls,
+        case: Case,
+        emulate: bool,
+        order: str,
+        unit_input_node: bool | None,
+        perturb: int | None,
+        arithmetic: Arithmetic,
+        share: RankShare | None,
+    ) -> _Run:
+        """The model with the engine's casts, its optimizer, the emulated layout, and the initial
+        records (step 0)."""
+        model = reference_model(case, arithmetic, unit_input_node)
+        if share is not None:
+            share.begin(model)
+        params = dict(model.named_parameters())  # tied weights appear once
+        optimizer = make_optimizer(case.optim, params.values())
+        flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
+        emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
+        layout = _FlatLayout(model, case, emulated) if flat else None
+        trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
+        jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
+        _record_params(trace, 0, params, initial=True)
+        _record_buffers(trace, 0, model)
+
+        param_dtype = to_torch(case.precision.param_dtype) or torch.float32
+        reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
+        # The engine's own division of the average (every order: a division, not a summation order).
+        divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
+        # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
+        rng_states = dropout_states(case)
+        scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
+        return cls(
+            case=case,
+            emulate=emulate,
+            order=order,
+            model=model,
+            params=params,
+            optimizer=optimizer,
+            layout=layout,
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            divide=divide,
+            jolt=jolt,
+            scaler=scaler,
+            share=share,
+            rng_states=rng_states,
+            trace=trace,
+        )
+
+    def begin_step(self, step: int) -> _Step:
+        """The step's global batch cut into micro-batches and ranks, and the compute copies of
+        the parameters."""
+        case = self.case
         inputs, targets = global_batch(case, step)
-        # groups[m] = the per-rank sample slices of micro-batch m (one virtual rank if not emulating)
         per_rank = [microbatch_slices(case, r) for r in range(case.world_size)]
         groups = [[ranks[m] for ranks in per_rank] for m in range(case.microbatches)]
-        if not emulate:
+        if not self.emulate:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
         # The loss is the mean over the step's real tokens: each (virtual) rank scales its sum.
-        scale = global_mean_scale(len(groups[0]), item_count(case, targets))
-        logits: dict[int, torch.Tensor] = {}
-        rank_loss = [torch.zeros((), dtype=torch.float32) for _ in groups[0]]
-        master_grads: dict[str, torch.Tensor] = {}
-        local_grads: list[dict[str, torch.Tensor]] = [{} for _ in groups[0]]  # sync-last accumulators
-        fingerprints: dict[str, list[int]] = {}
-        # Every rank computes with the same cast of the parameters: one set of leaves for all
-        # (`autograd.grad` gives each rank's graph its own gradients; nothing accumulates).
-        compute = {n: p.detach().to(param_dtype).requires_grad_(p.requires_grad) for n, p in params.items()}
-        trainable = [n for n in compute if compute[n].requires_grad]
-        for m, group in enumerate(groups):
-            ranks: dict[int, RankPass] = {}
-            for r, index in enumerate(group):
-                if share is not None and not share.mine(r):
-                    continue  # another process runs this rank (`share.exchange` brings it)
-                before = rng_fingerprint(rng_states[r])  # each rank's generator around its forward
-                torch.set_rng_state(rng_states[r])
-                args, kwargs = as_call(take(inputs, index))
-                out = logits_of(case.model, functional_call(model, compute, args, kwargs))
-                after = rng_fingerprint(torch.get_rng_state())
-                loss = microbatch_loss(case, out, targets[index], scale)
-                backpropagated = scaler.scaled(loss) if scaler is not None else loss
-                grads = torch.autograd.grad(backpropagated, [compute[n] for n in trainable])
-                rng_states[r] = torch.get_rng_state()
-                backward = rng_fingerprint(rng_states[r])  # after its backward (verify/probes/rng.py)
-                passed = (out.detach(), loss.detach().float(), before, after, backward)
-                ranks[r] = RankPass(dict(zip(trainable, grads)), *passed)
-            if share is not None:
-                ranks = share.exchange(ranks, model)
-            rank_grads = []
-            for r, index in enumerate(group):  # in rank order, as one process runs them
-                done = ranks[r]
-                if emulate:  # verify/probes/rng.py
-                    fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
-                    fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
-                    fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
-                rank_grads.append(done.grads)
-                rank_loss[r] += done.loss
-                _store_logits(logits, index, done.logits)
-            if not case.sync_every_microbatch:
-                # Unsharded accumulation without communication. FSDP2 (FSDPParam.
-                # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
-                # no-sync gradient to reduce_dtype when that is set and differs from the compute
-                # dtype and adds later micro-batches into it there (fp32 += bf16), so the running
-                # sum is in reduce_dtype, not param_dtype as seed 000 describes; with reduce_dtype
-                # unset (or equal) autograd accumulates in param_dtype. Both are `reduce_dtype` here.
-                for acc, g in zip(local_grads, rank_grads):
-                    for n, t in g.items():
-                        acc[n] = acc[n] + t if n in acc else t.to(reduce_dtype)
-                if m < len(groups) - 1:
-                    continue
-                rank_grads = local_grads
-            if layout is not None:
-                averaged = layout.average(rank_grads, reduce_dtype, divide)
-            else:
-                averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
-            if jolt is not None:
-                averaged = {
-                    n: jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
-                }
-            for n, avg in averaged.items():
-                reduced = avg.to(torch.float32)
-                master_grads[n] = master_grads[n] + reduced if n in master_grads else reduced
-        for n, p in params.items():
-            p.grad = master_grads.get(n)
+        loss_factor = global_mean_scale(len(groups[0]), item_count(case, targets))
+        compute = {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
+        return _Step(
+            step=step,
+            inputs=inputs,
+            targets=targets,
+            groups=groups,
+            loss_factor=loss_factor,
+            compute=compute,
+            trainable=[n for n in compute if compute[n].requires_grad],
+            logits={},
+            rank_loss=[torch.zeros((), dtype=torch.float32) for _ in groups[0]],
+            master_grads={},
+            local_grads=[{} for _ in groups[0]],
+            fingerprints={},
+        )
 
-        for name, per_rank in fingerprints.items():
-            trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
-        trace.add(step, "logits", "logits", torch.cat([logits[i] for i in sorted(logits)]))
-        # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
-        loss = gloo_scalar_sum(rank_loss) / len(rank_loss)
-        trace.add(step, "loss", "loss", jolt.reduction(loss, rank_loss, f"{step}/loss") if jolt is not None else loss)
-        for n, g in master_grads.items():
-            trace.add(step, "grads", n, g)  # scaled, as the engine reduced them
-        if scaler is not None:
-            scale = scaler.scale
-            skip = scaler.unscale_(list(master_grads.values()))  # p.grad, unscaled before the clip
-            trace.add(step, "loss_scale", "scale", scale.repeat(case.world_size))
-            trace.add(step, "loss_scale", "skipped", torch.full((case.world_size,), int(skip), dtype=torch.int64))
-        if case.clip_norm is not None:
-            with_grad = [p for p in params.values() if p.grad is not None]
-            grads = [p.grad for p in with_grad]
-            if emulate and order == "ring" and layout is not None:  # the flat engine's own
-                norm = layout.norm({n: p.grad for n, p in params.items() if p.grad is not None})
-            elif emulate and order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-                norm = _norm_from_shards(grads, case.world_size)
-            else:
-                norm = torch.nn.utils.get_total_norm(grads[::-1] if order == "reverse" else grads)
-            if jolt is not None:
-                norm = jolt.norm(norm, grads, f"{step}/grad_norm")
-            torch.nn.utils.clip_grads_with_norm_(with_grad, case.clip_norm, norm)
-            trace.add(step, "grad_norm", "total_norm", norm)
-        if scaler is None:
-            optimizer.step()
+    # ---- forward and backward ---------------------------------------------------------------------
+    def rank_passes(self, state: _Step, group: list) -> dict[int, RankPass]:
+        """Every emulated rank's pass over its slice of one micro-batch: this process's ranks run
+        here, the others' (with a `share`) come from the processes that ran them."""
+        ranks: dict[int, RankPass] = {}
+        for r, index in enumerate(group):
+            if self.share is not None and not self.share.mine(r):
+                continue  # another process runs this rank (`share.exchange` brings it)
+            ranks[r] = self.rank_pass(state, r, index)
+        if self.share is not None:
+            ranks = self.share.exchange(ranks, self.model)
+        return ranks
+
+    def rank_pass(self, state: _Step, r: int, index) -> RankPass:
+        """Rank r's forward and backward of its samples `index`, with its own dropout generator
+        (fingerprinted around the forward and after the backward: verify/probes/rng.py), the loss
+        scaled by the loss scale when there is one."""
+        before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
+        torch.set_rng_state(self.rng_states[r])
+        args, kwargs = as_call(take(state.inputs, index))
+        out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
+        after = rng_fingerprint(torch.get_rng_state())
+        loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
+        backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
+        grads = torch.autograd.grad(backpropagated, [state.compute[n] for n in state.trainable])
+        self.rng_states[r] = torch.get_rng_state()
+        backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
+        passed = (out.detach(), loss.detach().float(), before, after, backward)
+        return RankPass(dict(zip(state.trainable, grads)), *passed)
+
+    def collect(self, state: _Step, m: int, group: list, ranks: dict[int, RankPass]) -> list[dict[str, torch.Tensor]]:
+        """The ranks' passes of micro-batch m taken in rank order, as one process runs them: their
+        fingerprints, losses and logits kept for the records; their gradients returned."""
+        rank_grads = []
+        for r, index in enumerate(group):
+            done = ranks[r]
+            if self.emulate:  # verify/probes/rng.py
+                state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
+                state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
+                state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
+            rank_grads.append(done.grads)
+            state.rank_loss[r] += done.loss
+            _store_logits(state.logits, index, done.logits)
+        return rank_grads
+
+    # ---- the reduction ----------------------------------------------------------------------------
+    def reduce(self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]) -> None:
+        """Micro-batch m's gradients averaged over the ranks into the fp32 master gradients: at
+        once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch."""
+        if not self.case.sync_every_microbatch:
+            # Unsharded accumulation without communication. FSDP2 (FSDPParam.
+            # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
+            # no-sync gradient to reduce_dtype when that is set and differs from the compute
+            # dtype and adds later micro-batches into it there (fp32 += bf16), so the running
+            # sum is in reduce_dtype, not param_dtype as seed 000 describes; with reduce_dtype
+            # unset (or equal) autograd accumulates in param_dtype. Both are `reduce_dtype` here.
+            for acc, g in zip(state.local_grads, rank_grads):
+                for n, t in g.items():
+                    acc[n] = acc[n] + t if n in acc else t.to(self.reduce_dtype)
+            if m < len(state.groups) - 1:
+                return
+            rank_grads = state.local_grads
+        for n, avg in self.average(rank_grads, state.step).items():
+            reduced = avg.to(torch.float32)
+            state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+
+    def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
+        """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's
+        buffers, or each parameter in `order`), moved by the perturbation when there is one."""
+        if self.layout is not None:
+            averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
+        else:
+            averaged = {
+                n: _average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
+                for n in rank_grads[0]
+            }
+        if self.jolt is not None:
+            averaged = {
+                n: self.jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
+            }
+        return averaged
+
+    def hand_grads_to_params(self, state: _Step) -> None:
+        """The reduced fp32 gradients become the parameters' `.grad` (the same tensors)."""
+        for n, p in self.params.items():
+            p.grad = state.master_grads.get(n)
+
+    # ---- after the reduction: loss scale, clip, optimizer -----------------------------------------
+    def unscale(self, state: _Step) -> bool:
+        """fp16 dynamic loss scaling: the reduced gradients (p.grad) unscaled in place before the
+        clip; whether the step is skipped (False without a scaler). Records the scale the step ran
+        at and the decision, alike on every rank."""
+        if self.scaler is None:
+            return False
+        scale = self.scaler.scale
+        skip = self.scaler.unscale_(list(state.master_grads.values()))  # p.grad, unscaled before the clip
+        self.trace.add(state.step, "loss_scale", "scale", scale.repeat(self.case.world_size))
+        self.trace.add(
+            state.step, "loss_scale", "skipped", torch.full((self.case.world_size,), int(skip), dtype=torch.int64)
+        )
+        return skip
+
+    def clip(self, state: _Step) -> None:
+        """The gradients clipped to `clip_norm` by their global norm, computed as the emulated
+        engine computes it (see `train_reference`), moved by the perturbation when there is one;
+        records the norm."""
+        if self.case.clip_norm is None:
+            return
+        step = state.step
+        with_grad = [p for p in self.params.values() if p.grad is not None]
+        grads = [p.grad for p in with_grad]
+        if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
+            norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
+        elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
+            norm = _norm_from_shards(grads, self.case.world_size)
+        else:
+            norm = torch.nn.utils.get_total_norm(grads[::-1] if self.order == "reverse" else grads)
+        if self.jolt is not None:
+            norm = self.jolt.norm(norm, grads, f"{step}/grad_norm")
+        torch.nn.utils.clip_grads_with_norm_(with_grad, self.case.clip_norm, norm)
+        self.trace.add(step, "grad_norm", "total_norm", norm)
+
+    def optimizer_step(self, skip: bool) -> None:
+        """The optimizer's step, and the loss scale's update; the gradients dropped."""
+        if self.scaler is None:
+            self.optimizer.step()
         else:  # every rank skips an overflowing step (the found-inf flag is all-reduced)
             if not skip:
-                optimizer.step()
-            scaler.update(skip)
-        optimizer.zero_grad(set_to_none=True)
-        _record_params(trace, step, params)
-        _record_buffers(trace, step, model)
-        for key, value in optimizer_state(optimizer, params).items():
-            trace.add(step, "optim_state", key, value)
-    if jolt is not None:
-        trace.meta["moved"] = sorted(jolt.moved)
-    return trace
+                self.optimizer.step()
+            self.scaler.update(skip)
+        self.optimizer.zero_grad(set_to_none=True)
+
+    # ---- the records ------------------------------------------------------------------------------
+    def record_passes(self, state: _Step) -> None:
+        """What the forward and backward passes and the reduction gave: the generators'
+        fingerprints, the logits, the loss, the reduced gradients (scaled, as the engine reduced
+        them)."""
+        step = state.step
+        for name, per_rank in state.fingerprints.items():
+            self.trace.add(step, "rng", name, torch.tensor(per_rank, dtype=torch.int64))
+        self.trace.add(step, "logits", "logits", torch.cat([state.logits[i] for i in sorted(state.logits)]))
+        # As the sharded loop: each rank's sum over micro-batches, summed over ranks, / world size.
+        loss = gloo_scalar_sum(state.rank_loss) / len(state.rank_loss)
+        if self.jolt is not None:
+            loss = self.jolt.reduction(loss, state.rank_loss, f"{step}/loss")
+        self.trace.add(step, "loss", "loss", loss)
+        for n, g in state.master_grads.items():
+            self.trace.add(step, "grads", n, g)  # scaled, as the engine reduced them
+
+    def record_state(self, step: int) -> None:
+        """The state after the step: parameters (and their sums), buffers, optimizer state."""
+        _record_params(self.trace, step, self.params)
+        _record_buffers(self.trace, step, self.model)
+        for key, value in optimizer_state(self.optimizer, self.params).items():
+            self.trace.add(step, "optim_state", key, value)
+
+    def finish(self) -> Trace:
+        """The trace, with the records the perturbation moved directly."""
+        if self.jolt is not None:
+            self.trace.meta["moved"] = sorted(self.jolt.moved)
+        return self.trace
 
 
 def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None) -> nn.Module:
