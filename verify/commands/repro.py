@@ -52,14 +52,14 @@ def _cannot_run(why: str) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.repro.files import replay_command
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure
 
     try:
         case = load_case(args.case, args.engine)
-        resolve_engine(case.engine)  # an engine that does not import here is a skip, before any rank starts
+        resolve_case_engine(case)  # an engine that does not import here is a skip, before any rank starts
     except (CaseError, OSError, EngineLoadError) as e:
         return _cannot_run(str(e))
     try:
