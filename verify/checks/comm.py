@@ -33,7 +33,9 @@ embedding fed token ids; the memory contract's "no_backward", verify/probes/memo
 unsharded by its own hook. But each unit that is, prefetches the unit whose forward finished
 just before its own (post-forward order, units with parameters only: one without has no
 parameter group); so a no-backward unit is all-gathered in backward iff its successor in that
-order is reached by backward (tests/regressions: the frozen embedding before a frozen norm).
+order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embedding before a
+frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
+which waits for it, never runs): bytes on the wire all the same.
 
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).

@@ -22,6 +22,11 @@ class Capabilities:
     # The mesh ranks the engine shards on: 1 = a 1-D mesh (shard,); 2 = (replicate, shard), every
     # shape (HSDP, and the degenerate (1, W), (W, 1) and (1, 1)).
     mesh_dims: tuple[int, ...] = (1, 2)
+    # Whether it applies `precision.output_dtype` (FSDP1 has none).
+    output_dtype: bool = True
+    # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
+    # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
+    reshard_int_divides_shard: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -34,6 +39,18 @@ class Capabilities:
         """Raise CaseError naming the field when `case` asks for what the engine cannot take."""
         if len(case.mesh) not in self.mesh_dims:
             raise CaseError("mesh_shape", f"{self.accepts()}: what engine {engine!r} takes", case.mesh_shape)
+        if not self.output_dtype and case.precision.output_dtype is not None:
+            raise CaseError(
+                "precision.output_dtype", f"null: engine {engine!r} has no output_dtype", case.precision.output_dtype
+            )
+        rsf, shard = case.reshard_after_forward, case.mesh[-1]
+        if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
+            raise CaseError(
+                "reshard_after_forward",
+                f"true, false or an int dividing the shard dimension {shard} (mesh {case.mesh}): what engine"
+                f" {engine!r} takes",
+                rsf,
+            )
 
 
 FSDP2 = Capabilities()

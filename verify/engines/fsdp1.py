@@ -93,8 +93,9 @@ fsdp1_engine.arithmetic = Arithmetic(
 fsdp1_engine.contracts = Contracts(
     comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"
 )
-# One process group (FULL_SHARD / SHARD_GRAD_OP): a 1-D mesh only, refused before any rank starts.
-fsdp1_engine.capabilities = Capabilities(mesh_dims=(1,))
+# One process group (FULL_SHARD / SHARD_GRAD_OP): a 1-D mesh only; no output_dtype; an int
+# reshard_after_forward is FULL_SHARD whatever it divides. Refused before any rank starts.
+fsdp1_engine.capabilities = Capabilities(mesh_dims=(1,), output_dtype=False, reshard_int_divides_shard=False)
 
 
 class FSDP1Root(FSDP):
