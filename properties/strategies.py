@@ -360,10 +360,12 @@ def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
 
 
 def hsdp_meshes(world_size: int) -> SearchStrategy[tuple[int, int] | None]:
-    """None (1-D) or an HSDP mesh (replicate, shard), both dimensions at least 2, where the world
-    size allows one (4 = 2 x 2); `cases(hsdp=True)` draws it."""
-    shapes = [(r, world_size // r) for r in range(2, world_size // 2 + 1) if world_size % r == 0]
-    return st.sampled_from([None, *shapes]) if shapes else st.just(None)
+    """None (1-D) or a 2-D mesh (replicate, shard) for every factoring of the world size, the
+    degenerate ones included: (1, W) (FSDP2 all-reduces over one replica), (W, 1) (pure
+    replication, no all-gather) and (1, 1) at one rank; `cases(hsdp=True)` draws it for an engine
+    that takes 2-D meshes (verify/engines/capabilities.py). Shrinks towards None."""
+    shapes = [(r, world_size // r) for r in range(1, world_size + 1) if world_size % r == 0]
+    return st.sampled_from([None, *shapes])
 
 
 # ---- whole cases --------------------------------------------------------------------------------
@@ -388,13 +390,15 @@ def _cases(
     microbatches = field("microbatches", st.integers(1, 4))
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
     data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
+    mesh = field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None))
     values = {
         "model": model,
         "wrap": wrap,
         "world_size": world,
-        "mesh_shape": field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None)),
+        "mesh_shape": mesh,
         "precision": precision,
-        "reshard_after_forward": field("reshard_after_forward", reshard_values(world)),
+        # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
+        "reshard_after_forward": field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world)),
         "optim": optim,
         "steps": steps,
         "microbatches": microbatches,
@@ -463,6 +467,7 @@ def cases(
     _check_loss_scaling_pins(precisions, pins)
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
+    hsdp = hsdp and _takes_2d_meshes(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -522,6 +527,18 @@ def _model_keywords(
             changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)
         custom_model = replace(custom_model, **changes)
     return model_kinds, custom_model, pins
+
+
+def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
+    """Whether the engine declares it takes 2-D meshes; a pinned mesh it cannot take is refused
+    now, naming the field (verify/engines/capabilities.py)."""
+    from fsdp_verify.engines.capabilities import engine_capabilities
+
+    capabilities = engine_capabilities(engine)
+    mesh = pins.get("mesh_shape")
+    if mesh is not None and not isinstance(mesh, SearchStrategy) and len(mesh) not in capabilities.mesh_dims:
+        raise PinError(f"mesh_shape: expected {capabilities.accepts()} (what engine {engine!r} takes), got {mesh!r}")
+    return 2 in capabilities.mesh_dims
 
 
 def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:

@@ -117,3 +117,55 @@ def test_engine_names_and_model_lists_take_the_spellings_users_type(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["counts"]["cases"] == 2
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "flat"])
+def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts(tmp_path, engine):
+    """Each engine declares the meshes it takes (verify/engines/capabilities.py): a 2-D mesh for a
+    1-D engine exits 2 naming the field, not 3 as if a rank had crashed."""
+    from fsdp_verify.case import Case, DataSpec, ModelSpec
+
+    path = tmp_path / "case.json"
+    Case(model=ModelSpec(kind="mlp", widths=(4, 3)), world_size=2, mesh_shape=(1, 2), data=DataSpec(batch_size=2)).save(
+        path
+    )
+    r = fsdp_verify("check", "--case", str(path), "--engine", engine)
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert f"mesh_shape: expected a 1-D mesh (shard,): what engine {engine!r} takes, got (1, 2)" in r.stderr
+    assert "infrastructure" not in r.stderr
+    r = fsdp_verify("sweep", "--engine", engine, "--hsdp", "--pin", "mesh_shape=[2,2]", "--out", str(tmp_path / "s"))
+    assert r.returncode == 2 and "mesh_shape: expected a 1-D mesh" in r.stderr, r.stdout + r.stderr
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        (
+            {"mesh_shape": (2, 1), "engine": "fsdp1"},
+            r"mesh_shape: expected a 1-D mesh \(shard,\): what engine 'fsdp1' takes",
+        ),
+        (
+            {"precision.output_dtype": "fp32", "engine": "fsdp1"},
+            "precision.output_dtype: expected null: engine 'fsdp1'",
+        ),
+        ({"world_size": 4, "mesh_shape": (4, 1), "reshard_after_forward": 2}, "reshard_after_forward: expected .* 1 "),
+        (
+            {"world_size": 4, "reshard_after_forward": 3},
+            "reshard_after_forward: expected .* dividing the shard dimension 4",
+        ),
+    ],
+    ids=["fsdp1-2d-mesh", "fsdp1-output-dtype", "fsdp2-reshard-to-2-of-1", "fsdp2-reshard-to-3-of-4"],
+)
+def test_the_runner_refuses_what_the_engine_cannot_take_without_touching_a_rank(changes, message):
+    """FSDP2 raises inside fully_shard for an int reshard_after_forward that does not divide the
+    shard group, FSDP1 for an output_dtype: both refused in the parent (CaseError, exit 2)."""
+    from fsdp_verify.engines.capabilities import engine_capabilities
+    from fsdp_verify.runner import check_case
+    from fsdp_verify.validation import CaseError
+    from tests.conftest import mlp_case
+
+    case = mlp_case(2).with_(**{"data.batch_size": 8, **changes})
+    with pytest.raises(CaseError, match=message):
+        check_case(case, pool=object())  # a pool used would raise AttributeError
+    # FSDP1 takes an int reshard_after_forward as FULL_SHARD, whatever it divides: not refused.
+    engine_capabilities("fsdp1").refuse(mlp_case(2, engine="fsdp1", reshard_after_forward=3), "fsdp1")

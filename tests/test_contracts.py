@@ -183,3 +183,80 @@ def test_comm_names_fp16_loss_scaling_in_its_header(capsys):
     assert main(["comm", "--steps", "1", "--param-dtype", "fp16", "--loss-scaling"]) == 0
     header = capsys.readouterr().out.splitlines()[0]
     assert "fp16" in header and "loss scale 65536" in header, header
+
+
+# ---- degenerate meshes and units no backward runs through (verify/checks/comm.py) ---------------
+@pytest.mark.parametrize(
+    ("world", "mesh"),
+    [(2, (1, 2)), (2, (2, 1)), (4, (1, 4)), (4, (4, 1)), (4, (2, 2)), (1, None), (1, (1, 1))],
+    ids=["1x2", "2x1", "1x4", "4x1", "2x2", "one-rank", "1x1"],
+)
+def test_the_correct_engine_meets_both_contracts_on_every_mesh_shape(world, mesh):
+    """(1, W) and (1, 1): FSDP2 all-reduces each unit over one replica (a 2-D mesh is HSDP to it,
+    whatever the replicas); (W, 1): no all-gather or reduce-scatter, an all-reduce over W; world
+    size 1 on a 1-D mesh: nothing at all. Before the model knew, (1, W) was DIVERGED."""
+    verdict = check_case(mlp_case(world, mesh_shape=mesh, steps=1, clip_norm=1.0))
+    assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.kind for f in contract_findings(verdict)} == {
+        "CommContract": "check",
+        "MemoryContract": "check",
+    }
+
+
+# A fuzz false alarm (tests/regressions/3845c252c6e9.json): a frozen embedding fed token ids is a
+# unit no backward runs through; the frozen norm after it too, but the next unit's pre-backward
+# prefetches that one. Its relatives: chains of such units, an int reshard_after_forward, the
+# degenerate meshes, a tied (frozen) embedding with the root, the MLP's frozen first blocks.
+_FROZEN_CHAIN = (
+    "tok_embeddings.weight",
+    "layers.0.attention_norm.weight",
+    "layers.0.attention.wq.weight",
+    "layers.0.attention.wk.weight",
+)
+_CHAIN_WRAP = ("layers.0.attention_norm", "layers.0.attention.wq", "layers.0.attention.wk", "layers.0", "")
+
+
+def _no_backward_cases() -> dict[str, Case]:
+    found = regression("3845c252c6e9")
+    at4 = {"world_size": 4, "data.batch_size": 4}
+    chain = {"model.frozen": _FROZEN_CHAIN, "wrap": _CHAIN_WRAP, "model.seq_len": 2}
+    frozen_blocks = ("layers.0.linear.weight", "layers.0.linear.bias", "layers.1.linear.weight", "layers.1.linear.bias")
+    return {
+        "fuzz-frozen-embedding-then-norm": found,
+        "reshard-to-2-of-4": found.with_(**at4, reshard_after_forward=2),
+        "reshard-to-2-on-1x4": found.with_(**at4, mesh_shape=(1, 4), reshard_after_forward=2),
+        "2-microbatches-on-1x2": found.with_(mesh_shape=(1, 2), microbatches=2, **{"data.batch_size": 4}),
+        "frozen-chain": found.with_(**chain),
+        "frozen-chain-tied-in-the-root": found.with_(**chain, **{"model.tie_embeddings": True}),
+        "mlp-frozen-blocks": mlp_case(2, steps=1, wrap=("layers.0", "layers.1", "")).with_(
+            **{"model.frozen": frozen_blocks}
+        ),
+    }
+
+
+@pytest.mark.parametrize("name", sorted(_no_backward_cases()))
+def test_a_unit_no_backward_runs_through_is_not_gathered_again(name):
+    verdict = check_case(_no_backward_cases()[name])
+    assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.kind for f in contract_findings(verdict)}["CommContract"] == "check"
+
+
+def test_a_backward_gather_of_a_unit_no_backward_runs_through_is_caught():
+    """The root prefetching every unit in backward, the frozen embedding included: the gradients
+    are FSDP2's, an all-gather too many is the contract's alone."""
+    case = regression("3845c252c6e9").with_(engine="tests/engines/comm_faults.py:gathers_every_unit_in_backward")
+    verdict = check_case(case)
+    failing = [f for f in verdict.findings if not f.ok]
+    assert {f.comparator for f in failing} == {"CommContract"}, verdict.summary()
+    assert any("backward: unexpected all_gather fp32 of 16 B over 2 ranks" in f.message for f in failing)
+
+
+@pytest.mark.parametrize("mesh", [(2, 1), (1, 2)], ids=["2x1", "1x2"])
+def test_sharding_over_the_replicas_is_caught_on_degenerate_meshes(mesh):
+    """The mesh flattened: all-gathers and reduce-scatters where (2, 1) replicates (an all-reduce
+    over 2), and on (1, 2) no all-reduce over the one replica where FSDP2 issues one."""
+    case = mlp_case(2, mesh_shape=mesh, steps=1, engine="tests/engines/comm_faults.py:shards_over_the_replicas")
+    failing = [f for f in check_case(case).findings if not f.ok and f.comparator == "CommContract"]
+    assert failing
+    want = "unexpected all_gather" if mesh == (2, 1) else "expected all_reduce fp32"
+    assert any(want in f.message for f in failing), [f.message for f in failing]

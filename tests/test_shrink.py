@@ -118,3 +118,11 @@ def test_shrink_keeps_a_rank_crash_a_rank_crash(tmp_path, capsys):
     assert "steps 2 -> 1: still fails the same way; kept" in printed.err
     assert "Fails the same way: rank crash." in printed.out and "budget spent" in printed.out
     assert Case.load(out).steps == 1
+
+
+def test_a_candidate_the_engine_cannot_take_is_no_candidate():
+    """World size 3 under reshard_after_forward=2: FSDP2 refuses it before any rank starts
+    (verify/engines/capabilities.py), so the shrinker never tries it (nor stops on its CaseError)."""
+    case = mlp_case(4, reshard_after_forward=2)
+    candidates = [("to 3", {"world_size": 3, "data.batch_size": 12}), ("to 2", {"world_size": 2, "data.batch_size": 8})]
+    assert [label for label, _ in _valid(case, candidates)] == ["to 2"]

@@ -148,15 +148,24 @@ def test_the_draw_does_not_depend_on_the_modules_loaded():
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 
-def test_hsdp_meshes_join_the_draw_where_the_world_size_allows():
+def test_every_mesh_shape_joins_the_draw_for_an_engine_that_takes_2d_meshes():
+    """Degenerate meshes too: (1, W), (W, 1) and (1, 1) at one rank; an int reshard_after_forward
+    divides the shard dimension (FSDP2 refuses (4, 1) with 2); an engine declaring 1-D meshes
+    only (verify/engines/capabilities.py) draws none, and a pinned 2-D mesh is refused for it."""
     from fsdp_verify.properties.draw import draw_cases
-    from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.properties.strategies import PinError, cases
 
-    drawn = draw_cases(cases(world_sizes=(2, 3, 4), model_kinds=("mlp",), hsdp=True), 40, 1)
+    drawn = draw_cases(cases(world_sizes=(1, 2, 4), model_kinds=("mlp",), hsdp=True), 120, 1)
     meshes = {(c.world_size, c.mesh_shape) for c in drawn}
-    assert (4, (2, 2)) in meshes and (4, None) in meshes
-    assert all(m is None for w, m in meshes if w in (2, 3))  # no 2-D mesh of both dimensions >= 2
+    factorings = {(1, (1, 1)), (2, (1, 2)), (2, (2, 1)), (4, (1, 4)), (4, (2, 2)), (4, (4, 1))}
+    assert meshes == factorings | {(1, None), (2, None), (4, None)}
+    ints = [c for c in drawn if not isinstance(c.reshard_after_forward, bool)]
+    assert ints and all(1 < c.reshard_after_forward < c.mesh[-1] == 4 for c in ints)
     assert all(c.mesh_shape is None for c in draw_cases(cases(world_sizes=(4,), model_kinds=("mlp",)), 10, 1))
+    for engine in ("fsdp1", "flat"):
+        assert all(c.mesh_shape is None for c in draw_cases(cases(engine=engine, hsdp=True), 20, 1))
+        with pytest.raises(PinError, match="mesh_shape: expected a 1-D mesh"):
+            cases(engine=engine, hsdp=True, mesh_shape=(2, 2))
 
 
 def test_fsdp2_passes_hsdp_cases_and_a_mutant_fails_them(tmp_path):

@@ -13,6 +13,7 @@ from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.engines import engine_arithmetic
+from fsdp_verify.engines.capabilities import refuse_untakeable
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
 from fsdp_verify.reference.trainer import RankShare
@@ -128,7 +129,9 @@ def _loss_scales(ref: Trace, got: Trace) -> list[dict]:
 def check_case(
     case: Case, pool: RankPool | None = None, timeout_s: float | None = None, calibrate: bool = True
 ) -> Verdict:
-    """Raises RankFailure when a rank crashes or hangs (the pool recovers on the next case)."""
+    """Raises RankFailure when a rank crashes or hangs (the pool recovers on the next case), and
+    CaseError before any rank starts for a case the engine declares it cannot take."""
+    refuse_untakeable(case)
     pool = pool or get_pool(case.world_size)
     t0 = time.perf_counter()
     pool.submit(case)

@@ -4,9 +4,10 @@ Case implies for FSDP2 (seed 001), per unit, step and micro-batch:
 | phase    | collective     | dtype                         | group    | bytes (unsharded side)       |
 |----------|----------------|-------------------------------|----------|------------------------------|
 | forward  | all_gather     | param_dtype                   | S        | S x sum of padded shards      |
-| backward | all_gather     | param_dtype, if resharded     | S, or k  | as forward                   |
+| backward | all_gather     | param_dtype, if resharded and | S, or k  | as forward                   |
+|          |                | backward reaches the unit     |          |                              |
 | backward | reduce_scatter | reduce_dtype (else param's)   | S        | S x padded shards with grads |
-| backward | all_reduce     | reduce_dtype, HSDP only       | R        | padded shards with grads     |
+| backward | all_reduce     | reduce_dtype, 2-D mesh only   | R        | padded shards with grads     |
 | clip     | all_reduce     | fp32                          | S        | 4 B x parameters with grads  |
 
 S is the shard group (the mesh's last dimension), R the replicas (HSDP's first), k an int
@@ -14,9 +15,27 @@ S is the shard group (the mesh's last dimension), R the replicas (HSDP's first),
 a multiple of S, cut in S rows (FSDP2's Shard(0)); a unit's collective carries all its
 parameters at once. The backward all-gather is absent for a unit kept unsharded after forward;
 the reduce-scatter (and HSDP all-reduce) happens on every micro-batch when syncing every
-micro-batch, else on the last only. At S = 1 FSDP2 issues no all-gather or reduce-scatter. The
-clip's all-reduce is what `clip_grad_norm_` on DTensors does in torch 2.13: the per-parameter
-norms, stacked (seed 001 pictures one scalar), partial over the shard dimension.
+micro-batch, else on the last only.
+
+Degenerate meshes, as torch 2.13 issues them (measured with the probe; `FSDPParamGroup.unshard`
+and `foreach_reduce`): at S = 1 ((W, 1), world size 1) no all-gather or reduce-scatter: both
+test the shard group's size and copy locally. The all-reduce is decided by the mesh's shape,
+not by R: a 2-D mesh makes an HSDPMeshInfo, whose replicate group `foreach_reduce` all-reduces
+over whatever its size, so (1, W) and (1, 1) issue an all-reduce over one rank per unit (a
+no-op in values, still a call) and a 1-D mesh none. The clip's all-reduce is what
+`clip_grad_norm_` on DTensors does in torch 2.13: the per-parameter norms, stacked (seed 001
+pictures one scalar), partial over the shard dimension; DTensor skips it where S = 1.
+
+Which units backward reaches (FSDP2's pre-backward unshard and its implicit prefetch,
+`FSDPParamGroup.pre_backward` / `_backward_prefetch`): a unit's pre-backward hook is registered
+on its forward outputs that require grad, so a unit no backward runs through (a frozen
+embedding fed token ids; the memory contract's "no_backward", verify/probes/memory.py) is not
+unsharded by its own hook. But each unit that is, prefetches the unit whose forward finished
+just before its own (post-forward order, units with parameters only: one without has no
+parameter group); so a no-backward unit is all-gathered in backward iff its successor in that
+order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embedding before a
+frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
+which waits for it, never runs): bytes on the wire all the same.
 
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
@@ -78,9 +97,27 @@ def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int
     return units
 
 
+def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+    """The units FSDP2 unshards in backward, if resharded after forward (see the module
+    docstring): each unit whose output needs a gradient, and the one whose forward finished
+    just before such a unit's (the implicit prefetch). Every unit without the memory record."""
+    from fsdp_verify.probes.memory import forward_facts
+
+    facts = forward_facts(got)
+    if facts is None:
+        return set(units)
+    order, no_backward = facts
+    grouped = [u for u in order if units.get(u)]  # FSDP2's post-forward order
+    unreached = {u for u in grouped if u in no_backward} - {
+        before for before, after in zip(grouped, grouped[1:]) if after not in no_backward
+    }
+    return set(units) - unreached
+
+
 def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     """What FSDP2 issues for this case on every rank (see the table above)."""
     replicas, shard = (case.mesh[0], case.mesh[1]) if len(case.mesh) == 2 else (1, case.mesh[0])
+    hsdp = len(case.mesh) == 2  # FSDP2's HSDPMeshInfo: an all-reduce even over one replica
     param_dtype = case.precision.param_dtype or "fp32"
     reduce_dtype = case.precision.reduce_dtype or param_dtype
     rsf = case.reshard_after_forward
@@ -91,6 +128,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     else:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
+    reached = backward_reached(units, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
@@ -103,14 +141,14 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 if shard > 1 and shards:
                     gathered = shard * shards * _size(param_dtype)
                     out.append(Collective(step, m, "forward", "all_gather", param_dtype, shard, gathered, name))
-                    if backward_group is not None:
+                    if backward_group is not None and unit in reached:
                         out.append(
                             Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
                         )
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))
-                if synced and grad_shards and replicas > 1:
+                if synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
         if case.clip_norm is not None and shard > 1 and with_grad:

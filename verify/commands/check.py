@@ -34,14 +34,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure
     from fsdp_verify.sharded.torchrun import check_in_place, launched_by_torchrun
 
     try:
         case = case_from_args(args)
-        resolve_engine(case.engine)  # fail fast, before any rank starts
+        resolve_case_engine(case)  # fail fast, before any rank starts
     except (CaseError, OSError) as e:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

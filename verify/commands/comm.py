@@ -46,12 +46,12 @@ def describe(case) -> str:
 
 def run_sharded(args: argparse.Namespace):
     """The case and its sharded trace, or an exit code."""
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.sharded.pool import RankFailure, get_pool
 
     try:
         case = case_from_args(args)
-        resolve_engine(case.engine)
+        resolve_case_engine(case)
     except (CaseError, OSError, EngineLoadError) as e:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
         return None, EXIT_BAD_INPUT

@@ -79,12 +79,12 @@ def report(case: Case, ownership: OwnershipMap, findings: list[Finding]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.sharded.pool import RankFailure, get_pool
 
     try:
         case = case_from_args(args).with_(steps=1)
-        resolve_engine(case.engine)
+        resolve_case_engine(case)
     except (CaseError, OSError, EngineLoadError) as e:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -54,14 +54,14 @@ def _cannot_run(why: str) -> int:
 
 
 def _repro(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.repro.files import replay_command
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure
 
     try:
         case = load_case(args.case, args.engine, args)
-        resolve_engine(case.engine)  # an engine that does not import here is a skip, before any rank starts
+        resolve_case_engine(case)  # an engine that does not import here is a skip, before any rank starts
     except UntrustedCode as e:  # not this revision's fault, yet never "bad": skip, having run nothing
         print(f"fsdp-verify repro: {e}\n(exit 125: skip; nothing was imported)", file=sys.stderr)
         return EXIT_CANNOT_RUN

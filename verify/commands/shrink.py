@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.engines import EngineLoadError, resolve_engine
+    from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.repro.files import replay_command, write_repro
     from fsdp_verify.repro.shrink import describe, shrink
     from fsdp_verify.sharded.pool import RankFailure
@@ -53,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_BAD_INPUT
     try:
         case = load_case(args.case, args.engine, args)
-        resolve_engine(case.engine)
+        resolve_case_engine(case)
     except (CaseError, OSError, EngineLoadError) as e:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT

@@ -46,7 +46,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
     add_draw_arguments(p)
     p.add_argument(
-        "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
+        "--hsdp",
+        action="store_true",
+        help="also draw 2-D meshes (replicate, shard), every factoring of the world size: (1, W), (W, 1) and"
+        " (1, 1) too, for an engine that takes them",
     )
     p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and false alarms")
     p.add_argument(

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, arithmetic_of
+from fsdp_verify.engines.capabilities import capabilities_of
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.imports import import_where
 
@@ -60,6 +61,14 @@ def resolve_engine(name: str) -> Engine:
     return fn
 
 
+def resolve_case_engine(case) -> Engine:
+    """The case's engine, refused with a CaseError naming the field where it declares it cannot
+    take the case (verify/engines/capabilities.py): in the parent, before any rank starts."""
+    engine = resolve_engine(case.engine)
+    capabilities_of(engine).refuse(case, case.engine)
+    return engine
+
+
 def engine_arithmetic(name: str) -> Arithmetic:
     """What the reference emulates for engine `name` (FSDP2's when the engine declares nothing
     or does not import here: the ranks will report that failure themselves)."""
@@ -69,4 +78,12 @@ def engine_arithmetic(name: str) -> Arithmetic:
         return FSDP2
 
 
-__all__ = ["BUILTIN", "Engine", "EngineLoadError", "ShardSpec", "canonical_engine", "resolve_engine"]
+__all__ = [
+    "BUILTIN",
+    "Engine",
+    "EngineLoadError",
+    "ShardSpec",
+    "canonical_engine",
+    "resolve_case_engine",
+    "resolve_engine",
+]

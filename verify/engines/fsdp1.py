@@ -34,6 +34,7 @@ from torch.distributed.fsdp import MixedPrecision, ShardingStrategy
 from torch.distributed.fsdp._common_utils import clean_tensor_name
 
 from fsdp_verify.engines.arithmetic import Arithmetic
+from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.view import FlatView, Holding
 from fsdp_verify.engines.spec import ShardSpec
@@ -92,6 +93,9 @@ fsdp1_engine.arithmetic = Arithmetic(
 fsdp1_engine.contracts = Contracts(
     comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"
 )
+# One process group (FULL_SHARD / SHARD_GRAD_OP): a 1-D mesh only; no output_dtype; an int
+# reshard_after_forward is FULL_SHARD whatever it divides. Refused before any rank starts.
+fsdp1_engine.capabilities = Capabilities(mesh_dims=(1,), output_dtype=False, reshard_int_divides_shard=False)
 
 
 class FSDP1Root(FSDP):

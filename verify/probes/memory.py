@@ -260,3 +260,23 @@ class MemoryProbe(Probe):
 
     def gathered(self, per_rank) -> None:
         self.meta("memory", {"ranks": per_rank})
+
+
+def forward_facts(trace: Trace) -> tuple[list[str], set[str]] | None:
+    """What decides FSDP2's backward, from rank 0's record (None without one): the units in the
+    order their forwards finished in step 1's first micro-batch (FSDP2's post-forward order;
+    each unit once, at its first time: a checkpointed unit's recomputation in backward runs the
+    hook again) and the units no backward runs through ("no_backward")."""
+    raw = trace.meta.get("memory")
+    if raw is None or not raw.get("ranks"):
+        return None
+    record = raw["ranks"][0]
+    prefix = "after forward of "
+    order: list[str] = []
+    for step, microbatch, where, *_ in record["boundaries"]:
+        if step == 1 and microbatch == 0 and where.startswith(prefix):
+            unit = where.removeprefix(prefix)
+            unit = "" if unit == "<root>" else unit
+            if unit not in order:
+                order.append(unit)
+    return order, set(record.get("no_backward", []))

@@ -139,12 +139,18 @@ def _release_pool(old: Case, new: Case) -> None:
 
 
 def _valid(case: Case, candidates: Candidates) -> Iterator[tuple[str, Case]]:
-    """`case` with each candidate's changes; a change the Case rejects is not a candidate."""
+    """`case` with each candidate's changes; a change the Case or its engine rejects (e.g. a world
+    size an int reshard_after_forward does not divide: verify/engines/capabilities.py) is not a
+    candidate."""
+    from fsdp_verify.engines.capabilities import refuse_untakeable
+
     for label, changes in candidates:
         try:
-            yield label, case.with_(**changes)
+            candidate = case.with_(**changes)
+            refuse_untakeable(candidate)
         except CaseError:
             continue
+        yield label, candidate
 
 
 # ---- reductions: each maps the current case to candidates, most aggressive first ---------------------

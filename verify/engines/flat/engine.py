@@ -7,6 +7,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.engines.arithmetic import Arithmetic
+from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.api import Collect, fully_shard, shard_all, units, unmanaged_params
 from fsdp_verify.engines.flat.meta_init import construct_on_meta, materialize
@@ -39,6 +40,9 @@ flat_engine.arithmetic = Arithmetic(layout="flat", unit_order="plan", empty_piec
 flat_engine.contracts = Contracts(
     comm=False, memory=False, why="the flat engine gathers one padded FlatParameter per unit: not FSDP2's model"
 )
+# It shards over one process group (verify/engines/flat/api.py): a 1-D mesh only; an int
+# reshard_after_forward counts as True.
+flat_engine.capabilities = Capabilities(mesh_dims=(1,), reshard_int_divides_shard=False)
 
 
 def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> None:
