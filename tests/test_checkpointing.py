@@ -3,14 +3,16 @@ from its config's defaults (`use_cache=True`) appends its keys to the KV cache a
 checkpointed block is recomputed in backward (`The size of tensor a (8) must match the size of
 tensor b (4)`, every rank, every engine). The toolkit turns the cache off on the reference and on
 every rank, as `transformers`' own `gradient_checkpointing_enable()` does, and says so in the
-verdict (verify/training/checkpointing.py)."""
+verdict (verify/training/checkpointing.py). Running statistics have no such switch: a checkpointed
+unit holding a BatchNorm is refused as bad input (verify/case.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdp_verify.case import Case, DataSpec
+from fsdp_verify.case import Case, CaseError, DataSpec
+from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.arithmetic import FSDP2
 from fsdp_verify.models import ModelSpec, build_model
 from fsdp_verify.reference.trainer import reference_model
@@ -96,3 +98,32 @@ def test_without_checkpointing_the_cache_stays_and_no_note_is_given():
     verdict = check_case(gpt2_case(checkpointing=False), pool=get_pool(2), timeout_s=240)
     assert verdict.ok, verdict.summary()
     assert "Note:" not in verdict.summary() and not [f for f in verdict.findings if f.kind == "note"]
+
+
+# ---- state with no switch: running statistics -----------------------------------------------------
+BATCHNORM = ModelSpec(kind="custom", factory="tests/user/models.py:batchnorm_lm", seq_len=6)
+
+
+def test_a_checkpointed_unit_holding_batchnorm_is_refused_as_bad_input(capsys):
+    """BatchNorm's running statistics have no off switch: recomputed, they are updated twice on
+    the ranks, once on the reference (measured before the refusal: DIVERGED at step 1's buffers,
+    'bn.num_batches_tracked' 2x the reference's, at world size 1, an alarm no engine caused)."""
+    with pytest.raises(CaseError, match=r"^activation_checkpointing: expected false, or a wrap plan whose units hold"):
+        Case(model=BATCHNORM, wrap=("BatchNorm1d", "UserBlock", ""), activation_checkpointing=True)
+    Case(model=BATCHNORM, wrap=("BatchNorm1d", "UserBlock", ""))  # without checkpointing: fine
+    Case(model=BATCHNORM, wrap=("UserBlock", ""), activation_checkpointing=True)  # bn in the root: never recomputed
+    args = [
+        "check",
+        "--model",
+        BATCHNORM.factory,
+        "--world-size",
+        "1",
+        "--wrap",
+        "bn",
+        "",
+        "--activation-checkpointing",
+    ]
+    assert main(args) == 2
+    assert "unit 'bn' holds ['bn']: its recomputation in backward would update them a second time" in (
+        capsys.readouterr().err
+    )
