@@ -31,6 +31,7 @@ from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
+from fsdp_verify.training.checkpointing import without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
@@ -363,6 +364,10 @@ def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | 
     """The case's model as built (eager, from its seed) with the casts and the unit-input node of
     the engine's arithmetic installed: what every reference run computes with."""
     model = build_model(case.model, case.seed, init="eager")
+    if case.activation_checkpointing:
+        # The reference never checkpoints (recomputation must not change a value), but it runs the
+        # forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
+        without_kv_cache(model)
     _install_precision_hooks(
         model,
         case,

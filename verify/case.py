@@ -307,6 +307,7 @@ class Case:
             )
         self._validate_custom()
         self._validate_wrap()
+        self._validate_checkpointing()
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -374,6 +375,26 @@ class Case:
             for names in tied_groups(self.model):
                 owners = {_owner(plan, n.rsplit(".", 1)[0] if "." in n else "") for n in names}
                 check(len(owners) == 1, "wrap", f"the tied parameters {list(names)} in one shard unit", plan)
+
+    def _validate_checkpointing(self) -> None:
+        """A checkpointed unit's forward runs again in backward. The KV cache of a transformers
+        model is turned off for it (verify/training/checkpointing.py), but running statistics
+        have no such switch: BatchNorm's would be updated twice on the ranks and once on the
+        reference, which never recomputes (a divergence of the buffers that no engine caused)."""
+        if not (self.activation_checkpointing and self.model.is_custom):
+            return
+        from fsdp_verify.models.custom import running_stats
+
+        for unit in self.wrap_plan[:-1]:
+            inside = [m for m in running_stats(self.model) if m == unit or m.startswith(unit + ".")]
+            check(
+                not inside,
+                "activation_checkpointing",
+                f"false, or a wrap plan whose units hold no module that updates running statistics in forward"
+                f" (unit {unit!r} holds {inside[:1]}: its recomputation in backward would update them a second"
+                " time)",
+                True,
+            )
 
     # ---- derived ------------------------------------------------------------------------------
     @property

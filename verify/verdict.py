@@ -72,7 +72,7 @@ class Verdict:
         if first is None:
             worst = self.worst()
             tail = f" Worst deviation: {worst.ratio:.3g}x its tolerance ({_where(worst)})." if worst else ""
-            return f"EQUIVALENT: {what}: all {len(self.findings)} records agree.{tail}"
+            return f"EQUIVALENT: {what}: all {len(self.findings)} records agree.{tail}{self._notes()}"
         agreed = sum(1 for f in self.findings if sort_key(f.key) < sort_key(first.key))
         text = f"DIVERGED: {what}. First divergence at {_where(first)}: "
         if first.kind == "deviation":
@@ -87,7 +87,11 @@ class Verdict:
         text += f" {agreed} earlier records agreed; {later} later records also diverge."
         if self.hint:
             text += f" Hint: {self.hint}"
-        return text
+        return text + self._notes()
+
+    def _notes(self) -> str:
+        """What the toolkit changed in the run that the user should know of (kind "note")."""
+        return "".join(f" Note: {f.message}." for f in self.findings if f.kind == "note")
 
     def table(self) -> str:
         """Steps x phases: the worst ratio of deviation to tolerance in each cell, FAIL marked."""

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks.build import build_summary, check_build
+from fsdp_verify.checks.checkpointing import checkpointing_notes
 from fsdp_verify.checks.comm import check_comm, comm_summary
 from fsdp_verify.checks.memory import check_memory, memory_summary
 from fsdp_verify.checks.ownership import check_ownership
@@ -57,6 +58,7 @@ def _frozen_summary(case: Case, ref: Trace, got: Trace) -> str | None:
 
 CHECKS: list[Check] = [
     Check("ModelBuildCheck", "build", check_build, build_summary, optional=True),
+    Check("ActivationCheckpointing", "build", checkpointing_notes, optional=True),
     Check("OwnershipCheck", "ownership", check_ownership, _ownership_summary),
     Check("PrecisionContract", "precision", check_precision, precision_summary),
     Check("RngCheck", "rng", check_rng, rng_summary),

@@ -52,6 +52,9 @@ class ModelInfo:
     takes_attention_mask: bool
     tied: tuple[tuple[str, ...], ...]  # names that share one parameter (tied embeddings)
     first_input: str  # the name of forward's first parameter (transformers: input_ids)
+    # Modules whose training forward updates buffers (BatchNorm's running statistics): what
+    # activation checkpointing would update a second time (verify/case.py refuses that).
+    running_stats: tuple[str, ...] = ()
 
 
 def info(spec: ModelSpec) -> ModelInfo:
@@ -69,11 +72,20 @@ def _info(spec: ModelSpec) -> ModelInfo:
     tied = tuple(tuple(names) for names in by_tensor.values() if len(names) > 1)
     names = _forward_parameters(model)
     first = next(iter(names), "input_ids")
-    return ModelInfo(classes, _vocab_size(model), "attention_mask" in names, tied, first)
+    stats = tuple(
+        name
+        for name, m in model.named_modules()
+        if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
+    )
+    return ModelInfo(classes, _vocab_size(model), "attention_mask" in names, tied, first, stats)
 
 
 def tied_groups(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:
     return _info(spec).tied
+
+
+def running_stats(spec: ModelSpec) -> tuple[str, ...]:
+    return _info(spec).running_stats
 
 
 def _vocab_size(model: nn.Module) -> int | None:

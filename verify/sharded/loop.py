@@ -23,7 +23,7 @@ from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.checkpointing import checkpoint_units
+from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
@@ -54,6 +54,9 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     if any(getattr(probe, "stop", False) for probe in probes):
         return trace  # the ranks built different models (the build check names how)
     if case.activation_checkpointing:
+        turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
+        if trace is not None and turned_off:
+            trace.meta[CACHE_OFF] = turned_off
         checkpoint_units(model, case.wrap_plan)
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
