@@ -25,6 +25,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
     add_draw_arguments(p)
+    p.add_argument(
+        "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
+    )
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
     p.add_argument(
         "--profile",
@@ -54,7 +57,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
     try:
-        strategy = strategy_from_args(args)
+        strategy = strategy_from_args(args, hsdp=args.hsdp)
     except (EngineLoadError, PinError, CaseError, OSError) as e:
         return _bad(str(e))
 
@@ -86,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
         "max_examples": args.max_examples,
         "world_sizes": args.world_sizes,
         "precisions": args.precisions,
+        "hsdp": args.hsdp,
         "models": [args.model] if args.model else args.models,
         "seed": args.seed,
     }
