@@ -6,7 +6,8 @@ shrinks the Case and finally replays the smallest failing one, whose exception `
 
 Every search runs under a seed, drawn when none is given and returned with the result, so that the
 run that found a bug can be repeated whole (not only its shrunk case): `search(..., seed=S)` draws
-the same cases again. Ctrl-C ends the search with the examples run so far (`interrupted`).
+the same cases again. Ctrl-C ends the search with `SearchInterrupted`, which carries the examples
+run so far.
 """
 
 from __future__ import annotations
@@ -67,8 +68,7 @@ def search(
     `max_examples` pass. Returns every example run (shrinking included), the shrunk failure and the
     seed. `seed`: None draws one (`fresh_seed`). `replay` (default: a seed was given) repeats a run:
     the example database is neither read nor written, so the cases are the seed's alone, not the
-    failures an earlier run remembered. A KeyboardInterrupt (Ctrl-C) returns what ran, marked
-    `interrupted`."""
+    failures an earlier run remembered. Ctrl-C raises SearchInterrupted, carrying what ran."""
     name = profile or default_profile()
     base = settings.get_profile(name)
     if replay is None:
@@ -100,8 +100,9 @@ def search(
     try:
         with _no_local_constants():  # else the cases of a seed depend on the modules imported so far
             test()
-    except KeyboardInterrupt:
-        result.interrupted = True
+    except KeyboardInterrupt as e:
+        result.interrupted, result.seconds = True, time.perf_counter() - t0
+        raise SearchInterrupted(result) from e
     except PropertyFailed as e:
         result.failure = e
     except Exception as e:  # an ExceptionGroup of several distinct failures: report the first
@@ -111,6 +112,15 @@ def search(
         result.failure = failures[0]
     result.seconds = time.perf_counter() - t0
     return result
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search. Still a KeyboardInterrupt (pytest, a caller's loop stop as before);
+    `result` holds the examples that finished before it, for the report of what ran."""
+
+    def __init__(self, result: SearchResult):
+        super().__init__()
+        self.result = result
 
 
 def fresh_seed(profile: str | None = None) -> int:

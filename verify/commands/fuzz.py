@@ -53,7 +53,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.properties import PROPERTIES
-    from fsdp_verify.properties.search import fresh_seed, search
+    from fsdp_verify.properties.search import SearchInterrupted, fresh_seed, search
     from fsdp_verify.properties.strategies import PinError
     from fsdp_verify.sharded.pool import get_pool
     from fsdp_verify.validation import CaseError
@@ -83,15 +83,18 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
 
-    result = search(
-        check,
-        strategy,
-        profile=args.profile,
-        max_examples=args.max_examples,
-        seed=seed,
-        replay=args.seed is not None,
-        on_example=on_example,
-    )
+    try:
+        result = search(
+            check,
+            strategy,
+            profile=args.profile,
+            max_examples=args.max_examples,
+            seed=seed,
+            replay=args.seed is not None,
+            on_example=on_example,
+        )
+    except SearchInterrupted as stop:  # Ctrl-C: the report of the cases that ran
+        result = stop.result
     if bar is not None:
         bar.close()
     if result.interrupted:
