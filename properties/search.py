@@ -3,10 +3,16 @@ the toolkit's own tests), and the Hypothesis profiles every entry point shares.
 
 Hypothesis does the search and the shrinking: the property raises `PropertyFailed`, Hypothesis
 shrinks the Case and finally replays the smallest failing one, whose exception `search` returns.
+
+Every search runs under a seed, drawn when none is given and returned with the result, so that the
+run that found a bug can be repeated whole (not only its shrunk case): `search(..., seed=S)` draws
+the same cases again. Ctrl-C ends the search with `SearchInterrupted`, which carries the examples
+run so far.
 """
 
 from __future__ import annotations
 
+import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,6 +22,7 @@ from hypothesis import given, settings
 from hypothesis.strategies import SearchStrategy
 
 from fsdp_verify.case import Case
+from fsdp_verify.properties.draw import _no_local_constants
 from fsdp_verify.properties.failure import PropertyFailed
 from fsdp_verify.properties.profiles import default_profile, register_profiles
 from fsdp_verify.verdict import Verdict
@@ -39,6 +46,8 @@ class SearchResult:
     examples: list[Example] = field(default_factory=list)
     failure: PropertyFailed | None = None  # the shrunk failure, if any
     seconds: float = 0.0
+    seed: int | None = None  # the seed the cases were drawn with: pass it back to draw them again
+    interrupted: bool = False  # Ctrl-C: `examples` are those that finished before it
 
     @property
     def ok(self) -> bool:
@@ -52,15 +61,25 @@ def search(
     profile: str | None = None,
     max_examples: int | None = None,
     seed: int | None = None,
+    replay: bool | None = None,
     on_example: Callable[[Example], None] | None = None,
 ) -> SearchResult:
     """Run `prop` on cases drawn from `strategy` until one fails (then shrink it) or
-    `max_examples` pass. Returns every example run (shrinking included) and the shrunk failure."""
-    base = settings.get_profile(profile or default_profile())
+    `max_examples` pass. Returns every example run (shrinking included), the shrunk failure and the
+    seed. `seed`: None draws one (`fresh_seed`). `replay` (default: a seed was given) repeats a run:
+    the example database is neither read nor written, so the cases are the seed's alone, not the
+    failures an earlier run remembered. Ctrl-C raises SearchInterrupted, carrying what ran."""
+    name = profile or default_profile()
+    base = settings.get_profile(name)
+    if replay is None:
+        replay = seed is not None
+    if seed is None:
+        seed = fresh_seed(name)
     overrides = {"max_examples": max_examples} if max_examples is not None else {}
-    if seed is not None:
-        overrides["derandomize"] = False
-    result = SearchResult()
+    overrides["derandomize"] = False  # the seed decides, under every profile
+    if replay:
+        overrides["database"] = None
+    result = SearchResult(seed=seed)
 
     def body(case: Case) -> None:
         t0 = time.perf_counter()
@@ -76,12 +95,14 @@ def search(
         if on_example is not None:
             on_example(example)
 
-    test = settings(base, **overrides)(given(strategy)(body))
-    if seed is not None:
-        test = hypothesis.seed(seed)(test)
+    test = hypothesis.seed(seed)(settings(base, **overrides)(given(strategy)(body)))
     t0 = time.perf_counter()
     try:
-        test()
+        with _no_local_constants():  # else the cases of a seed depend on the modules imported so far
+            test()
+    except KeyboardInterrupt as e:
+        result.interrupted, result.seconds = True, time.perf_counter() - t0
+        raise SearchInterrupted(result) from e
     except PropertyFailed as e:
         result.failure = e
     except Exception as e:  # an ExceptionGroup of several distinct failures: report the first
@@ -91,6 +112,23 @@ def search(
         result.failure = failures[0]
     result.seconds = time.perf_counter() - t0
     return result
+
+
+class SearchInterrupted(KeyboardInterrupt):
+    """Ctrl-C during a search. Still a KeyboardInterrupt (pytest, a caller's loop stop as before);
+    `result` holds the examples that finished before it, for the report of what ran."""
+
+    def __init__(self, result: SearchResult):
+        super().__init__()
+        self.result = result
+
+
+def fresh_seed(profile: str | None = None) -> int:
+    """The seed of a run given none: 0 under a derandomized profile (ci: the same cases every
+    run), else 32 random bits (short enough to type back after `--seed`)."""
+    if settings.get_profile(profile or default_profile()).derandomize:
+        return 0
+    return secrets.randbits(32)
 
 
 def property_failures(exc: BaseException) -> list[PropertyFailed]:

@@ -2,7 +2,8 @@
 `add_arguments(parser)` and `run(args) -> int`; this file only dispatches.
 
 Exit codes (all subcommands): 0 equivalent / passed, 1 divergence found, 2 bad input or usage,
-3 infrastructure failure (a rank crashed or hung), 125 (repro only) cannot run at this revision.
+3 infrastructure failure (a rank crashed or hung), 125 (repro only) cannot run at this revision,
+130 (fuzz, sweep) stopped by Ctrl-C after writing the report of what ran.
 """
 
 from __future__ import annotations

@@ -1,7 +1,9 @@
 """`fsdp-verify fuzz`: the property search outside pytest, for nightly jobs and for people who
 don't live in pytest. Generates Cases with Hypothesis, checks a named property on each, and on a
 failure shrinks it, writes the shrunk Case file into --out and exits 1 (0 when all pass). Always
-writes report.json and report.html into --out."""
+writes report.json and report.html into --out. Every run has a seed (drawn when --seed is not
+given), printed first and recorded in the report, so the run can be repeated; Ctrl-C writes the
+report of the cases run so far and exits 130."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from fsdp_verify.commands.options import (
     ENGINE_HELP,
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     add_draw_arguments,
     add_timeout,
@@ -25,6 +28,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
     add_draw_arguments(p)
+    p.add_argument(
+        "--hsdp", action="store_true", help="also draw HSDP meshes (replicate, shard) where the world size allows"
+    )
     p.add_argument("--property", default="sharded-equals-reference", help="named property (default %(default)s)")
     p.add_argument(
         "--profile",
@@ -32,21 +38,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         help="Hypothesis profile (default: ci if the CI variable is set, else dev)",
     )
-    p.add_argument("--seed", type=int, default=None, help="Hypothesis seed, to rerun one search exactly")
+    p.add_argument(
+        "--seed",
+        type=int,
+        default=None,
+        help="Hypothesis seed, to rerun one search exactly (no example database then); default: drawn"
+        " (0 under the ci profile) and printed",
+    )
     add_timeout(p)
     p.add_argument("--out", type=Path, required=True, help="directory for the report and the shrunk Case file")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.commands.case_flags import draw_flag_texts
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.properties import PROPERTIES
-    from fsdp_verify.properties.search import search
+    from fsdp_verify.properties.search import SearchInterrupted, fresh_seed, search
     from fsdp_verify.properties.strategies import PinError
-    from fsdp_verify.reports.report import loss_scale_line, loss_scale_tally
-    from fsdp_verify.reports.search_report import closest_pass, write_report
-    from fsdp_verify.repro.files import replay_command
     from fsdp_verify.sharded.pool import get_pool
     from fsdp_verify.validation import CaseError
 
@@ -55,11 +63,13 @@ def run(args: argparse.Namespace) -> int:
     if args.max_examples is not None and args.max_examples < 1:
         return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
     try:
-        strategy = strategy_from_args(args)
+        strategy = strategy_from_args(args, hsdp=args.hsdp)
     except (EngineLoadError, PinError, CaseError, OSError) as e:
         return _bad(str(e))
 
     prop = PROPERTIES[args.property]
+    seed = args.seed if args.seed is not None else fresh_seed(args.profile)
+    print(f"seed {seed}: repeat with --seed {seed}", flush=True)
     bar = _progress(args)
     failures_seen = 0
 
@@ -73,11 +83,36 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
 
-    result = search(
-        check, strategy, profile=args.profile, max_examples=args.max_examples, seed=args.seed, on_example=on_example
-    )
+    try:
+        result = search(
+            check,
+            strategy,
+            profile=args.profile,
+            max_examples=args.max_examples,
+            seed=seed,
+            replay=args.seed is not None,
+            on_example=on_example,
+        )
+    except SearchInterrupted as stop:  # Ctrl-C: the report of the cases that ran
+        result = stop.result
     if bar is not None:
         bar.close()
+    if result.interrupted:
+        from fsdp_verify.commands.interrupt import finishing_after_interrupt
+
+        with finishing_after_interrupt():
+            _finish(args, result)
+        return EXIT_INTERRUPTED
+    return _finish(args, result)
+
+
+def _finish(args: argparse.Namespace, result) -> int:
+    """Write the report and say what ran; the exit code (of a run that was not interrupted)."""
+    from fsdp_verify.commands.case_flags import draw_flag_texts
+    from fsdp_verify.reports.report import loss_scale_line, loss_scale_tally
+    from fsdp_verify.reports.search_report import closest_pass, write_report
+    from fsdp_verify.repro.files import replay_command
+
     if result.failure is not None:
         result.failure.write_repro(args.out)
     meta = {
@@ -87,13 +122,19 @@ def run(args: argparse.Namespace) -> int:
         "max_examples": args.max_examples,
         "world_sizes": args.world_sizes,
         "precisions": args.precisions,
+        "hsdp": args.hsdp,
         "models": [args.model] if args.model else args.models,
-        "seed": args.seed,
+        "seed": result.seed,
+        "interrupted": result.interrupted,
         **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
     }
     json_path, html_path = write_report(result, args.out, meta)
     passed = sum(e.ok for e in result.examples)
-    print(f"{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s. Report: {html_path}")
+    stopped = "Interrupted (Ctrl-C): " if result.interrupted else ""
+    print(
+        f"{stopped}{len(result.examples)} cases run, {passed} passed, in {result.seconds:.1f} s (seed {result.seed})."
+        f" Report: {html_path}"
+    )
     tallies = [
         loss_scale_tally(e.verdict.loss_scales)
         for e in result.examples
@@ -107,6 +148,8 @@ def run(args: argparse.Namespace) -> int:
         worst = near.verdict.worst()
         print(f"Closest pass: {worst.ratio:.3g}x its tolerance at step {worst.step}, {worst.phase}, {worst.name!r};")
         print(f"  replay: {replay_command(path)}")
+    if result.interrupted:
+        print(f"The same cases again, to the end: --seed {result.seed}")
     if result.failure is None:
         return EXIT_OK
     f = result.failure

@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from fsdp_verify.models import ModelSpec
 
 EXIT_OK, EXIT_DIVERGED, EXIT_BAD_INPUT, EXIT_INFRA = 0, 1, 2, 3
+EXIT_INTERRUPTED = 130  # Ctrl-C (fuzz, sweep): 128 + SIGINT, as a shell reports it
 ENGINE_HELP = "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME"
 MODEL_HELP = "pkg.module:NAME | path/to/file.py:NAME (a factory NAME(**kwargs) -> nn.Module)"
 PRECISION_POLICIES = dtypes.PRECISION_POLICIES

@@ -3,7 +3,8 @@
 finishes (a runner that dies loses nothing; rerun the same command and it resumes, skipping cases
 whose rows are there). Writes OUT/report.json and report.html (the one report format), every
 alarm's case and verdict under OUT/false_alarms/, and the passing case nearest its tolerance as
-OUT/closest_pass.case.json. Exit 0 no false alarm, 1 an alarm (a rank failure counts), 2 bad input."""
+OUT/closest_pass.case.json. Exit 0 no false alarm, 1 an alarm (a rank failure counts), 2 bad input,
+130 Ctrl-C (after writing the report of the rows so far, marked interrupted; rerun to resume)."""
 
 from __future__ import annotations
 
@@ -11,12 +12,14 @@ import argparse
 import json
 import sys
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 from fsdp_verify.commands.options import (
     ENGINE_HELP,
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
+    EXIT_INTERRUPTED,
     EXIT_OK,
     add_draw_arguments,
     add_timeout,
@@ -90,11 +93,10 @@ def load_zoo(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.commands.case_flags import draw_flag_texts
+    from fsdp_verify.commands.interrupt import finishing_after_interrupt
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.draw import draw_cases, in_shard
     from fsdp_verify.properties.strategies import PinError
-    from fsdp_verify.reports.report import finish, write
     from fsdp_verify.reports.schema import ReportError
     from fsdp_verify.validation import CaseError
 
@@ -120,7 +122,22 @@ def run(args: argparse.Namespace) -> int:
                 f"--out {out}: rows.jsonl holds case {k} = {row['case_hash']}, which this sweep's draw does not"
                 " (another --seed, --engine or draw option): use a fresh --out"
             )
-    rows, elapsed = _sweep(args, mine, done, rows_path)
+    interrupted = False
+    try:
+        rows, elapsed = _sweep(args, mine, done, rows_path)
+    except KeyboardInterrupt:  # Ctrl-C: the report of the rows streamed so far (the case running is lost)
+        interrupted = True
+        ours = {k for k, _ in mine}
+        rows = list({r["index"]: r for r in read_rows(rows_path) if r["index"] in ours}.values())
+        elapsed = sum(r["seconds"] for r in rows)
+    with finishing_after_interrupt() if interrupted else nullcontext():
+        return _report(args, rows, elapsed, zoo, interrupted)
+
+
+def _report(args, rows: list[dict], elapsed: float, zoo, interrupted: bool) -> int:
+    from fsdp_verify.commands.case_flags import draw_flag_texts
+    from fsdp_verify.reports.report import finish, write
+
     shard = f"{args.shard[0]}/{args.shard[1]}"
     report = finish(
         "sweep",
@@ -139,10 +156,13 @@ def run(args: argparse.Namespace) -> int:
             "pins": args.pin,
             **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
         },
+        interrupted=interrupted,
     )
-    _, html_path = write(report, out)
+    _, html_path = write(report, args.out)
     print(summary(report))
     print(f"Report: {html_path}")
+    if interrupted:
+        return EXIT_INTERRUPTED
     return EXIT_OK if report["ok"] else EXIT_DIVERGED
 
 
@@ -216,6 +236,8 @@ def summary(report: dict) -> str:
         f"false alarms: {len(alarms)}"
         + "".join(f"\n  {r['case_hash']} ({r['first_divergence']}): {(r['summary'] or '')[:300]}" for r in alarms),
     ]
+    if report.get("interrupted"):
+        lines.insert(0, f"INTERRUPTED (Ctrl-C) after {n} cases{shard}: the same command resumes where their rows end")
     from fsdp_verify.reports.report import loss_scale_line
 
     scaled = loss_scale_line([r["loss_scale"] for r in rows if r.get("loss_scale")])

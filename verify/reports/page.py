@@ -124,11 +124,23 @@ def cases_table(rows: list[dict[str, Any]]) -> str:
     )
 
 
+def interrupted_banner(report: dict[str, Any]) -> str:
+    """A run stopped by Ctrl-C says so before anything else: its counts are of the cases that ran."""
+    if not report.get("interrupted"):
+        return ""
+    seed = f" (seed {report['seed']})" if report.get("seed") is not None else ""
+    return (
+        f'<p id="interrupted" class="fail">Interrupted (Ctrl-C) after {len(report["cases"])} cases{seed}:'
+        " this report holds only the cases that ran before it.</p>"
+    )
+
+
 def render(report: dict[str, Any], extra_html: str = "") -> str:
     status = "PASS" if report["ok"] else "FAIL"
     rows = report["cases"]
     parts = [
         f'<h1 id="status" class="{status.lower()}">fsdp-verify {html.escape(report["kind"])}: {status}</h1>',
+        interrupted_banner(report),
         failures_section(report),
         overview(report),
     ]

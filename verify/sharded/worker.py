@@ -199,6 +199,10 @@ def worker_main(
     rank: int, world_size: int, pool_dir: str, conn_in: Connection, conn_out: Connection, pg_timeout_s: float
 ) -> None:
     _die_with_parent()
+    # Ctrl-C in a terminal reaches the whole foreground process group, ranks included; the pool's
+    # owner decides what happens (fuzz and sweep write their report and stop the ranks), so a rank
+    # never dies halfway through a collective on its own.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     keep_freed_memory()  # a case's records are copied into the pages the last case freed
     torch.set_num_threads(1)  # world_size processes share the machine's cores
     # The variables torchrun sets, so that a user's factory or step that reads them (to seed, to

@@ -1,0 +1,98 @@
+"""Ctrl-C in `fsdp-verify sweep` and `fuzz`: the CLI stops drawing, writes the report of the cases
+that ran (valid against the schema, `interrupted`: true, on the page and the terminal too), exits
+130, and leaves none of its pool's rank processes behind. Sent as a terminal sends it (to the whole
+foreground process group, ranks included) and to the CLI process alone."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from fsdp_verify.reports.schema import load
+
+ROOT = Path(__file__).resolve().parents[1]
+# One-step MLPs at world size 2: cheap cases, and a pool of two ranks to leave behind.
+CHEAP = ["--world-sizes", "2", "--models", "mlp", "--precisions", "fp32", "--pin", "steps=1"]
+COMMANDS = {
+    "sweep": ["sweep", "--cases", "200", "--seed", "5", "--no-progress", *CHEAP],
+    "fuzz": ["fuzz", "--max-examples", "200", "--profile", "ci", *CHEAP],  # progress bar on stderr
+}
+
+
+def children(pid: int) -> list[int]:
+    """Processes whose parent is `pid` (from /proc: no psutil needed)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command name
+                found.append(int(entry))
+    return found
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def cases_done(command: str, out: Path, stderr: Path) -> int:
+    if command == "sweep":
+        rows = out / "rows.jsonl"
+        return len(rows.read_text().splitlines()) if rows.exists() else 0
+    bars = re.findall(r"(\d+)/200", stderr.read_text(errors="replace"))  # tqdm: "fuzz: 1%|...| 2/200"
+    return int(bars[-1]) if bars else 0
+
+
+@pytest.mark.parametrize(
+    ("command", "target"), [("sweep", "process"), ("sweep", "group"), ("fuzz", "process"), ("fuzz", "group")]
+)
+def test_ctrl_c_writes_the_report_of_what_ran_exits_130_and_leaves_no_rank(tmp_path, command, target):
+    out, stdout, stderr = tmp_path / "out", tmp_path / "stdout", tmp_path / "stderr"
+    cli = [sys.executable, "-m", "fsdp_verify", *COMMANDS[command], "--out", str(out)]
+    with stdout.open("w") as o, stderr.open("w") as e:
+        proc = subprocess.Popen(cli, stdout=o, stderr=e, start_new_session=True, cwd=tmp_path)
+    try:
+        deadline = time.monotonic() + 600  # torch and two ranks start slowly on a loaded machine
+        while cases_done(command, out, stderr) < 2:
+            assert proc.poll() is None, f"exited early ({proc.returncode}): {stderr.read_text()[-2000:]}"
+            assert time.monotonic() < deadline, "no case finished in time"
+            time.sleep(0.5)
+        ranks = children(proc.pid)
+        assert len(ranks) == 2, ranks  # the pool's two ranks, the pids to find gone afterwards
+        if target == "group":  # a terminal's Ctrl-C: the CLI and its ranks (same process group)
+            os.killpg(proc.pid, signal.SIGINT)
+        else:
+            os.kill(proc.pid, signal.SIGINT)
+        code = proc.wait(120)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    err, text = stderr.read_text(errors="replace"), stdout.read_text()
+    assert code == 130, f"exit {code}\n{text}\n{err[-3000:]}"
+    assert "Traceback" not in err, err[-3000:]
+    assert not [pid for pid in ranks if alive(pid)], "a rank outlived the interrupted command"
+    report = load(out)  # validated against report.schema.json
+    assert report["interrupted"] is True and report["kind"] == command
+    assert 2 <= report["counts"]["cases"] < 200
+    if command == "sweep":  # the report holds exactly the rows streamed; rerunning resumes after them
+        rows = [json.loads(line) for line in (out / "rows.jsonl").read_text().splitlines()]
+        assert sorted(c["case_hash"] for c in report["cases"]) == sorted(r["case_hash"] for r in rows)
+        assert "INTERRUPTED (Ctrl-C)" in text
+    else:
+        assert "Interrupted (Ctrl-C)" in text and f"--seed {report['seed']}" in text
+    assert 'id="interrupted"' in (out / "report.html").read_text()
