@@ -449,17 +449,13 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
 
 
 def fsdp1_modelled(case: Case) -> bool:
-    """False for the two FSDP1 behaviours the reference does not model and the one case FSDP1
-    cannot run (strict xfails in tests/test_engine_fsdp1.py, README "FSDP1"): a no-sync case whose
-    bf16 compute differs from an fp32 reduce_dtype (FSDP1 accumulates in param_dtype), a world
-    size 1 case (FSDP1 switches to NO_SHARD) that accumulates micro-batches through a
-    low-precision reduce_dtype, and NO_SHARD with a frozen tied weight, nested units and a second
-    forward, of the next micro-batch or the next step (FSDP1's own assertion `as_params=True
-    type(prim_param)=Tensor` there)."""
+    """False for the FSDP1 behaviour the reference does not model and the one case FSDP1 cannot
+    run (strict xfails in tests/test_engine_fsdp1.py, README "FSDP1"): a no-sync case whose bf16
+    compute differs from an fp32 reduce_dtype (FSDP1 accumulates in param_dtype), and NO_SHARD (a
+    shard group of one: world size 1 or a (W, 1) mesh) with a frozen tied weight, nested units
+    and a second forward, of the next micro-batch or the next step (FSDP1's own assertion
+    `as_params=True type(prim_param)=Tensor` there)."""
     p = case.precision
-    low_reduce = (p.reduce_dtype or p.param_dtype) not in (None, "fp32")
-    if case.world_size == 1 and case.microbatches > 1 and low_reduce:
-        return False
     m = case.model
     frozen_tie = (
         m.kind == "transformer"
@@ -467,6 +463,6 @@ def fsdp1_modelled(case: Case) -> bool:
         and any(n.startswith(f) for f in m.frozen for n in ("tok_embeddings.weight", "output.weight"))
     )
     second_forward = case.microbatches > 1 or case.steps > 1
-    if case.world_size == 1 and second_forward and frozen_tie and len(case.wrap_plan) > 1:
+    if case.mesh[-1] == 1 and second_forward and frozen_tie and len(case.wrap_plan) > 1:
         return False
     return case.sync_every_microbatch or p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype)

@@ -58,16 +58,16 @@ def test_fsdp1_no_sync_bf16_accumulates_like_the_reference(fsdp_check):
     assert verdict.ok, verdict.summary()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="At world size 1 FSDP1 switches to NO_SHARD, whose post-backward casts the whole "
-    "accumulated flat_param.grad (earlier micro-batches' reduced gradient + the new one) to "
-    "reduce_dtype before reducing again: the running sum is rounded to bf16. The reference models "
-    "the sharded path (each micro-batch's reduced gradient added in fp32).",
-)
-def test_fsdp1_world_size_1_no_shard_bf16_reduce_accumulates_like_the_reference(fsdp_check):
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_fsdp1_no_shard_bf16_reduce_accumulates_like_the_reference(fsdp_check, world_size):
+    """NO_SHARD (world size 1, or a (W, 1) mesh) casts the whole accumulated flat_param.grad
+    (earlier micro-batches' reduced gradient + the new one) to reduce_dtype before reducing again:
+    the running sum is rounded to bf16. The reference carries it (`_FlatLayout.carry`); without
+    that it added each micro-batch's reduced gradient in fp32 and this failed (a strict xfail at
+    world size 1 before)."""
     precision = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
-    case = lm_case(1, engine="fsdp1", precision=precision, microbatches=2, wrap=("",))
+    mesh = (world_size, 1) if world_size > 1 else None
+    case = lm_case(world_size, engine="fsdp1", precision=precision, microbatches=2, wrap=("",), mesh_shape=mesh)
     verdict = fsdp_check(case, calibrate=False)
     assert verdict.ok, verdict.summary()
 
