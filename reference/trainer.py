@@ -342,7 +342,9 @@ class _FlatLayout:
         nothing to carry."""
         if not self.carries or not master_grads:
             return rank_grads
-        carried = [{n: master_grads[n] + g if n in master_grads else g for n, g in grads.items()} for grads in rank_grads]
+        carried = [
+            {n: master_grads[n] + g if n in master_grads else g for n, g in grads.items()} for grads in rank_grads
+        ]
         for n in rank_grads[0]:
             master_grads.pop(n, None)
         return carried

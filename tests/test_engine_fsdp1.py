@@ -133,6 +133,57 @@ def test_fsdp1_world_size_2_fp32_is_bit_exact(fsdp_check):
     assert not inexact, [(f.key, f.max_abs) for f in inexact]
 
 
+# FSDP1's strategies on a (replicate, shard) mesh (verify/engines/fsdp1.py): HYBRID_SHARD and
+# _HYBRID_SHARD_ZERO2 on (2, 2), NO_SHARD on (W, 1). Bit-exact in fp32: the reference reduce-
+# scatters over the shard group and all-reduces over the replicas in gloo's order
+# (`_replica_all_reduce`), and reduces NO_SHARD's running sum (`_FlatLayout.carry`); with the
+# reduction emulated over the whole world instead, the (2, 2) cases were 47 records off by an ulp
+# and the (3, 1) micro-batch case 50 (inside the tolerance, not equal).
+EXACT_2D = {
+    "hybrid-2x2-clip-2-microbatches": mlp_case(4, mesh_shape=(2, 2), clip_norm=0.01, microbatches=2),
+    "hybrid-zero2-2x2-adam": mlp_case(4, mesh_shape=(2, 2), reshard_after_forward=False, optim=OptimSpec(name="adam")),
+    "no-shard-2x1": mlp_case(2, mesh_shape=(2, 1)),
+    "no-shard-3x1-clip-2-microbatches": mlp_case(3, mesh_shape=(3, 1), clip_norm=0.01, microbatches=2),
+    "no-shard-3x1-sync-last": lm_case(3, mesh_shape=(3, 1), microbatches=2, sync_every_microbatch=False),
+    "hybrid-2x2-sync-last": lm_case(4, mesh_shape=(2, 2), microbatches=2, sync_every_microbatch=False),
+}
+
+
+@pytest.mark.parametrize("name", list(EXACT_2D))
+def test_fsdp1_hybrid_and_no_shard_fp32_are_bit_exact(fsdp_check, name):
+    verdict = fsdp_check(EXACT_2D[name].with_(engine="fsdp1"), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    inexact = [f for f in verdict.findings if f.phase != "param_sums" and f.max_abs != 0]
+    assert not inexact, [(f.key, f.max_abs) for f in inexact]
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        lm_case(4, mesh_shape=(2, 2), precision=BF16, clip_norm=0.05, microbatches=2, data=DataSpec(batch_size=16)),
+        lm_case(3, mesh_shape=(3, 1), precision=BF16, clip_norm=0.05, microbatches=2, data=DataSpec(batch_size=12)),
+        mlp_case(3, mesh_shape=(1, 3), precision=BF16),  # FULL_SHARD over the shard group
+    ],
+    ids=["hybrid-2x2", "no-shard-3x1", "full-shard-1x3"],
+)
+def test_fsdp1_2d_meshes_bf16_with_clipping_and_microbatches(fsdp_check, case):
+    verdict = fsdp_check(case.with_(engine="fsdp1"))
+    assert verdict.ok, verdict.summary()
+
+
+def test_fsdp1_correct_engine_passes_the_hybrid_zoo_draw():
+    """The zoo's FSDP1 bugs are caught for their bug: the correct engine on the same pinned draws
+    (a (2, 2) hybrid mesh) is not."""
+    from dataclasses import replace
+
+    from fsdp_verify.commands.selftest import hunt
+    from fsdp_verify.zoo.catalog import BY_NAME
+
+    correct = replace(BY_NAME["fsdp1_hybrid_replicas_not_reduced"], name="correct", engine="fsdp1")
+    result = hunt(correct, 2, world_sizes=(4,))
+    assert (result.status, result.examples) == ("uncaught", 2), result.detail
+
+
 def test_fsdp1_ownership_from_flat_parameter_metadata():
     """Each FlatParameter's recorded FQNs, prefixes cleaned, one unit per parameter; the ranks'
     slices of a parameter add up to it."""

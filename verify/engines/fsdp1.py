@@ -126,7 +126,11 @@ fsdp1_engine.arithmetic = Arithmetic(
     no_shard_reduces_running_sum=True,
 )
 fsdp1_engine.contracts = Contracts(
-    comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"
+    comm=False,
+    memory=False,
+    why="FSDP1 gathers one aligned, padded FlatParameter per unit, all-reduces its reduce-scattered"
+    " shard over the replicas on a (replicate, shard) mesh, and under NO_SHARD ((W, 1)) all-reduces"
+    " it whole with no all-gather: not FSDP2's model",
 )
 
 
