@@ -134,24 +134,28 @@ def test_fsdp1_world_size_2_fp32_is_bit_exact(fsdp_check):
 
 
 # FSDP1's strategies on a (replicate, shard) mesh (verify/engines/fsdp1.py): HYBRID_SHARD and
-# _HYBRID_SHARD_ZERO2 on (2, 2), NO_SHARD on (W, 1). Bit-exact in fp32: the reference reduce-
-# scatters over the shard group and all-reduces over the replicas in gloo's order
+# _HYBRID_SHARD_ZERO2 on (2, 2), NO_SHARD on (W, 1), FULL_SHARD on (1, W). Bit-exact in fp32: the
+# reference reduce-scatters over the shard group and all-reduces over the replicas in gloo's order
 # (`_replica_all_reduce`), and reduces NO_SHARD's running sum (`_FlatLayout.carry`); with the
 # reduction emulated over the whole world instead, the (2, 2) cases were 47 records off by an ulp
-# and the (3, 1) micro-batch case 50 (inside the tolerance, not equal).
-EXACT_2D = {
+# and the (3, 1) micro-batch case 50 (inside the tolerance, not equal). gloo's reduce-scatter adds
+# as its all-reduce (`gloo_allreduce_sum`): with each rank's chunk added in ring order instead, 3
+# ranks were 4 records off in fp32 and 7 in a bf16 reduction (400x the uncalibrated tolerance).
+EXACT = {
     "hybrid-2x2-clip-2-microbatches": mlp_case(4, mesh_shape=(2, 2), clip_norm=0.01, microbatches=2),
     "hybrid-zero2-2x2-adam": mlp_case(4, mesh_shape=(2, 2), reshard_after_forward=False, optim=OptimSpec(name="adam")),
     "no-shard-2x1": mlp_case(2, mesh_shape=(2, 1)),
     "no-shard-3x1-clip-2-microbatches": mlp_case(3, mesh_shape=(3, 1), clip_norm=0.01, microbatches=2),
     "no-shard-3x1-sync-last": lm_case(3, mesh_shape=(3, 1), microbatches=2, sync_every_microbatch=False),
     "hybrid-2x2-sync-last": lm_case(4, mesh_shape=(2, 2), microbatches=2, sync_every_microbatch=False),
+    "full-shard-1x3": mlp_case(3, mesh_shape=(1, 3)),
+    "bf16-reduce-3-ranks": mlp_case(3, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")),
 }
 
 
-@pytest.mark.parametrize("name", list(EXACT_2D))
-def test_fsdp1_hybrid_and_no_shard_fp32_are_bit_exact(fsdp_check, name):
-    verdict = fsdp_check(EXACT_2D[name].with_(engine="fsdp1"), calibrate=False)
+@pytest.mark.parametrize("name", list(EXACT))
+def test_fsdp1_meshes_are_bit_exact(fsdp_check, name):
+    verdict = fsdp_check(EXACT[name].with_(engine="fsdp1"), calibrate=False)
     assert verdict.ok, verdict.summary()
     inexact = [f for f in verdict.findings if f.phase != "param_sums" and f.max_abs != 0]
     assert not inexact, [(f.key, f.max_abs) for f in inexact]

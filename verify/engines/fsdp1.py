@@ -54,14 +54,19 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    _refuse_what_fsdp1_lacks(spec)
     return wrap_fsdp1(model, mesh, spec, placement(mesh, spec.reshard_after_forward))
+
+
+def _refuse_what_fsdp1_lacks(spec: ShardSpec) -> None:
+    if spec.mp_policy.output_dtype is not None:
+        raise ValueError("precision.output_dtype: FSDP1 has no output_dtype; expected null")
 
 
 def wrap_fsdp1(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, placed: dict) -> nn.Module:
     """Every unit of the plan an FSDP1 instance with the strategy and groups `placed` gives (the
     zoo's FSDP1 mutants place them otherwise)."""
-    if spec.mp_policy.output_dtype is not None:
-        raise ValueError("precision.output_dtype: FSDP1 has no output_dtype; expected null")
+    _refuse_what_fsdp1_lacks(spec)
     policy = spec.mp_policy
     options = dict(
         **placed,
