@@ -46,8 +46,8 @@ def train_reference(
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
     norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
-    norm of the full gradients, summed in reverse) or "flat" (ring order over each unit's
-    gradients flattened into one padded buffer, see `_average_flat`): the latter three are
+    norm of the full gradients, summed in reverse) or "flat" (gloo's order over each unit's
+    gradients flattened into one padded buffer, see `_FlatLayout.average`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
