@@ -87,6 +87,21 @@ def test_fsdp1_no_shard_frozen_tied_weight_nested_second_forward_runs(fsdp_check
     fsdp_check(case)
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=RankFailure,
+    reason="FSDP1's own crash (torch 2.13): under NO_SHARD a no-sync micro-batch leaves the bf16 "
+    "accumulated gradient in the FlatParameter, whose views the next forward assigns to the fp32 "
+    "original parameters: 'attempting to assign a gradient with dtype BFloat16 to a tensor with "
+    "grad_dtype Float'. Found by the property draw with tied embeddings (an untied Transformer ran); "
+    "every NO_SHARD no-sync case in a bf16 param_dtype is left out of the draw (`fsdp1_modelled`).",
+)
+def test_fsdp1_no_shard_no_sync_bf16_runs(fsdp_check):
+    case = regression("3b1a3075ce79")  # world size 1, tied embeddings, bf16/bf16, no-sync
+    assert not fsdp1_modelled(case)
+    fsdp_check(case)
+
+
 # Regression: FSDP1 has no identity node on unit inputs, so a nested wrap of a tied Transformer
 # rounds the residual stream's gradient otherwise than FSDP2 (16 fp32 ulp in the embedding's
 # gradient); a calibration run models that (verify/runner.py: calibration_runs).
