@@ -1,7 +1,9 @@
 # A frozen, verbatim copy of reference/trainer.py as it was before its training step was split into
-# named phases (commit eb2559d). It exists only so tests/test_reference_phases.py can show the split
+# named phases (commit eb2559d), with the one numerical change made beside the split applied as its
+# diff (FSDP1's hybrid strategies: gloo's all-reduce order in `_FlatLayout`, the replica all-reduce,
+# NO_SHARD's carried sum). It exists only so tests/test_reference_phases.py can show the split
 # changed no bit of any trace; delete both once the split has been trusted for a while.
-# Do not edit: a change here would no longer pin the behaviour the split was checked against.
+# Do not edit otherwise: a change here would no longer pin the behaviour the split was checked against.
 """Single-process reference trainer. Kept short and plain so it can be checked by eye: it shares
 the model, data and optimizer choice with the sharded side, and nothing of its sharding path.
 
@@ -25,7 +27,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
-from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_scalar_sum
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
@@ -50,8 +52,8 @@ def train_reference(
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
     norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
-    norm of the full gradients, summed in reverse) or "flat" (ring order over each unit's
-    gradients flattened into one padded buffer, see `_average_flat`): the latter three are
+    norm of the full gradients, summed in reverse) or "flat" (gloo's order over each unit's
+    gradients flattened into one padded buffer, see `_FlatLayout.average`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
@@ -142,6 +144,7 @@ def train_reference(
                     continue
                 rank_grads = local_grads
             if layout is not None:
+                rank_grads = layout.carry(rank_grads, master_grads)
                 averaged = layout.average(rank_grads, reduce_dtype, divide)
             else:
                 averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
@@ -254,11 +257,13 @@ def _average(
 class _FlatLayout:
     """Each unit's parameters flattened as a FlatParameter engine lays them out: registration
     order (frozen ones too, their gradient zero), each start aligned to `align_bytes` of the
-    compute dtype, the whole padded to a multiple of the world size and cut into equal chunks,
-    chunk r held by rank r."""
+    compute dtype, the whole padded to a multiple of the shard group's size and cut into equal
+    chunks, chunk r held by rank r of each shard group (of the mesh's last dimension: the world,
+    or FSDP1's hybrid shard group, or one rank under NO_SHARD), the same on every replica."""
 
     def __init__(self, model: nn.Module, case: Case, arithmetic: Arithmetic):
-        self.world = case.world_size
+        self.world = case.mesh[-1]  # the shard group
+        self.replicas = case.world_size // self.world
         params = dict(model.named_parameters())  # tied weights once, under their first name
         by_unit: dict[str, list[str]] = {}
         for n in params:
@@ -270,6 +275,7 @@ class _FlatLayout:
             order = [u for u in case.wrap_plan if u in by_unit]
         itemsize = (to_torch(case.precision.param_dtype) or torch.float32).itemsize
         align = arithmetic.align_bytes // itemsize if arithmetic.align_bytes else 0
+        self.carries = arithmetic.no_shard_reduces_running_sum and self.world == 1
         self.empty_pieces = arithmetic.empty_pieces_in_norm
         self.plain_unsharded = arithmetic.plain_norm_unsharded
         self.trainable = {n for n, p in params.items() if p.requires_grad}
@@ -299,11 +305,12 @@ class _FlatLayout:
         divide: tuple[float, float] | None = None,
     ) -> dict[str, torch.Tensor]:
         """ReduceOp.AVG as the engine issues it: per unit, the padded flat gradients reduce-
-        scattered in equal chunks, each chunk added in gloo's ring order (see `_average`), each
-        rank's divided by `pre` before and the sum by `post` after (`Arithmetic.divide_factors`:
+        scattered in equal chunks over each shard group in gloo's order (`gloo_allreduce_sum`), the
+        shards all-reduced over the replicas (`_replica_all_reduce`), each rank's gradient
+        divided by `pre` before and the sum by `post` after (`Arithmetic.divide_factors`:
         FSDP1's power-of-two pre-divide is exact but for subnormals, and keeps an fp16 sum from
         overflowing)."""
-        pre, post = divide if divide is not None else (1.0, float(self.world))
+        pre, post = divide if divide is not None else (1.0, float(len(rank_grads)))
         out: dict[str, torch.Tensor] = {}
         for slots, padded in self.units:
             names = [n for n, _, _ in slots if n in rank_grads[0]]
@@ -311,19 +318,41 @@ class _FlatLayout:
                 continue
             chunk = padded // self.world
             flats = [self._flat(g, slots, padded, reduce_dtype).view(self.world, chunk) for g in rank_grads]
-            if self.world > 1 and pre != 1:
+            if pre != 1:
                 flats = [f / pre for f in flats]
-            total = torch.empty_like(flats[0])
-            for r in range(self.world):
-                acc = flats[(r - 1) % self.world][r]
-                for k in range(2, self.world + 1):
-                    acc = acc + flats[(r - k) % self.world][r]
-                total[r] = acc
-            averaged = (total / post).reshape(-1) if self.world > 1 and post != 1 else total.reshape(-1)
+            # Rank i * shards + s holds shard s of replica i. gloo's reduce-scatter adds as its
+            # all-reduce does (`gloo_allreduce_sum`: rank r's segments in the order r-1, ..., r),
+            # with segment boundaries a few elements off the chunks' (measured on torch 2.13 for
+            # fp32 and bf16 at 3 and 4 ranks; the per-chunk ring order missed 1 to 3 elements).
+            per_replica = []
+            for i in range(self.replicas):
+                group = [f.reshape(-1) for f in flats[i * self.world : (i + 1) * self.world]]
+                per_replica.append(gloo_allreduce_sum(group).view_as(flats[0]))
+            total = _replica_all_reduce(per_replica)
+            averaged = (total / post).reshape(-1) if post != 1 else total.reshape(-1)
             for n, offset, numel in slots:
                 if n in rank_grads[0]:
                     out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)
         return out
+
+    def carry(
+        self, rank_grads: list[dict[str, torch.Tensor]], master_grads: dict[str, torch.Tensor]
+    ) -> list[dict[str, torch.Tensor]]:
+        """What each rank reduces on a synced micro-batch when the engine reduces the running sum
+        (`Arithmetic.no_shard_reduces_running_sum`: FSDP1's NO_SHARD, a shard group of one):
+        the earlier micro-batches' reduced gradient plus this rank's new one, added in fp32 as
+        autograd adds the new gradient into the FlatParameter's fp32 .grad. Their reduction
+        replaces that sum, so it is taken out of `master_grads`. Sharded strategies keep the
+        reduced shard aside and add the next one after its reduction, as `master_grads` does:
+        nothing to carry."""
+        if not self.carries or not master_grads:
+            return rank_grads
+        carried = [
+            {n: master_grads[n] + g if n in master_grads else g for n, g in grads.items()} for grads in rank_grads
+        ]
+        for n in rank_grads[0]:
+            master_grads.pop(n, None)
+        return carried
 
     def norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
         """The clip's total norm as a flat engine computes it: on each rank, the norm of the
@@ -348,6 +377,18 @@ class _FlatLayout:
             local = torch.linalg.vector_norm(torch.stack(pieces)) if pieces else torch.zeros(())
             squares.append(local**2)
         return gloo_scalar_sum(squares).sqrt()
+
+
+def _replica_all_reduce(per_replica: list[torch.Tensor]) -> torch.Tensor:
+    """FSDP1's all-reduce over the replicas, of each shard group's reduce-scattered (S, chunk)
+    flat gradient: HYBRID_SHARD all-reduces each rank's chunk over its replicate group, NO_SHARD
+    (S = 1) the whole flat gradient over every rank, both in gloo's ring order
+    (`gloo_allreduce_sum`). The whole average is then post-divided once, as FSDP1 does after the
+    all-reduce; one replica: nothing to add."""
+    if len(per_replica) == 1:
+        return per_replica[0]
+    rows = per_replica[0].shape[0]
+    return torch.stack([gloo_allreduce_sum([t[s] for t in per_replica]) for s in range(rows)])
 
 
 def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:

@@ -68,14 +68,23 @@ def test_fsdp1_cases_are_only_what_fsdp1_expresses_and_the_reference_models(case
     assert case.engine == "fsdp1" and case.precision.output_dtype is None and fsdp1_modelled(case)
 
 
-def test_fsdp1_modelled_names_the_two_known_gaps():
+def test_fsdp1_modelled_names_the_known_gaps():
     bf16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
     base = Case(model=ModelSpec(kind="mlp"), world_size=2, engine="fsdp1", precision=bf16)
     assert fsdp1_modelled(base) and fsdp1_modelled(base.with_(microbatches=2))
     assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))  # no-sync in bf16
+    # NO_SHARD reducing its running sum through a bf16 reduce_dtype is modelled (`_FlatLayout.carry`)
     no_shard = base.with_(world_size=1, microbatches=2, **{"precision.reduce_dtype": "bf16"})
-    assert not fsdp1_modelled(no_shard)  # NO_SHARD accumulates in a bf16 reduce_dtype
-    assert fsdp1_modelled(no_shard.with_(microbatches=1))
+    assert fsdp1_modelled(no_shard)
+    tied = Case(
+        model=ModelSpec(kind="transformer", tie_embeddings=True, frozen=("tok_embeddings",)),
+        world_size=2,
+        engine="fsdp1",
+        wrap=("layers.0", ""),
+    )
+    assert fsdp1_modelled(tied)  # sharded: FSDP1 runs it
+    for no_shard_mesh in ({"world_size": 1}, {"mesh_shape": (2, 1)}):  # FSDP1's own assertion
+        assert not fsdp1_modelled(tied.with_(**no_shard_mesh))
 
 
 @settings(max_examples=60, deadline=None, database=None)

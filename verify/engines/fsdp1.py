@@ -8,6 +8,20 @@ FSDP1 like this:
   iterations each is a 1-D view of its slice of the local FlatParameter shard (size 0 on a rank
   that holds none of it), and its gradient likewise (None there).
 * `reshard_after_forward`: True (or an int) -> FULL_SHARD, False -> SHARD_GRAD_OP.
+* `mesh_shape` (replicate R, shard S), mesh dims ("replicate", "shard"):
+  - (W,) or (1, W): FULL_SHARD / SHARD_GRAD_OP over the shard group.
+  - (R, S), both >= 2: HYBRID_SHARD / _HYBRID_SHARD_ZERO2 on the 2-D mesh (`device_mesh=`):
+    each unit's padded flat gradient is reduce-scattered over its shard group (pre-divided by
+    f, the power of two of the whole data-parallel world R * S) and the shard all-reduced over
+    its replicate group, then post-divided by R * S / f. Its clip all-reduces the shards' norms
+    over the shard group only (the replicas hold the same shards).
+  - (W, 1), W >= 2: NO_SHARD over the replicate group (all W ranks): each rank keeps every
+    parameter whole and all-reduces its flat gradient (pre/post-divided the same way): what a
+    replicate-only mesh means, and what FSDP1 does with a shard group of one. Not HYBRID_SHARD
+    on that mesh: FSDP1 switches a size-1 shard group to NO_SHARD *over that group* and then
+    never all-reduces over the replicas, only divides by R (torch 2.13;
+    tests/upstream/test_fsdp1_hybrid_shard_group_of_one.py), so the replicas drift apart.
+    Its clip is torch's plain clip_grad_norm_ (no collective), as at world size 1.
 * `MixedPrecisionPolicy` -> `MixedPrecision(param_dtype, reduce_dtype, cast_forward_inputs)`
   (also for the root: FSDP1 would otherwise cast the root's inputs whatever the policy says).
   FSDP1 casts the unsharded gradient (in `param_dtype`) to `reduce_dtype`, divides it by a
@@ -41,17 +55,22 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    _refuse_what_fsdp1_lacks(spec)
+    return wrap_fsdp1(model, mesh, spec, placement(mesh, spec.reshard_after_forward))
+
+
+def _refuse_what_fsdp1_lacks(spec: ShardSpec) -> None:
     if spec.mp_policy.output_dtype is not None:
         raise ValueError("precision.output_dtype: FSDP1 has no output_dtype; expected null")
-    if mesh.ndim != 1:
-        raise ValueError(f"mesh_shape: the fsdp1 engine shards on one mesh dimension, got {tuple(mesh.shape)}")
-    # An int (FSDP2: reshard to a smaller group after forward) is a memory/communication trade
-    # FSDP1 lacks; numerically it is resharding after forward, so it maps to FULL_SHARD.
-    rsf = spec.reshard_after_forward is not False
+
+
+def wrap_fsdp1(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, placed: dict) -> nn.Module:
+    """Every unit of the plan an FSDP1 instance with the strategy and groups `placed` gives (the
+    zoo's FSDP1 mutants place them otherwise)."""
+    _refuse_what_fsdp1_lacks(spec)
     policy = spec.mp_policy
     options = dict(
-        process_group=mesh.get_group(0),
-        sharding_strategy=ShardingStrategy.FULL_SHARD if rsf else ShardingStrategy.SHARD_GRAD_OP,
+        **placed,
         mixed_precision=MixedPrecision(
             param_dtype=policy.param_dtype,
             reduce_dtype=policy.reduce_dtype,
@@ -64,6 +83,7 @@ def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modu
     with warnings.catch_warnings():
         # Expected at world size 1, once per unit: README "FSDP1" documents what NO_SHARD changes.
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
+        warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")  # (W, 1)
         for fqn in spec.wrap:
             if fqn == "":
                 model = FSDP1Root(model, **options)
@@ -73,7 +93,27 @@ def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modu
                 setattr(owner, name, FSDP(owner.get_submodule(name), **options))
     if not isinstance(model, FSDP):  # the plan always ends with the root; be explicit anyway
         raise ValueError(f"wrap: the fsdp1 engine needs the root '' last, got {spec.wrap!r}")
+    # What the view gathers a FlatParameter's slices over: the shard group, of one rank under
+    # NO_SHARD (every rank holds the whole parameter; its process group is the replicas').
+    model.shard_group = mesh.get_group(mesh.ndim - 1)
     return model
+
+
+def placement(mesh: DeviceMesh, reshard_after_forward: bool | int) -> dict:
+    """The sharding strategy and its process groups for a (shard,) or (replicate, shard) mesh
+    (the module docstring's table). An int (FSDP2: reshard to a smaller group after forward) is
+    a memory/communication trade FSDP1 lacks; numerically it is resharding after forward."""
+    if mesh.ndim not in (1, 2):
+        raise ValueError(f"mesh_shape: the fsdp1 engine takes (shard,) or (replicate, shard), got {tuple(mesh.shape)}")
+    rsf = reshard_after_forward is not False
+    replicas, shards = (1, mesh.size(0)) if mesh.ndim == 1 else (mesh.size(0), mesh.size(1))
+    if replicas > 1 and shards > 1:
+        strategy = ShardingStrategy.HYBRID_SHARD if rsf else ShardingStrategy._HYBRID_SHARD_ZERO2
+        return dict(device_mesh=mesh, sharding_strategy=strategy)
+    if replicas > 1:
+        return dict(process_group=mesh.get_group(0), sharding_strategy=ShardingStrategy.NO_SHARD)
+    strategy = ShardingStrategy.FULL_SHARD if rsf else ShardingStrategy.SHARD_GRAD_OP
+    return dict(process_group=mesh.get_group(mesh.ndim - 1), sharding_strategy=strategy)
 
 
 # Its FlatParameter aligns each parameter to 16 bytes (use_orig_params), its clip lists the
@@ -89,9 +129,14 @@ fsdp1_engine.arithmetic = Arithmetic(
     casts_inputs_without_params=False,
     plain_norm_unsharded=True,
     predivide="always",
+    no_shard_reduces_running_sum=True,
 )
 fsdp1_engine.contracts = Contracts(
-    comm=False, memory=False, why="FSDP1 gathers one aligned, padded FlatParameter per unit: not FSDP2's model"
+    comm=False,
+    memory=False,
+    why="FSDP1 gathers one aligned, padded FlatParameter per unit, all-reduces its reduce-scattered"
+    " shard over the replicas on a (replicate, shard) mesh, and under NO_SHARD ((W, 1)) all-reduces"
+    " it whole with no all-gather: not FSDP2's model",
 )
 # One process group (FULL_SHARD / SHARD_GRAD_OP): a 1-D mesh only; no output_dtype; an int
 # reshard_after_forward is FULL_SHARD whatever it divides. Refused before any rank starts.
@@ -117,7 +162,7 @@ class FSDP1Root(FSDP):
 
 class FSDP1View(FlatView):
     def __init__(self, root: FSDP):
-        super().__init__(root, root.process_group)
+        super().__init__(root, root.shard_group)
         self.root = root
         self.units = [(clean_tensor_name(name), m) for name, m in root.named_modules() if isinstance(m, FSDP)]
 

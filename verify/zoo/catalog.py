@@ -57,6 +57,7 @@ _MICROBATCHES = st.integers(2, 3)
 _CHEAP = {"steps": st.integers(1, 2)}
 # Lengths drawn in [1, seq_len] differ between micro-batches and ranks only if seq_len > 1; the
 # normalisation bugs cannot show otherwise (equal token counts make them correct).
+_FSDP1 = {"precision.output_dtype": None, "sync_every_microbatch": True}
 _PADDED = {"data.padded": True, "model.seq_len": st.integers(4, 8), "model.dropout": 0.0}
 
 ZOO: list[ZooBug] = [
@@ -281,6 +282,47 @@ ZOO: list[ZooBug] = [
         ("init",),
         world_sizes=(1, 2, 3, 4),
         pins={**_CHEAP, "init": "meta"},
+    ),
+    # FSDP1's hybrid and NO_SHARD strategies (verify/engines/fsdp1.py): the mesh is the bug's
+    # precondition. FSDP1 has no output_dtype; no-sync is left on so that FSDP1's one gap the
+    # reference does not model (no-sync bf16 accumulation, `fsdp1_modelled`) cannot be the catch.
+    ZooBug(
+        "fsdp1_hybrid_replicas_not_reduced",
+        _mutant("fsdp1_hybrid_replicas_not_reduced"),
+        "FSDP1 on a (replicate, shard) mesh as FULL_SHARD over the shard group: each replica group"
+        " averages and steps on its own gradients",
+        "HSDP set up by passing the intra-node group alone (FSDP1 HYBRID_SHARD's process_group tuple)",
+        ("grads",),
+        world_sizes=(4,),
+        pins={**_CHEAP, **_FSDP1, "mesh_shape": (2, 2)},
+    ),
+    ZooBug(
+        "fsdp1_hybrid_divides_by_shard_group",
+        _mutant("fsdp1_hybrid_divides_by_shard_group"),
+        "FSDP1 HYBRID_SHARD dividing the gradient by the shard group's size, not the data-parallel world's",
+        "FSDP1 HSDP's divide factors before the replicate group's size was multiplied in",
+        ("grads",),
+        world_sizes=(4,),
+        pins={**_CHEAP, **_FSDP1, "mesh_shape": (2, 2)},
+    ),
+    ZooBug(
+        "fsdp1_no_shard_not_all_reduced",
+        _mutant("fsdp1_no_shard_not_all_reduced"),
+        "FSDP1 HYBRID_SHARD on a (W, 1) mesh: NO_SHARD over the shard group of one, never all-reduced"
+        " over the replicas (each rank's own gradient / W)",
+        "torch 2.13's own behaviour (tests/upstream/test_fsdp1_hybrid_shard_group_of_one.py)",
+        ("grads",),
+        world_sizes=(2,),
+        pins={**_CHEAP, **_FSDP1, "mesh_shape": (2, 1)},
+    ),
+    ZooBug(
+        "fsdp1_no_shard_divides_by_wrong_world",
+        _mutant("fsdp1_no_shard_divides_by_wrong_world"),
+        "FSDP1 NO_SHARD dividing the all-reduced sum by one rank fewer than it adds",
+        "a world size taken without the rank itself (DDP/FSDP migration reports)",
+        ("grads",),
+        world_sizes=(2,),
+        pins={**_CHEAP, **_FSDP1, "mesh_shape": (2, 1)},
     ),
 ]
 

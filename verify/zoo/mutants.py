@@ -16,6 +16,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGath
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _DefaultReduceScatter
 
 from fsdp_verify.engines.contracts import Contracts
+from fsdp_verify.engines.fsdp1 import fsdp1_engine, placement, wrap_fsdp1
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
@@ -416,4 +417,61 @@ def unscale_after_clipping(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) 
     the true one, and clips them by it; `scaler.step` unscales afterwards."""
     fully_shard_engine(model, mesh, spec)
     model.verify_view = lambda: _UnscaleInStepView(model)
+    return model
+
+
+# ---- FSDP1's hybrid and NO_SHARD strategies (verify/engines/fsdp1.py's mesh table) ----------------
+def _fsdp1_mutant(fn):  # a decorator
+    """An FSDP1 mutant is emulated and held to the contracts as FSDP1 is: caught for its bug,
+    not for arithmetic the reference would model otherwise."""
+    fn.arithmetic = fsdp1_engine.arithmetic
+    fn.contracts = fsdp1_engine.contracts
+    return fn
+
+
+@_fsdp1_mutant
+def fsdp1_hybrid_replicas_not_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A (replicate, shard) mesh run as FULL_SHARD over the shard group alone (the intra-node
+    group passed as `process_group`, HYBRID_SHARD forgotten): each replica reduce-scatters and
+    averages its own ranks' gradients and never all-reduces with the others."""
+    shard_only = placement(mesh[mesh.mesh_dim_names[-1]], spec.reshard_after_forward)
+    return wrap_fsdp1(model, mesh, spec, shard_only)
+
+
+@_fsdp1_mutant
+def fsdp1_hybrid_divides_by_shard_group(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HYBRID_SHARD whose gradient divide factors come from the shard group's size, not the
+    whole data-parallel world's (FSDP1 before `_init_process_group_state` multiplied in the
+    replicate group's size): the all-reduced sum over the replicas is R times the average."""
+    return _fsdp1_divided_by(fsdp1_engine(model, mesh, spec), mesh.size(mesh.ndim - 1))
+
+
+@_fsdp1_mutant
+def fsdp1_no_shard_not_all_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HYBRID_SHARD given a (W, 1) mesh, as FSDP1 itself runs it (torch 2.13): a shard group of
+    one switches it to NO_SHARD *over that group*, so the all-reduce over the replicas never
+    happens; each rank steps on its own gradient divided by W
+    (tests/upstream/test_fsdp1_hybrid_shard_group_of_one.py)."""
+    from torch.distributed.fsdp import ShardingStrategy
+
+    rsf = spec.reshard_after_forward is not False
+    strategy = ShardingStrategy.HYBRID_SHARD if rsf else ShardingStrategy._HYBRID_SHARD_ZERO2
+    return wrap_fsdp1(model, mesh, spec, dict(device_mesh=mesh, sharding_strategy=strategy))
+
+
+@_fsdp1_mutant
+def fsdp1_no_shard_divides_by_wrong_world(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """NO_SHARD whose all-reduced sum is divided by one rank fewer than it adds (a world size
+    taken without the rank itself, or a hard-coded node size): gradients W / (W - 1) too large."""
+    return _fsdp1_divided_by(fsdp1_engine(model, mesh, spec), max(mesh.size() - 1, 1))
+
+
+def _fsdp1_divided_by(model: nn.Module, world: int) -> nn.Module:
+    """Every FSDP1 unit's pre- and post-divide factors set as FSDP1 sets them for `world` ranks."""
+    from torch.distributed.algorithms._comm_hooks.default_hooks import DefaultState
+    from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
+
+    for unit in FSDP.fsdp_modules(model):
+        unit._gradient_predivide_factor = DefaultState._get_gradient_predivide_factor(world)
+        unit._gradient_postdivide_factor = world / unit._gradient_predivide_factor
     return model

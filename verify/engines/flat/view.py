@@ -136,12 +136,14 @@ class FlatView(EngineView):
         return total
 
     def ownership(self) -> OwnershipMap:
-        """Every rank reports its own holdings (the engine's own metadata), gathered in rank
-        order. Padding is left unknown: in a flat buffer it belongs to the unit (its tail, and
+        """Every rank of the world reports its own holdings (the engine's own metadata),
+        gathered in rank order: over the world, not the shard group, so that each replica's
+        ranks are seen (FSDP1's hybrid and NO_SHARD meshes; the check reads them replica by
+        replica). Padding is left unknown: in a flat buffer it belongs to the unit (its tail, and
         FSDP1's alignment gaps), not to any one parameter, so per parameter it has no meaning."""
         local = [(h.fqn, h.unit, h.shape, h.tensor.numel()) for h in self.holdings()]
-        everyone: list[list] = [[] for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather_object(everyone, local, group=self.group)
+        everyone: list[list] = [[] for _ in range(dist.get_world_size())]
+        dist.all_gather_object(everyone, local)
         units: dict[str, list[str]] = {}
         shapes: dict[str, tuple[int, ...]] = {}
         numel: dict[str, list[int]] = {}
