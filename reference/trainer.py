@@ -267,9 +267,12 @@ class _Run:
 
     def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
         """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's
-        buffers, or each parameter in `order`), moved by the perturbation when there is one."""
+        buffers, FSDP2's HSDP on a 2-D mesh, or each parameter in `order`), moved by the
+        perturbation when there is one."""
         if self.layout is not None:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
+        elif self.order == "ring" and len(self.case.mesh) == 2 and len(rank_grads) == self.case.world_size:
+            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
         else:
             averaged = {
                 n: _average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
@@ -313,7 +316,7 @@ class _Run:
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-            norm = _norm_from_shards(grads, self.case.world_size)
+            norm = _norm_from_shards(grads, self.case.mesh[-1])  # HSDP: the shard group's row chunks
         else:
             norm = torch.nn.utils.get_total_norm(grads[::-1] if self.order == "reverse" else grads)
         if self.jolt is not None:
@@ -418,6 +421,64 @@ def _average(
         for r in ranks[2:]:
             acc.add_(wide[r][rows])
     return total.div_(post) if post != 1 else total
+
+
+def _hsdp_average(
+    rank_grads: list[dict[str, torch.Tensor]], case: Case, reduce_dtype: torch.dtype, divide: tuple[float, float]
+) -> dict[str, torch.Tensor]:
+    """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
+    (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
+    unit's row chunks s (`_chunk_cat`); reduce-scattered over each replica's S ranks (global rank
+    i * S + s), which gloo adds as its all-reduce of the whole buffer (`gloo_allreduce_sum`, as
+    for FSDP1's flat buffers); each row then all-reduced over the R replicas
+    (`_replica_all_reduce`). Its divide factors (`_get_gradient_divide_factors`): an fp32 or bf16
+    reduction is AVG in both collectives, the sum over S divided by S in reduce_dtype and the sum
+    over R by R (not the sum of R * S divided by the world once: other roundings unless R and S
+    are powers of two); an fp16 one pre-divides by `pre` and SUMs both, then divides by `post`
+    (`Arithmetic.divide_factors` of the whole world). (W, 1): the reduce-scatter of one rank is a
+    copy and the all-reduce does it all; (1, W): the reduce-scatter alone."""
+    replicas, shards = case.mesh
+    pre, post = divide
+    staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
+    units: dict[str, list[str]] = {}
+    for n in rank_grads[0]:
+        units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for names in units.values():
+        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype) for g in rank_grads]
+        if pre != 1:
+            bufs = [b / pre for b in bufs]
+        per_replica = []
+        for i in range(replicas):
+            group = [b.reshape(-1) for b in bufs[i * shards : (i + 1) * shards]]
+            summed = gloo_allreduce_sum(group).view(shards, -1)
+            per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
+        total = _replica_all_reduce(per_replica)
+        last = float(replicas) if staged else post
+        total = total / last if last != 1 else total
+        offset = 0
+        for n in names:
+            shape = rank_grads[0][n].shape
+            rows = shape[0] if len(shape) else 1
+            chunk, width = -(-rows // shards), max(rank_grads[0][n].numel() // max(rows, 1), 1)
+            block = total[:, offset : offset + chunk * width].reshape(shards * chunk, width)
+            out[n] = block[:rows].reshape(shape)
+            offset += chunk * width
+    return out
+
+
+def _chunk_cat(grads: list[torch.Tensor], shards: int, dtype: torch.dtype) -> torch.Tensor:
+    """FSDP2's reduce-scatter input (`foreach_reduce_scatter_copy_in`): each gradient's rows
+    padded with zeros to S equal chunks (ceil(rows / S) each), row s of the (S, n) result the
+    chunks s of every gradient, flattened and concatenated in the unit's order."""
+    pieces = []
+    for g in grads:
+        rows = g.reshape(g.shape[0] if g.dim() else 1, -1)
+        chunk = -(-rows.shape[0] // shards)
+        padded = torch.zeros(chunk * shards, rows.shape[1], dtype=dtype)
+        padded[: rows.shape[0]] = rows
+        pieces.append(padded.view(shards, -1))
+    return torch.cat(pieces, dim=1)
 
 
 class _FlatLayout:
@@ -563,7 +624,9 @@ def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     norm of those norms. It differs from one norm of the full gradient by an ulp or two, which
     moves the clip coefficient of every gradient alike, and a strongly conditioned case (data
     scale 100, AdamW) turns that into a 1.5e-6 deviation of the next step's logits. Measured
-    bit-exact against FSDP2 on gloo at world size 3."""
+    bit-exact against FSDP2 on gloo at world size 3. On an HSDP mesh (R, S) a gradient is
+    Replicate on the replicas and Shard(0) over the S ranks of a shard group: `world` is S
+    (bit-exact on (2, 2), (3, 1) and (1, 3))."""
     norms = []
     for g in grads:
         squares = [c.norm() ** 2 for c in (g.chunk(world, dim=0) if g.dim() else [g])]

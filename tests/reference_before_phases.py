@@ -1,8 +1,9 @@
 # A frozen, verbatim copy of reference/trainer.py as it was before its training step was split into
 # named phases (commit eb2559d), with the one numerical change made beside the split applied as its
 # diff (FSDP1's hybrid strategies: gloo's all-reduce order in `_FlatLayout`, the replica all-reduce,
-# NO_SHARD's carried sum). It exists only so tests/test_reference_phases.py can show the split
-# changed no bit of any trace; delete both once the split has been trusted for a while.
+# NO_SHARD's carried sum), and FSDP2's HSDP reduction on 2-D meshes (`_hsdp_average`, the clip's
+# norm over the shard group) applied the same way. It exists only so tests/test_reference_phases.py
+# can show the split changed no bit of any trace; delete both once the split has been trusted for a while.
 # Do not edit otherwise: a change here would no longer pin the behaviour the split was checked against.
 """Single-process reference trainer. Kept short and plain so it can be checked by eye: it shares
 the model, data and optimizer choice with the sharded side, and nothing of its sharding path.
@@ -146,6 +147,8 @@ def train_reference(
             if layout is not None:
                 rank_grads = layout.carry(rank_grads, master_grads)
                 averaged = layout.average(rank_grads, reduce_dtype, divide)
+            elif order == "ring" and len(case.mesh) == 2 and len(rank_grads) == case.world_size:
+                averaged = _hsdp_average(rank_grads, case, reduce_dtype, divide)
             else:
                 averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
             if jolt is not None:
@@ -177,7 +180,7 @@ def train_reference(
             if emulate and order == "ring" and layout is not None:  # the flat engine's own
                 norm = layout.norm({n: p.grad for n, p in params.items() if p.grad is not None})
             elif emulate and order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-                norm = _norm_from_shards(grads, case.world_size)
+                norm = _norm_from_shards(grads, case.mesh[-1])
             else:
                 norm = torch.nn.utils.get_total_norm(grads[::-1] if order == "reverse" else grads)
             if jolt is not None:
@@ -252,6 +255,64 @@ def _average(
         for r in ranks[2:]:
             acc.add_(wide[r][rows])
     return total.div_(post) if post != 1 else total
+
+
+def _hsdp_average(
+    rank_grads: list[dict[str, torch.Tensor]], case: Case, reduce_dtype: torch.dtype, divide: tuple[float, float]
+) -> dict[str, torch.Tensor]:
+    """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
+    (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
+    unit's row chunks s (`_chunk_cat`); reduce-scattered over each replica's S ranks (global rank
+    i * S + s), which gloo adds as its all-reduce of the whole buffer (`gloo_allreduce_sum`, as
+    for FSDP1's flat buffers); each row then all-reduced over the R replicas
+    (`_replica_all_reduce`). Its divide factors (`_get_gradient_divide_factors`): an fp32 or bf16
+    reduction is AVG in both collectives, the sum over S divided by S in reduce_dtype and the sum
+    over R by R (not the sum of R * S divided by the world once: other roundings unless R and S
+    are powers of two); an fp16 one pre-divides by `pre` and SUMs both, then divides by `post`
+    (`Arithmetic.divide_factors` of the whole world). (W, 1): the reduce-scatter of one rank is a
+    copy and the all-reduce does it all; (1, W): the reduce-scatter alone."""
+    replicas, shards = case.mesh
+    pre, post = divide
+    staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
+    units: dict[str, list[str]] = {}
+    for n in rank_grads[0]:
+        units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
+    out: dict[str, torch.Tensor] = {}
+    for names in units.values():
+        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype) for g in rank_grads]
+        if pre != 1:
+            bufs = [b / pre for b in bufs]
+        per_replica = []
+        for i in range(replicas):
+            group = [b.reshape(-1) for b in bufs[i * shards : (i + 1) * shards]]
+            summed = gloo_allreduce_sum(group).view(shards, -1)
+            per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
+        total = _replica_all_reduce(per_replica)
+        last = float(replicas) if staged else post
+        total = total / last if last != 1 else total
+        offset = 0
+        for n in names:
+            shape = rank_grads[0][n].shape
+            rows = shape[0] if len(shape) else 1
+            chunk, width = -(-rows // shards), max(rank_grads[0][n].numel() // max(rows, 1), 1)
+            block = total[:, offset : offset + chunk * width].reshape(shards * chunk, width)
+            out[n] = block[:rows].reshape(shape)
+            offset += chunk * width
+    return out
+
+
+def _chunk_cat(grads: list[torch.Tensor], shards: int, dtype: torch.dtype) -> torch.Tensor:
+    """FSDP2's reduce-scatter input (`foreach_reduce_scatter_copy_in`): each gradient's rows
+    padded with zeros to S equal chunks (ceil(rows / S) each), row s of the (S, n) result the
+    chunks s of every gradient, flattened and concatenated in the unit's order."""
+    pieces = []
+    for g in grads:
+        rows = g.reshape(g.shape[0] if g.dim() else 1, -1)
+        chunk = -(-rows.shape[0] // shards)
+        padded = torch.zeros(chunk * shards, rows.shape[1], dtype=dtype)
+        padded[: rows.shape[0]] = rows
+        pieces.append(padded.view(shards, -1))
+    return torch.cat(pieces, dim=1)
 
 
 class _FlatLayout:

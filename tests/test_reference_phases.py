@@ -133,7 +133,20 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
 # ranks, clipped and perturbed; a flat engine's arithmetic over 3 ranks with a
 # clip and the perturbation (its moves need W > 2); fp16 scales that overflow (a skipped step, NaN
 # and inf in the recorded gradients); sync-last bf16 micro-batches accumulated in fp32, with dropout,
-# split over processes.
+# split over processes; FSDP2's HSDP reduction on a (2, 2) mesh in bf16, clipped and perturbed.
+@example(
+    case=mlp_case(
+        4,
+        mesh_shape=(2, 2),
+        clip_norm=0.01,
+        microbatches=2,
+        precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16"),
+    ),
+    modes=(True, "ring", ENGINE_ARITHMETICS["fsdp2"]),
+    unit_input_node=None,
+    perturb=5,
+    share=True,
+)
 @example(
     case=lm_case(4, clip_norm=0.01, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")),
     modes=(True, "flat", ENGINE_ARITHMETICS["fsdp2"]),
