@@ -5,10 +5,11 @@ so the correct engine is bit-exact on CPU/gloo, in fp32 and in a bf16 reduction 
 
 import pytest
 
-from fsdp_verify.case import OptimSpec, PrecisionSpec
+from fsdp_verify.case import LossScaleSpec, OptimSpec, PrecisionSpec
 from tests.conftest import lm_case, mlp_case, regression
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
+FP16 = PrecisionSpec(param_dtype="fp16", reduce_dtype="fp16")
 
 
 def _inexact(verdict) -> list:
@@ -23,6 +24,10 @@ EXACT = {
     "hsdp-2x2-sync-last": lm_case(4, mesh_shape=(2, 2), microbatches=2, sync_every_microbatch=False),
     "all-reduce-only-3x1-bf16": lm_case(3, mesh_shape=(3, 1), clip_norm=0.01, precision=BF16),
     "reduce-scatter-only-1x3": mlp_case(3, mesh_shape=(1, 3), clip_norm=0.01, microbatches=2),
+    # The sum over 3 ranks divided by 3, then the sum over 2 replicas by 2 (not the sum of 6 by 6).
+    "hsdp-2x3-adam": mlp_case(6, mesh_shape=(2, 3), clip_norm=0.01, microbatches=2, optim=OptimSpec(name="adam")),
+    # fp16: pre-divided by 2, summed over both groups, post-divided by 2.
+    "hsdp-2x2-fp16-loss-scaled": mlp_case(4, mesh_shape=(2, 2), precision=FP16, loss_scaling=LossScaleSpec()),
 }
 
 
