@@ -159,7 +159,7 @@ def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts
 def test_the_runner_refuses_what_the_engine_cannot_take_without_touching_a_rank(changes, message):
     """FSDP2 raises inside fully_shard for an int reshard_after_forward that does not divide the
     shard group, FSDP1 for an output_dtype: both refused in the parent (CaseError, exit 2)."""
-    from fsdp_verify.engines.capabilities import engine_capabilities
+    from fsdp_verify.engines import engine_capabilities
     from fsdp_verify.runner import check_case
     from fsdp_verify.validation import CaseError
     from tests.conftest import mlp_case
