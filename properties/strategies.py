@@ -25,7 +25,16 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
-from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import (
+    Case,
+    CaseError,
+    DataSpec,
+    LossScaleSpec,
+    ModelSpec,
+    OptimSpec,
+    PrecisionSpec,
+    check_field_value,
+)
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.models import _construct
 
@@ -74,29 +83,11 @@ def _check_loss_scaling_pins(precisions: tuple[str, ...], pins: dict[str, Any]) 
         raise PinError("precisions: fp16 cases are drawn with loss scaling, which a user's step (--step) cannot take")
 
 
-_SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
-
-
 def check_pin_value(name: str, value: Any) -> None:
-    """Raise the CaseError a pinned value gets whatever else is drawn (`optim.name="lamb"`,
-    `steps=0`), now, naming the field, rather than discard every draw. A value that is only wrong
-    beside other fields (a batch size some world sizes do not divide) is left to the draw."""
-    if isinstance(value, SearchStrategy) or name.startswith(("model", "wrap")):
-        return
-    head, _, tail = name.partition(".")
-    try:
-        if tail and head in _SPECS:
-            _SPECS[head](**{tail: value}).validate()
-        elif not tail:
-            changes = {name: value}
-            if name == "mesh_shape" and isinstance(value, tuple) and all(isinstance(d, int) for d in value):
-                changes["world_size"] = math.prod(value)
-            Case().with_(**changes)
-    except CaseError as e:
-        if e.field_path == name:
-            raise
-    except TypeError:
-        pass  # a value of the wrong kind altogether: the draw's Case names it
+    """A pinned value no case could hold refused now, naming the field (`check_field_value`); a
+    strategy is drawn from, and its draws are judged as drawn."""
+    if not isinstance(value, SearchStrategy):
+        check_field_value(name, value)
 
 
 def _pinned(pins: dict[str, Any], name: str, default: SearchStrategy) -> SearchStrategy:
@@ -532,7 +523,7 @@ def _model_keywords(
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
     """Whether the engine declares it takes 2-D meshes; a pinned mesh it cannot take is refused
     now, naming the field (verify/engines/capabilities.py)."""
-    from fsdp_verify.engines.capabilities import engine_capabilities
+    from fsdp_verify.engines import engine_capabilities
 
     capabilities = engine_capabilities(engine)
     mesh = pins.get("mesh_shape")

@@ -119,7 +119,7 @@ def test_engine_names_and_model_lists_take_the_spellings_users_type(tmp_path):
     assert report["counts"]["cases"] == 2
 
 
-@pytest.mark.parametrize("engine", ["fsdp1", "flat"])
+@pytest.mark.parametrize("engine", ["flat"])
 def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts(tmp_path, engine):
     """Each engine declares the meshes it takes (verify/engines/capabilities.py): a 2-D mesh for a
     1-D engine exits 2 naming the field, not 3 as if a rank had crashed."""
@@ -141,8 +141,8 @@ def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts
     ("changes", "message"),
     [
         (
-            {"mesh_shape": (2, 1), "engine": "fsdp1"},
-            r"mesh_shape: expected a 1-D mesh \(shard,\): what engine 'fsdp1' takes",
+            {"mesh_shape": (2, 1), "engine": "flat"},
+            r"mesh_shape: expected a 1-D mesh \(shard,\): what engine 'flat' takes",
         ),
         (
             {"precision.output_dtype": "fp32", "engine": "fsdp1"},
@@ -154,12 +154,12 @@ def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts
             "reshard_after_forward: expected .* dividing the shard dimension 4",
         ),
     ],
-    ids=["fsdp1-2d-mesh", "fsdp1-output-dtype", "fsdp2-reshard-to-2-of-1", "fsdp2-reshard-to-3-of-4"],
+    ids=["flat-2d-mesh", "fsdp1-output-dtype", "fsdp2-reshard-to-2-of-1", "fsdp2-reshard-to-3-of-4"],
 )
 def test_the_runner_refuses_what_the_engine_cannot_take_without_touching_a_rank(changes, message):
     """FSDP2 raises inside fully_shard for an int reshard_after_forward that does not divide the
     shard group, FSDP1 for an output_dtype: both refused in the parent (CaseError, exit 2)."""
-    from fsdp_verify.engines.capabilities import engine_capabilities
+    from fsdp_verify.engines import engine_capabilities
     from fsdp_verify.runner import check_case
     from fsdp_verify.validation import CaseError
     from tests.conftest import mlp_case

@@ -490,6 +490,39 @@ class Case:
         return replace(self, **flat)
 
 
+_SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
+
+
+def check_field_value(name: str, value: Any) -> None:
+    """Raise the CaseError a value of field `name` (dotted for nested specs) gets whatever else
+    the case holds (`optim.name="lamb"`, `steps=0`): a draw pinned to it is refused before any
+    draw, naming the field, rather than discarded draw after draw. A value that is only wrong
+    beside other fields (a batch size some world sizes do not divide) passes."""
+    if name.startswith(("model", "wrap")):
+        return
+    head, _, tail = name.partition(".")
+    try:
+        if tail and head in _SPECS:
+            _SPECS[head](**{tail: value}).validate()
+        elif not tail:
+            changes = {name: value}
+            if name == "mesh_shape" and isinstance(value, tuple) and all(isinstance(d, int) for d in value):
+                changes["world_size"] = _product(value)
+            Case().with_(**changes)
+    except CaseError as e:
+        if e.field_path == name:
+            raise
+    except TypeError:
+        pass  # a value of the wrong kind altogether: the Case it is drawn into names it
+
+
+def _product(values: tuple[int, ...]) -> int:
+    out = 1
+    for v in values:
+        out *= v
+    return out
+
+
 def _parse(text: str) -> Any:
     try:
         return json.loads(text)

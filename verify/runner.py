@@ -12,8 +12,7 @@ import torch
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
 from fsdp_verify.compare.comparators import compare_traces
-from fsdp_verify.engines import engine_arithmetic
-from fsdp_verify.engines.capabilities import refuse_untakeable
+from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
 from fsdp_verify.reference.trainer import RankShare

@@ -472,9 +472,9 @@ def flag_of(field: str) -> str | None:
 
 
 def _engine_type(text: str) -> str:
-    from fsdp_verify.commands.options import engine_name
+    from fsdp_verify.engines import canonical_engine  # on use: the engines import torch
 
-    return engine_name(text)
+    return canonical_engine(text)
 
 
 def _argparse_type(f: Flag) -> Callable[[str], Any]:
@@ -604,11 +604,11 @@ def _pin(field: str, values: list[Any]) -> Any:
     """One value (pinned) or a strategy drawing among several, each checked as a pin first."""
     from hypothesis import strategies as st
 
-    from fsdp_verify.properties.strategies import check_pin_value
+    from fsdp_verify.case import check_field_value
 
     values = _distinct(values)
     for value in values:
-        check_pin_value(field, value)
+        check_field_value(field, value)
     return values[0] if len(values) == 1 else st.sampled_from(values)
 
 

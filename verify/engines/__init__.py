@@ -13,7 +13,8 @@ from collections.abc import Callable
 from torch import nn
 
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, arithmetic_of
-from fsdp_verify.engines.capabilities import capabilities_of
+from fsdp_verify.engines.capabilities import FSDP2 as FSDP2_TAKES
+from fsdp_verify.engines.capabilities import Capabilities, capabilities_of
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.imports import import_where
 
@@ -67,6 +68,21 @@ def resolve_case_engine(case) -> Engine:
     engine = resolve_engine(case.engine)
     capabilities_of(engine).refuse(case, case.engine)
     return engine
+
+
+def engine_capabilities(name: str) -> Capabilities:
+    """What engine `name` takes (FSDP2's when it declares nothing or does not import here: loading
+    it reports that failure itself)."""
+    try:
+        return capabilities_of(resolve_engine(name))
+    except Exception:
+        return FSDP2_TAKES
+
+
+def refuse_untakeable(case) -> None:
+    """The parent process's check before any rank starts: raises CaseError (exit 2) for a case
+    the engine declares it cannot take."""
+    engine_capabilities(case.engine).refuse(case, case.engine)
 
 
 def engine_arithmetic(name: str) -> Arithmetic:

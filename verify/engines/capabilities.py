@@ -59,20 +59,3 @@ FSDP2 = Capabilities()
 def capabilities_of(engine: object) -> Capabilities:
     declared = getattr(engine, "capabilities", None)
     return declared if isinstance(declared, Capabilities) else FSDP2
-
-
-def engine_capabilities(name: str) -> Capabilities:
-    """What engine `name` takes (FSDP2's when it declares nothing or does not import here: loading
-    it reports that failure itself)."""
-    from fsdp_verify.engines import resolve_engine
-
-    try:
-        return capabilities_of(resolve_engine(name))
-    except Exception:
-        return FSDP2
-
-
-def refuse_untakeable(case) -> None:
-    """The parent process's check before any rank starts: raises CaseError (exit 2) for a case
-    the engine declares it cannot take."""
-    engine_capabilities(case.engine).refuse(case, case.engine)

@@ -142,7 +142,7 @@ def _valid(case: Case, candidates: Candidates) -> Iterator[tuple[str, Case]]:
     """`case` with each candidate's changes; a change the Case or its engine rejects (e.g. a world
     size an int reshard_after_forward does not divide: verify/engines/capabilities.py) is not a
     candidate."""
-    from fsdp_verify.engines.capabilities import refuse_untakeable
+    from fsdp_verify.engines import refuse_untakeable
 
     for label, changes in candidates:
         try:
