@@ -2,7 +2,7 @@
 # named phases (commit eb2559d), with the one numerical change made beside the split applied as its
 # diff (FSDP1's hybrid strategies: gloo's all-reduce order in `_FlatLayout`, the replica all-reduce,
 # NO_SHARD's carried sum), and FSDP2's HSDP reduction on 2-D meshes (`_hsdp_average`, the clip's
-# norm over the shard group) applied the same way. It exists only so tests/test_reference_phases.py
+# norm over the shard group; a 1-D mesh as (1, W)) applied the same way. It exists only so tests/test_reference_phases.py
 # can show the split changed no bit of any trace; delete both once the split has been trusted for a while.
 # Do not edit otherwise: a change here would no longer pin the behaviour the split was checked against.
 """Single-process reference trainer. Kept short and plain so it can be checked by eye: it shares
@@ -147,7 +147,7 @@ def train_reference(
             if layout is not None:
                 rank_grads = layout.carry(rank_grads, master_grads)
                 averaged = layout.average(rank_grads, reduce_dtype, divide)
-            elif order == "ring" and len(case.mesh) == 2 and len(rank_grads) == case.world_size:
+            elif order == "ring" and len(rank_grads) == case.world_size:
                 averaged = _hsdp_average(rank_grads, case, reduce_dtype, divide)
             else:
                 averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
@@ -271,7 +271,7 @@ def _hsdp_average(
     are powers of two); an fp16 one pre-divides by `pre` and SUMs both, then divides by `post`
     (`Arithmetic.divide_factors` of the whole world). (W, 1): the reduce-scatter of one rank is a
     copy and the all-reduce does it all; (1, W): the reduce-scatter alone."""
-    replicas, shards = case.mesh
+    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
     pre, post = divide
     staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
     units: dict[str, list[str]] = {}
