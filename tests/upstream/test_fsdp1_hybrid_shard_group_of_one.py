@@ -55,6 +55,10 @@ def _rank(rank: int, world: int, port: int, out: str) -> None:
         dist.all_gather(grads, fsdp.weight.grad.reshape(-1).detach())
         if rank == 0:
             torch.save(torch.stack(grads), out)
+        # Both ranks done with every group before either tears down: a peer that closes its gloo
+        # connections while the other still holds FSDP's subgroups aborts it ("terminate called
+        # without an active exception", SIGABRT), seen once in a loaded full run.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 
