@@ -385,15 +385,16 @@ def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | 
 def _average(
     grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str, divide: tuple[float, float] | None = None
 ) -> torch.Tensor:
-    """ReduceOp.AVG as FSDP2 issues it: upcast to reduce_dtype, sum, divide by the world size.
+    """ReduceOp.AVG per parameter: upcast to reduce_dtype, sum, divide by the world size. The
+    calibration runs' orders ("rank", "reverse"), and "ring" where the reference does not emulate
+    every rank; FSDP2's own reduction, every rank emulated, is `_hsdp_average` (any mesh).
 
-    FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's ring
-    reduce-scatter adds the contributions to the rows that rank r owns in the order r-1, r-2,
-    ..., r+1 and then r (measured on torch 2.13's gloo for W = 3 and 4). Emulating that order
-    makes a correct fp32 FSDP2 run on CPU bit-exact at any world size. With a 2-byte reduce_dtype
-    gloo's segment boundaries fall a few elements off the rank boundaries, so a few elements per
-    unit are added in a neighbour's order (one bf16 ulp); that, and NCCL's different order on GPUs,
-    is left to the calibrated tolerance.
+    "ring": FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's
+    ring reduce-scatter adds the contributions to the rows that rank r owns in the order r-1,
+    r-2, ..., r+1 and then r, except where gloo's segments of the unit's whole buffer cross a
+    rank's rows: there a neighbour's order applies (`_hsdp_average` follows the segments; this
+    per-row model was 0.041x off on an MLP at 3 ranks). NCCL's order on GPUs is left to the
+    calibrated tolerance.
 
     `divide` = (pre, post): each rank's gradient divided by `pre` before the sum and the sum by
     `post` after it (`Arithmetic.divide_factors`; FSDP2 pre-divides an fp16 reduction, whose sum
