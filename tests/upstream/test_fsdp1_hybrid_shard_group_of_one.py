@@ -13,7 +13,6 @@ mesh as NO_SHARD over the replicate group (verify/engines/fsdp1.py), and the zoo
 """
 
 import os
-import socket
 import tempfile
 import warnings
 
@@ -23,19 +22,14 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _rank(rank: int, world: int, port: int, out: str) -> None:
+def _rank(rank: int, world: int, rendezvous: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp import ShardingStrategy
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    # A file rendezvous, not a port: a free port picked and released can be taken by another
+    # test's process group in a parallel run before this one binds it (seen as a rank aborting).
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
     try:
         mesh = init_device_mesh("cpu", (world, 1), mesh_dim_names=("replicate", "shard"))
         torch.manual_seed(0)  # the same initial weight on every rank
@@ -73,7 +67,7 @@ def test_fsdp1_hybrid_shard_with_a_shard_group_of_one_averages_over_the_replicas
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "grads.pt")
-        mp.spawn(_rank, args=(world, _free_port(), out), nprocs=world)
+        mp.spawn(_rank, args=(world, os.path.join(tmp, "rendezvous"), out), nprocs=world)
         grads = torch.load(out)
     # Data parallelism: every rank holds the average of the ranks' gradients, (1 + 2) / 2 = 1.5.
     # What torch 2.13 gives: rank 0 holds 1 / 2, rank 1 holds 2 / 2.
