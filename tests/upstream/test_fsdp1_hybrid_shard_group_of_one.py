@@ -49,12 +49,16 @@ def _rank(rank: int, world: int, rendezvous: str, out: str) -> None:
         dist.all_gather(grads, fsdp.weight.grad.reshape(-1).detach())
         if rank == 0:
             torch.save(torch.stack(grads), out)
-        # Both ranks done with every group before either tears down: a peer that closes its gloo
-        # connections while the other still holds FSDP's subgroups aborts it ("terminate called
-        # without an active exception", SIGABRT), seen once in a loaded full run.
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # Leave without tearing down: gloo's teardown (destroy_process_group, or the destructors of the
+    # groups DeviceMesh keeps at interpreter exit) aborted a rank twice in loaded full runs
+    # ("terminate called without an active exception", SIGABRT: a joinable thread destroyed).
+    # The teardown is not what this test is about; the gradients are saved and both ranks are past
+    # the barrier, so each rank ends here without running any destructor.
+    os._exit(0)
 
 
 @pytest.mark.xfail(
