@@ -21,6 +21,7 @@ from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from fsdp_verify.sharded import collect
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.collect import Collector
+from fsdp_verify.sharded.worker import exit_now, leave_process_group
 from fsdp_verify.trace import Trace
 
 # Rows that do not split evenly: 7 over 3 ranks is 3, 3, 1; 2 over 3 leaves rank 2 empty.
@@ -86,7 +87,10 @@ def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], ou
         torch.save(got, out)
     dist.barrier()  # rank 0 has listed the arenas
     release_arenas()
-    dist.destroy_process_group()
+    # As a pool worker leaves: groups freed while the interpreter is alive, then no finalisation
+    # (gloo's threads racing C++ static destructors abort a rank at exit under load).
+    leave_process_group()
+    exit_now(0)
 
 
 def _threads(world: int, mesh_shape: tuple[int, ...]) -> dict:

@@ -25,6 +25,7 @@ from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import rank_like_threads
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe
+from fsdp_verify.sharded.worker import exit_now, leave_process_group
 from tests.conftest import lm_case, mlp_case
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,9 +71,15 @@ def _split(rank: int, processes: int, init: str, directory: str, case: Case, out
             torch.save({"records": trace.records, "meta": trace.meta}, out)
     except SplitUnsafe as e:
         torch.save({"unsafe": str(e)}, f"{out}.{rank}")
-    finally:
+    except BaseException:
         release_arenas()
         dist.destroy_process_group()
+        raise
+    # As a pool worker leaves: groups freed while the interpreter is alive, then no finalisation
+    # (gloo's threads racing C++ static destructors abort a rank at exit under load).
+    release_arenas()
+    leave_process_group()
+    exit_now(0)
 
 
 def _run_split(case: Case, processes: int = 2, full: bool = False) -> tuple[dict, list[str]]:
