@@ -31,7 +31,14 @@ from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.perturbation import Perturbation
-from fsdp_verify.reference.trainer import _average, _FlatLayout, _record_buffers, _record_params, reference_model
+from fsdp_verify.reference.trainer import (
+    _average,
+    _FlatLayout,
+    _hsdp_average,
+    _record_buffers,
+    _record_params,
+    reference_model,
+)
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.data import global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
@@ -152,6 +159,7 @@ def train_reference_step(
     jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
     reduce_dtype = to_torch(case.precision.reduce_dtype) or to_torch(case.precision.param_dtype) or torch.float32
     layout = _FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
+    divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
     current = {"step": 0}
     # A rank's loss scale is W / N; the seed W times the one-device 1 / N is an ulp away from it
     # for some N unless W is a power of two, and in a compute dtype coarser than fp32 that flips
@@ -164,9 +172,11 @@ def train_reference_step(
     def reduce(rank_grads: list[dict[str, torch.Tensor]]) -> None:
         """ReduceOp.AVG of the ranks' gradients as the engine issues it, added to `.grad` in fp32."""
         if layout is not None:
-            averaged = layout.average(rank_grads, reduce_dtype)
+            averaged = layout.average(rank_grads, reduce_dtype, divide)
+        elif order == "ring":  # FSDP2's reduction, every rank emulated: as `_Run.average` does
+            averaged = _hsdp_average(rank_grads, case, reduce_dtype, divide)
         else:
-            averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order) for n in rank_grads[0]}
+            averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
         for n, avg in averaged.items():
             if jolt is not None:
                 terms, where = [g[n] for g in rank_grads], f"{current['step']}/grads"

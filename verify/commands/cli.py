@@ -47,6 +47,11 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
         "fsdp_verify.commands.compare",
         "compare two recorded runs (your script and its sharded twin) step by step; the data check",
     ),
+    (
+        "gate",
+        "fsdp_verify.commands.gate",
+        "the same cases under two or more torch releases, each in its own venv; what got worse",
+    ),
     ("report", "fsdp_verify.commands.report", "merge shards' reports, diff two nights, a trend page over nights"),
 ]
 

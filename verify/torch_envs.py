@@ -1,0 +1,106 @@
+"""One cached virtual environment per torch release, made with the ordinary tools (venv and pip),
+for `fsdp-verify gate`: the same cases run under each release, each in its own interpreter, since
+one process can import only one torch.
+
+An environment is `CACHE/torch-VERSION`: `python -m venv`, then `pip install torch==VERSION` and
+this project beside it in one resolution (so pip keeps that torch). A user's own interpreter (a
+conda env, a container's python) can stand in for one: `NAME=PATH`."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+
+VERSION = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+]*)?$")
+
+
+class EnvironmentError_(Exception):
+    """An environment that could not be made or does not import fsdp-verify and torch."""
+
+
+@dataclass
+class TorchEnv:
+    name: str  # what the gate calls it: the torch release asked for, or the user's NAME
+    python: Path
+    torch: str  # what `import torch` says inside it
+    root: Path | None = None  # the cached environment's folder; None for a user's interpreter
+    made_seconds: float | None = None  # None: found in the cache or given by the user
+
+    def disk_bytes(self) -> int | None:
+        """The cached environment's size on disk (None for a user's interpreter)."""
+        if self.root is None:
+            return None
+        return sum(f.stat().st_size for f in self.root.rglob("*") if f.is_file() and not f.is_symlink())
+
+
+def default_cache() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "fsdp-verify" / "torch-envs"
+
+
+def project_requirement() -> str:
+    """What to install beside torch: this checkout when fsdp-verify runs from one (an editable
+    install, as in development and CI), else the same release from the package index."""
+    dist = metadata.distribution("fsdp-verify")
+    direct = dist.read_text("direct_url.json")
+    if direct:
+        url = json.loads(direct).get("url", "")
+        if url.startswith("file://"):
+            return url[len("file://") :]
+    return f"fsdp-verify=={dist.version}"
+
+
+def probe(python: Path) -> str:
+    """The torch version inside `python`, or an EnvironmentError_ saying what is missing."""
+    code = "import torch, fsdp_verify; print(torch.__version__)"
+    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        last = (done.stderr.strip().splitlines() or ["no output"])[-1]
+        raise EnvironmentError_(f"{python}: cannot import torch and fsdp_verify ({last})")
+    return done.stdout.strip()
+
+
+def ensure(version: str, cache: Path, project: str, log=print) -> TorchEnv:
+    """The cached environment for torch `version`, made on first use."""
+    if not VERSION.match(version):
+        raise ValueError(f"--torch: expected a release such as 2.12.0, got {version!r}")
+    root = cache / f"torch-{version}"
+    python = root / "bin" / "python"
+    if python.exists():
+        try:
+            return TorchEnv(version, python, probe(python), root)
+        except EnvironmentError_:
+            shutil.rmtree(root)  # a half-made one (an interrupted install): made again below
+    start = time.monotonic()
+    log(f"gate: making {root} (torch=={version}; a CUDA build is several GB on first use)")
+    root.parent.mkdir(parents=True, exist_ok=True)
+    steps = [
+        [sys.executable, "-m", "venv", str(root)],
+        [str(python), "-m", "pip", "install", "-q", f"torch=={version}", project],
+    ]
+    for cmd in steps:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
+            shutil.rmtree(root, ignore_errors=True)
+            raise EnvironmentError_(f"torch=={version}: `{' '.join(cmd[2:])}` failed:\n{tail}")
+    return TorchEnv(version, python, probe(python), root, made_seconds=time.monotonic() - start)
+
+
+def given(spec: str) -> TorchEnv:
+    """`NAME=PATH`: a user's own interpreter as one of the gate's environments."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--python: expected NAME=PATH (e.g. nightly=/opt/envs/nightly/bin/python), got {spec!r}")
+    python = Path(path)
+    if not python.exists():
+        raise ValueError(f"--python: {path} does not exist")
+    return TorchEnv(name, python, probe(python))
