@@ -60,6 +60,13 @@ def reseeds_by_env_rank(**kwargs) -> nn.Module:
     return UserLM(**kwargs)
 
 
+def reseeds_by_env_rank_strict(**kwargs) -> nn.Module:
+    """The same as a torchrun script writes it, `os.environ["RANK"]` with no default (in the
+    reference's process too, as a one-process torchrun run sets RANK=0)."""
+    torch.manual_seed(1000 + int(os.environ["RANK"]))
+    return UserLM(**kwargs)
+
+
 def width_by_rank(**kwargs) -> nn.Module:
     """A factory whose hidden width depends on the rank."""
     return UserLM(**{**kwargs, "hidden": 20 + _rank()})
