@@ -130,3 +130,58 @@ def test_the_checks_catch_a_page_that_errs_or_fetches(browser, tmp_path):
     blank.write_text("<!DOCTYPE html><html><body></body></html>")
     open_page(browser, blank)
     assert not not_blank(shot(browser, "blank-control"))
+
+
+@pytest.fixture(scope="module")
+def compare_pages(tmp_path_factory) -> dict[str, Path]:
+    """`fsdp-verify compare`'s page for an equivalent pair and for one whose gradient moved."""
+    import torch
+
+    from fsdp_verify.commands.cli import main
+    from tests.test_recorder import Inner, train
+
+    d = tmp_path_factory.mktemp("compare-pages")
+    train(d / "ref")
+    train(d / "twin")
+    torch.manual_seed(0)
+    bad = Inner()
+    bad.lin.weight.register_hook(lambda g: g * (1 + 2e-6))
+    train(d / "bad", model=bad)
+    assert main(["compare", str(d / "ref"), str(d / "twin"), "--out", str(d / "pass")]) == 0
+    assert main(["compare", str(d / "ref"), str(d / "bad"), "--out", str(d / "fail")]) == 1
+    return {"pass": d / "pass" / "report.html", "fail": d / "fail" / "report.html"}
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail"])
+def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, compare_pages, outcome):
+    """One pair of runs: none of the sweep page's widgets that mean nothing for it ("Engine None",
+    cases a minute, a one-case histogram, the slowest cases); the runs, the rules used and the
+    steps x phases table come first, after the divergence where there is one."""
+    seen = open_page(browser, compare_pages[outcome])
+    assert seen["errors"] == [] and seen["requests"] == []
+    text = browser.find_element("tag name", "body").text
+    for widget in ("Engine", "cases/min", "Worst ratio per case", "Slowest cases", "Comparators"):
+        assert widget not in text, widget
+    assert {p["name"] for p in seen["plots"]} == {"ratios"}, seen["plots"]
+    assert all(p["width"] > 100 and p["height"] > 20 and p["shapes"] > 0 for p in seen["plots"])
+    assert not_blank(shot(browser, f"compare-{outcome}"))
+    top = {
+        name: browser.execute_script(
+            f"const r = document.getElementById('{name}').getBoundingClientRect(); return r.top + window.scrollY"
+        )
+        for name in ("status", "runs", "rules", "steps", "records")
+    }
+    assert top["status"] < top["runs"] < top["rules"] < top["steps"] < seen["plots"][0]["top"] < top["records"]
+    assert top["runs"] < browser.execute_script("return window.innerHeight")  # on the first screen
+    runs = browser.find_element("id", "runs").text
+    assert "reference" in runs and "sharded" in runs and "AdamW" in runs
+    assert "exact" in browser.find_element("id", "rules").text
+    assert browser.find_element("id", "steps").text.startswith("step")
+    status = browser.find_element("id", "status").text
+    if outcome == "fail":
+        assert "FAIL" in status
+        failures = browser.find_element("id", "failures")
+        assert "First divergence at step 1, gradients, 'lin.weight'" in failures.text
+        assert failures.location["y"] < top["runs"]
+    else:
+        assert "PASS" in status and "EQUIVALENT" in browser.find_element("id", "verdict").text

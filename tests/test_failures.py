@@ -96,6 +96,27 @@ def test_a_rank_failing_in_a_users_step_is_named_with_that_part_of_the_step(pool
     _recovers(pool)
 
 
+@pytest.mark.parametrize(
+    ("step", "phase"),
+    [(None, "step 1 forward (micro-batch 0)"), ("tests/user/steps.py:train_step", "step 1 user step: forward 0")],
+    ids=["toolkit-loop", "user-step"],
+)
+def test_a_rank_failing_inside_a_users_forward_is_named_with_the_forward(pool, step, phase):
+    """A user's model raising inside a sharded block's forward, on rank 1 only: the failure names
+    rank 1 and the forward (in the toolkit's loop and in a user's step), not a phase after it."""
+    from fsdp_verify.case import Case, DataSpec, ModelSpec
+
+    if not pool.alive:
+        pool.start()
+    model = ModelSpec(kind="custom", factory="tests/user/models.py:raises_in_forward_on_rank_1")
+    case = Case(world_size=2, model=model, steps=1, wrap=("UserBlock", ""), data=DataSpec(batch_size=4), step=step)
+    with pytest.raises(RankFailure) as e:
+        check_case(case, pool=pool)
+    assert (e.value.kind, e.value.rank, e.value.phase) == ("error", 1, phase), str(e.value)
+    assert "RuntimeError: the user's block failed on rank 1" in e.value.detail
+    _recovers(pool)
+
+
 def test_closing_the_pool_leaves_no_process(no_leftover_children):
     with RankPool(2) as p:
         p.start()

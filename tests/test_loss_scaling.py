@@ -253,6 +253,44 @@ def test_check_names_a_bad_loss_scaling_field(capsys, value, field):
     assert f"bad case: {field or 'loss_scaling'}:" in err, err
 
 
+@pytest.mark.parametrize(
+    "precision",
+    [[], ["--param-dtype", "bf16"], ["--param-dtype", "bf16", "--reduce-dtype", "fp32"], ["--output-dtype", "bf16"]],
+    ids=["fp32", "bf16", "bf16-fp32-reduce", "bf16-output"],
+)
+def test_loss_scaling_without_fp16_is_bad_input(capsys, precision):
+    """Before, `--loss-scaling` with bf16 or fp32 ran without a word (a scaler that only multiplies
+    and divides by powers of two in a range that needs none). Refused as fuzz and sweep refuse it."""
+    assert main(["check", *precision, "--loss-scaling", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "bad case: loss_scaling: expected null unless the case computes in fp16" in err, err
+    assert "(from --loss-scaling)" in err and "with precision " in err
+
+
+def test_a_case_file_with_loss_scaling_and_no_fp16_is_bad_input(tmp_path, capsys):
+    path = tmp_path / "case.json"
+    Case(model=ModelSpec(kind="mlp"), precision=FP16, loss_scaling=LossScaleSpec()).save(path)
+    assert main(["check", "--case", str(path), "--param-dtype", "bf16"]) == 2  # the file's scaling stays
+    assert "loss_scaling: expected null unless the case computes in fp16" in capsys.readouterr().err
+    data = json.loads(path.read_text())
+    data["precision"] = {"param_dtype": None, "reduce_dtype": None, "output_dtype": None, "cast_forward_inputs": True}
+    path.write_text(json.dumps(data))
+    with pytest.raises(CaseError, match="loss_scaling: expected null unless"):
+        Case.load(path)
+    # fp16 anywhere (here only the reduction) is what scaling is for: taken.
+    assert Case(precision=PrecisionSpec(reduce_dtype="fp16"), loss_scaling=LossScaleSpec()).loss_scaling
+
+
+def test_shrinking_fp16_away_drops_the_loss_scaling_with_it():
+    from fsdp_verify.repro.shrink import _precision, _valid
+
+    case = Case(model=ModelSpec(kind="mlp"), precision=FP16, loss_scaling=LossScaleSpec())
+    valid = dict(_valid(case, _precision(case)))
+    to_fp32 = valid["precision (param fp16, reduce fp32) -> fp32"]
+    assert to_fp32.precision.is_full_precision and to_fp32.loss_scaling is None
+    assert valid["precision.param_dtype fp16 -> None"].loss_scaling is None
+
+
 def test_fuzz_draws_fp16_with_loss_scaling(tmp_path, capsys):
     code = main(
         ["fuzz", "--engine", "fsdp2", "--precisions", "fp16", "--world-sizes", "2", "--models", "mlp"]

@@ -138,6 +138,27 @@ def test_runs_record_per_rank_with_placements_and_meta(runs):
     assert (rows, offset, full) == (128, 128, 256)  # rank 1 holds rows 128..255 of the 256
 
 
+def test_an_optimizer_built_before_fully_shard_is_refused_at_once(tmp_path):
+    """The optimizer holds the unsharded parameters fully_shard replaced, and steps them: before,
+    the run recorded and `compare` found only parameters that "did not move" at step 1."""
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+    script = [str(EXAMPLES / "train_fsdp.py"), "--out", str(tmp_path / "run"), "--bug", "optimizer-before-shard"]
+    r = subprocess.run([*torchrun, *script], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    assert r.returncode != 0, r.stdout
+    assert "optimizer: expected an optimizer over the model's parameters; 21 of its 21" in r.stderr, r.stderr[-3000:]
+    assert "built before fully_shard" in r.stderr
+    assert not list((tmp_path / "run").glob("rank*/step*.safetensors"))  # refused before anything is recorded
+
+
+def test_an_optimizer_over_other_parameters_is_refused(tmp_path):
+    torch.manual_seed(0)
+    model, other = Inner(), Inner()
+    with pytest.raises(ValueError, match=r"optimizer: .*; 4 of its 4 parameters are not the model's"):
+        Recorder(model, torch.optim.SGD(other.parameters(), lr=0.1), out=tmp_path / "run")
+    params = list(model.parameters())  # a subset of the model's (the rest frozen) is fine
+    Recorder(model, torch.optim.SGD(params[:2], lr=0.1), out=tmp_path / "ok").close()
+
+
 # ---- storage, names and bad input -----------------------------------------------------------------
 
 
@@ -337,4 +358,8 @@ def test_runs_of_different_lengths_are_compared_over_the_steps_both_have(tmp_pat
     train(tmp_path / "b", steps=2)
     code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
     assert "the runs recorded 3 and 2 steps; compared the 2 both have" in out, out
+    # The verdict line and the report count the steps compared too (they said the reference's 3).
+    assert f"{tmp_path / 'b'} (world size 1) vs {tmp_path / 'a'} (world size 1), 2 steps compared:" in out, out
+    report = json.loads((tmp_path / "r" / "report.json").read_text())
+    assert report["compare"]["steps"] == report["cases"][0]["steps"] == 2
     assert code == 0, out

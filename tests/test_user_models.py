@@ -6,6 +6,7 @@ builds different models on different ranks is named at step 0; a factory that fa
 from __future__ import annotations
 
 import json
+import os
 import sys
 
 import pytest
@@ -245,10 +246,13 @@ def test_a_user_data_function_loss_and_output_fn_run_on_both_sides():
     [
         ("reseeds_by_rank", "other values"),
         ("reseeds_by_env_rank", "other values"),  # pool workers set RANK, WORLD_SIZE, LOCAL_RANK as torchrun does
+        # os.environ["RANK"] with no default: was a KeyError in the reference's build, refused as bad input
+        ("reseeds_by_env_rank_strict", "other values"),
         ("width_by_rank", "shape (21, 12) torch.float32 vs rank 0's (20, 12)"),
     ],
 )
 def test_a_factory_that_builds_another_model_on_another_rank_is_named_at_step_0(factory, why, tmp_path, capsys):
+    rank_before = os.environ.get("RANK")
     verdict = tmp_path / "verdict.json"
     assert main(["check", "--model", f"{USER}:{factory}", "--steps", "1", "--json", str(verdict)]) == 1
     first = json.loads(verdict.read_text())["first_divergence"]
@@ -259,6 +263,8 @@ def test_a_factory_that_builds_another_model_on_another_rank_is_named_at_step_0(
     )
     assert f"the model factory {USER}:{factory} built different parameters on rank 1" in first["message"]
     assert why in first["message"]
+    assert "never from the rank (dist.get_rank(), or the RANK and LOCAL_RANK variables" in first["message"]
+    assert os.environ.get("RANK") == rank_before  # the reference's build set it for its own call only
 
 
 def test_a_factory_that_fails_is_bad_input_and_the_pool_stays_usable(capsys):

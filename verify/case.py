@@ -53,6 +53,11 @@ class PrecisionSpec:
     def is_full_precision(self) -> bool:
         return all(d in (None, "fp32") for d in (self.param_dtype, self.reduce_dtype, self.output_dtype))
 
+    @property
+    def uses_fp16(self) -> bool:
+        """Whether any of the dtypes is fp16: what dynamic loss scaling is for."""
+        return "fp16" in (self.param_dtype, self.reduce_dtype, self.output_dtype)
+
     def describe(self) -> str:
         """`fp32`, or e.g. `param bf16, reduce fp32`: the fields that are set, short names."""
         if self.is_full_precision:
@@ -304,6 +309,17 @@ class Case:
                 "loss_scaling",
                 "null with a user's step (--step scales its own loss, if it does)",
                 dataclasses.asdict(self.loss_scaling),
+            )
+            # Refused, not run: loss scaling guards fp16's narrow range (small gradients flush to
+            # zero, large ones overflow); bf16 and fp32 have fp32's exponent range, so in them a
+            # scaler only multiplies and divides by powers of two and the check would test nothing
+            # a user asked about. fuzz and sweep draw it for fp16 cases only, likewise.
+            check(
+                self.precision.uses_fp16,
+                "loss_scaling",
+                "null unless the case computes in fp16 (precision.param_dtype, reduce_dtype or output_dtype"
+                " fp16): dynamic loss scaling is for fp16's range; bf16 and fp32 need none (--loss-scaling off)",
+                f"{self.loss_scaling.describe()} with precision {self.precision.describe()}",
             )
         self._validate_custom()
         self._validate_wrap()

@@ -7,6 +7,8 @@ its share of every global batch through DistributedSampler, with the recorder.
 Planted bugs (`--bug`), each one a classic of hand-written sharded loops:
   unsharded-sampler  every rank reads the same samples (the sampler is not given the rank)
   grad-noise         rank 1 scales its gradient shards by 1 + 2e-6 before the optimizer step
+  optimizer-before-shard  the optimizer built before fully_shard: it holds (and steps) the old,
+                     unsharded parameters; the Recorder refuses it at once
 """
 
 from __future__ import annotations
@@ -26,17 +28,20 @@ from fsdp_verify.recorder import Recorder
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
-    p.add_argument("--bug", choices=["unsharded-sampler", "grad-noise"])
+    p.add_argument("--bug", choices=["unsharded-sampler", "grad-noise", "optimizer-before-shard"])
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     mesh = init_device_mesh("cpu", (world,))
     model = make_model()
+    if args.bug == "optimizer-before-shard":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     for block in model.layers:
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
-    optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
+    if args.bug != "optimizer-before-shard":
+        optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = make_dataset()
     if args.bug == "unsharded-sampler":
         sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)

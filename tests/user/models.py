@@ -60,6 +60,30 @@ def reseeds_by_env_rank(**kwargs) -> nn.Module:
     return UserLM(**kwargs)
 
 
+def reseeds_by_env_rank_strict(**kwargs) -> nn.Module:
+    """The same as a torchrun script writes it, `os.environ["RANK"]` with no default (in the
+    reference's process too, as a one-process torchrun run sets RANK=0)."""
+    torch.manual_seed(1000 + int(os.environ["RANK"]))
+    return UserLM(**kwargs)
+
+
+class RaisingBlock(UserBlock):
+    """A block whose forward raises on rank 1 only (RANK as torchrun and the pool's workers set it)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if os.environ.get("RANK") == "1":
+            raise RuntimeError("the user's block failed on rank 1")
+        return super().forward(x)
+
+
+def raises_in_forward_on_rank_1(**kwargs) -> nn.Module:
+    """A model whose second block raises inside its forward on rank 1: the failure must be named
+    with the forward, not with the toolkit's phase after it."""
+    model = UserLM(**kwargs)
+    model.blocks[1] = RaisingBlock(model.embed.embedding_dim, model.blocks[1].up.out_features)
+    return model
+
+
 def width_by_rank(**kwargs) -> nn.Module:
     """A factory whose hidden width depends on the rank."""
     return UserLM(**{**kwargs, "hidden": 20 + _rank()})

@@ -40,7 +40,8 @@ def _fail(case: Case, rank: int, name: str, why: str) -> Finding:
     message = (
         f"{who_builds(case)} built different parameters on rank {rank} than on rank 0: first {name!r} ({why});"
         " a factory must build the same model on every rank: draw initial values from the global seed set"
-        " before it runs (or an init_fn's generator), never from the rank"
+        " before it runs (or an init_fn's generator), never from the rank (dist.get_rank(), or the RANK and"
+        " LOCAL_RANK variables a launcher sets)"
     )
     return Finding(0, "build", name, False, "mismatch", COMPARATOR, message)
 

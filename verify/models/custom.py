@@ -6,8 +6,11 @@ mask) is read once per spec from a meta-device build, which costs no memory."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
+import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +21,37 @@ from fsdp_verify.imports import load_object
 from fsdp_verify.models.spec import ModelSpec
 from fsdp_verify.validation import CaseError
 
+# What torchrun sets in every process it starts (pool workers set them too: verify/sharded/worker.py).
+LAUNCHER_VARIABLES = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE")
+
+
+@contextlib.contextmanager
+def as_one_process_launch() -> Iterator[None]:
+    """Outside a rank (the reference, the meta-device build that reads the model's layout), the
+    variables a one-process torchrun would set, unless a launcher set them already. A factory that
+    reads `os.environ["RANK"]` then builds here as it does under torchrun, not a KeyError refused
+    as bad input, and on the ranks it builds by rank, which the build check names at step 0."""
+    if "RANK" in os.environ:
+        yield
+        return
+    saved = {k: os.environ.get(k) for k in LAUNCHER_VARIABLES}
+    os.environ.update(dict.fromkeys(("RANK", "LOCAL_RANK"), "0"), WORLD_SIZE="1", LOCAL_WORLD_SIZE="1")
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
 
 def construct(spec: ModelSpec) -> nn.Module:
     """Call the factory. Whatever it raises becomes a CaseError naming `model.factory`."""
     factory = load_object(spec.factory, "model.factory")
     try:
-        model = factory(**spec.kwargs)
+        with as_one_process_launch():
+            model = factory(**spec.kwargs)
     except Exception as e:
         raise CaseError(
             "model.factory",

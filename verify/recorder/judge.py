@@ -87,6 +87,7 @@ class Comparison:
     calibration: Run | None
     findings: list[Finding] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    steps: int = 0  # steps both runs recorded, the ones compared (call 0, the initial state, is not a step)
 
     @property
     def judged(self) -> list[Finding]:
@@ -137,11 +138,12 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             )
     result = Comparison(ref, got, cal)
     common = sorted(set(ref.calls[0]) & set(got.calls[0]))
+    result.steps = len([c for c in common if c > 0])
     if set(ref.calls[0]) != set(got.calls[0]):
         result.notes.append(
             # call 0 is the state before the first step (verify/recorder/store.py), not a step
             f"the runs recorded {len(ref.calls[0]) - 1} and {len(got.calls[0]) - 1} steps;"
-            f" compared the {len(common) - 1} both have"
+            f" compared the {result.steps} both have"
         )
     cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
     world = got.world_size

@@ -45,6 +45,23 @@ def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
 
 
+def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Refuse an optimizer over parameters the model no longer has, by identity: one built before
+    `fully_shard` (which swaps every parameter for a sharded one) steps the old, unsharded tensors,
+    and the run would otherwise show only as parameters that "did not move" at step 1."""
+    mine = {id(p) for p in model.parameters()}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    foreign = [p for p in held if id(p) not in mine]
+    if foreign:
+        first = foreign[0]
+        raise ValueError(
+            f"optimizer: expected an optimizer over the model's parameters; {len(foreign)} of its {len(held)}"
+            f" parameters are not the model's (the first: shape {tuple(first.shape)}, {type(first).__name__})."
+            " An optimizer built before fully_shard (or before wrapping or moving the model) holds the old"
+            " parameters and steps them, not the model's: build it after, over model.parameters()"
+        )
+
+
 class Recorder:
     """Record a run for `fsdp-verify compare`.
 
@@ -80,6 +97,7 @@ class Recorder:
                 raise ValueError(f"model: parameters {seen[name]!r} and {fqn!r} both strip to {name!r}")
             seen[name] = fqn
             self.params.append((name, p))
+        _check_optimizer_holds(model, optimizer)
         # Where each rank's rows sit never changes, and gradients and optimizer state are placed as
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).

@@ -62,7 +62,7 @@ def where(f) -> str:
 def summary(c: Comparison) -> str:
     what = (
         f"{c.got.path} (world size {c.got.world_size}) vs {c.ref.path} (world size {c.ref.world_size}),"
-        f" {len(c.ref.calls[0]) - 1} steps{', calibrated by ' + str(c.calibration.path) if c.calibration else ''}"
+        f" {c.steps} steps compared{', calibrated by ' + str(c.calibration.path) if c.calibration else ''}"
     )
     first = c.first_divergence
     if first is None:

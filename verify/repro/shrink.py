@@ -277,14 +277,21 @@ def _tie_off(c: Case) -> Candidates:
 
 
 def _precision(c: Case) -> Candidates:
-    """All fp32 first; else one field at a time."""
+    """All fp32 first; else one field at a time. A change that leaves no fp16 drops the loss
+    scaling with it (a Case refuses loss scaling without fp16)."""
     p = c.precision
     if p.is_full_precision:
         return []
-    out: Candidates = [(f"precision ({p.describe()}) -> fp32", {"precision": PrecisionSpec()})]
+    options = [(f"precision ({p.describe()}) -> fp32", PrecisionSpec())]
     for name in ("output_dtype", "reduce_dtype", "param_dtype"):
         if getattr(p, name) not in (None, "fp32"):
-            out.append((f"precision.{name} {getattr(p, name)} -> None", {f"precision.{name}": None}))
+            options.append((f"precision.{name} {getattr(p, name)} -> None", replace(p, **{name: None})))
+    out: Candidates = []
+    for label, after in options:
+        changes: dict[str, Any] = {"precision": after}
+        if c.loss_scaling is not None and not after.uses_fp16:
+            changes["loss_scaling"] = None
+        out.append((label, changes))
     return out
 
 
