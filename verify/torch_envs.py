@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import time
@@ -46,16 +45,16 @@ def default_cache() -> Path:
     return Path(base) / "fsdp-verify" / "torch-envs"
 
 
-def project_requirement() -> str:
-    """What to install beside torch: this checkout when fsdp-verify runs from one (an editable
-    install, as in development and CI), else the same release from the package index."""
+def project_requirement() -> list[str]:
+    """What pip installs beside torch: this checkout, editable, when fsdp-verify runs from one (so
+    a cached environment always runs the checkout's current code, as in development and CI), else
+    the same release from the package index."""
     dist = metadata.distribution("fsdp-verify")
-    direct = dist.read_text("direct_url.json")
-    if direct:
-        url = json.loads(direct).get("url", "")
-        if url.startswith("file://"):
-            return url[len("file://") :]
-    return f"fsdp-verify=={dist.version}"
+    direct = json.loads(dist.read_text("direct_url.json") or "{}")
+    url = direct.get("url", "")
+    if url.startswith("file://") and direct.get("dir_info", {}).get("editable"):
+        return ["-e", url[len("file://") :]]
+    return [f"fsdp-verify=={dist.version}"]
 
 
 def probe(python: Path) -> str:
@@ -68,7 +67,7 @@ def probe(python: Path) -> str:
     return done.stdout.strip()
 
 
-def ensure(version: str, cache: Path, project: str, log=print) -> TorchEnv:
+def ensure(version: str, cache: Path, project: list[str], log=print) -> TorchEnv:
     """The cached environment for torch `version`, made on first use."""
     if not VERSION.match(version):
         raise ValueError(f"--torch: expected a release such as 2.12.0, got {version!r}")
@@ -77,20 +76,19 @@ def ensure(version: str, cache: Path, project: str, log=print) -> TorchEnv:
     if python.exists():
         try:
             return TorchEnv(version, python, probe(python), root)
-        except EnvironmentError_:
-            shutil.rmtree(root)  # a half-made one (an interrupted install): made again below
+        except EnvironmentError_:  # torch there but not this project (or a half-made venv): pip completes it
+            pass
     start = time.monotonic()
     log(f"gate: making {root} (torch=={version}; a CUDA build is several GB on first use)")
     root.parent.mkdir(parents=True, exist_ok=True)
-    steps = [
-        [sys.executable, "-m", "venv", str(root)],
-        [str(python), "-m", "pip", "install", "-q", f"torch=={version}", project],
+    steps = [] if python.exists() else [[sys.executable, "-m", "venv", str(root)]]
+    steps += [
+        [str(python), "-m", "pip", "install", "-q", f"torch=={version}", *project],
     ]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
-            tail = "\n".join(done.stderr.strip().splitlines()[-5:])
-            shutil.rmtree(root, ignore_errors=True)
+            tail = "\n".join(done.stderr.strip().splitlines()[-5:])  # the venv stays: the next run completes it
             raise EnvironmentError_(f"torch=={version}: `{' '.join(cmd[2:])}` failed:\n{tail}")
     return TorchEnv(version, python, probe(python), root, made_seconds=time.monotonic() - start)
 

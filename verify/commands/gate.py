@@ -63,7 +63,7 @@ def _environments(args):
     from fsdp_verify import torch_envs
 
     cache = args.cache or torch_envs.default_cache()
-    project = args.project or torch_envs.project_requirement()
+    project = [args.project] if args.project else torch_envs.project_requirement()
     envs = [torch_envs.ensure(v, cache, project) for v in args.torch]
     envs += [torch_envs.given(spec) for spec in args.python]
     return envs
