@@ -150,13 +150,21 @@ def mismatch(expected: list[str], actual: str) -> str | None:
     return None
 
 
-def run_block(block: Block, cwd: Path, timeout: float = 1800) -> list[str]:
-    """Runs a block's commands in order in `cwd` (files one writes are there for the next); returns
-    a list of failures, each naming the command, empty when the block is true."""
+@dataclass
+class Ran:
+    """What one command of a block did."""
+
+    command: Command
+    returncode: int
+    output: str  # stdout and stderr, interleaved as printed
+
+
+def execute(block: Block, cwd: Path, timeout: float = 1800) -> list[Ran]:
+    """Runs a block's commands in order in `cwd` (files one writes are there for the next)."""
     env = dict(os.environ)
     env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env.get('PATH', '')}"
     env.setdefault("COLUMNS", "120")
-    failures = []
+    ran = []
     for command in block.commands:
         proc = subprocess.run(
             ["bash", "-c", command.line],
@@ -167,15 +175,29 @@ def run_block(block: Block, cwd: Path, timeout: float = 1800) -> list[str]:
             text=True,
             timeout=timeout,
         )
+        ran.append(Ran(command, proc.returncode, proc.stdout))
+    return ran
+
+
+def judge(block: Block, ran: list[Ran]) -> list[str]:
+    """What the documentation says that the run did not do, one message per command, each naming
+    the block and the command; empty when the block is true."""
+    failures = []
+    for command, result in zip(block.commands, ran, strict=True):
         problems = []
-        if proc.returncode != command.exit_code:
-            problems.append(f"exit code {proc.returncode}, the documentation says {command.exit_code}")
-        if (found := mismatch(command.expected, proc.stdout)) is not None:
+        if result.returncode != command.exit_code:
+            problems.append(f"exit code {result.returncode}, the documentation says {command.exit_code}")
+        if (found := mismatch(command.expected, result.output)) is not None:
             problems.append(found)
         if problems:
-            tail = "\n    ".join(proc.stdout.rstrip().split("\n")[-40:])
+            tail = "\n    ".join(result.output.rstrip().split("\n")[-40:])
             failures.append(f"{block.name}: $ {command.line}\n" + "\n".join(problems) + f"\n  output:\n    {tail}")
     return failures
+
+
+def run_block(block: Block, cwd: Path) -> list[str]:
+    """Runs a block and judges it: the failures, empty when the block is true."""
+    return judge(block, execute(block, cwd))
 
 
 def workdir(tmp: Path) -> Path:
