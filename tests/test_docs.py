@@ -39,6 +39,20 @@ def test_every_prompt_is_in_a_console_block():
     assert not stray, f"blocks with `$ ` prompts that are not ```console: {stray}"
 
 
+def test_every_nightly_marker_stands_on_a_console_block():
+    """A marker elsewhere would leave its block running by default (or nothing marked at all)."""
+    from tests.doc_examples import NIGHTLY
+
+    stray = []
+    for path in doc_files():
+        lines = path.read_text().split("\n")
+        for i, line in enumerate(lines):
+            marker = line.strip().startswith("<!-- docs-test")
+            if marker and not (line.strip() == NIGHTLY and lines[i + 1].startswith("```console")):
+                stray.append(f"{path.relative_to(ROOT)}:{i + 1}")
+    assert not stray, f"nightly markers not on the line before a ```console fence: {stray}"
+
+
 def _readme_mutant_block():
     return next(
         b
