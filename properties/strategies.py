@@ -552,7 +552,7 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
 
 def fsdp1_modelled(case: Case) -> bool:
     """False for the FSDP1 behaviour the reference does not model and the cases FSDP1 cannot run
-    (strict xfails in tests/test_engine_fsdp1.py, README "FSDP1"): a no-sync case whose bf16
+    (strict xfails in tests/test_engine_fsdp1.py, docs/engines.md "FSDP1"): a no-sync case whose bf16
     compute differs from an fp32 reduce_dtype (FSDP1 accumulates in param_dtype); and under
     NO_SHARD (a shard group of one: world size 1 or a (W, 1) mesh) a frozen tied weight with
     nested units and a second forward, of the next micro-batch or the next step (FSDP1's own

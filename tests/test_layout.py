@@ -1,5 +1,5 @@
 """The package's shape: one import namespace, layers without import cycles, every subpackage
-listed for the wheel, and the README's layout section true to the tree."""
+listed for the wheel, and the layout page (docs/layout.md) true to the tree."""
 
 from __future__ import annotations
 
@@ -115,10 +115,9 @@ def test_every_subpackage_is_listed_for_the_wheel():
     assert listed == packages
 
 
-def test_readme_layout_matches_the_tree():
-    """Every folder the README's Layout section names exists, and every subpackage is named."""
-    readme = (ROOT / "README.md").read_text()
-    section = readme.split("## Layout", 1)[1].split("\n## ", 1)[0]
+def test_layout_page_matches_the_tree():
+    """Every folder the layout page names exists, and every subpackage is named."""
+    section = (ROOT / "docs" / "layout.md").read_text()
     named = set(re.findall(r"`((?:verify|reference|properties)/[\w/]*?)/?`", section))
     for folder in named:
         assert (ROOT / folder).exists(), folder
@@ -129,7 +128,7 @@ def test_readme_layout_matches_the_tree():
         if p.parent != ROOT / f
     }
     missing = sorted(s for s in subpackages if s not in named and not any(s.startswith(n + "/") for n in named))
-    assert not missing, f"subpackages the README's Layout section does not name: {missing}"
+    assert not missing, f"subpackages docs/layout.md does not name: {missing}"
 
 
 def test_python_m_and_console_script():

@@ -250,7 +250,7 @@ def shard(model, mesh, spec):
 
 @pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
 def test_the_readme_bisect_recipe_with_trust_code_on_a_case_naming_the_engine(tmp_path):
-    """README, "Minimal repros and git bisect": a saved case that names the repository's engine
+    """docs/repro-and-bisect.md: a saved case that names the repository's engine
     itself is refused without --trust-code (exit 125, never "bad"), and bisects with it."""
     repo = tmp_path / "trainer"
     repo.mkdir()

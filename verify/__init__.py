@@ -1,6 +1,6 @@
 """fsdp-verify: differential testing of sharded data-parallel training against a single-device
 reference. Data flow: Case -> reference trainer | rank pool + engine -> Traces -> comparators and
-checks -> Verdict -> reports. The README's "Layout" section says which folder holds what.
+checks -> Verdict -> reports. docs/layout.md says which folder holds what.
 
 The public names below are imported on first use: installing the pytest plugin must not make
 every pytest run in the environment import torch.

@@ -12,6 +12,7 @@ import argparse
 import importlib
 import sys
 
+from fsdp_verify import __version__
 from fsdp_verify.commands.options import EXIT_BAD_INPUT
 from fsdp_verify.sharded.allocator import keep_freed_memory
 
@@ -65,6 +66,8 @@ class _Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fsdp-verify", description="Differential testing of sharded data-parallel training.")
+    # The installed distribution's version (fsdp_verify.__version__ reads the package metadata).
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     for name, module, help_text in SUBCOMMANDS:
         p = sub.add_parser(name, help=help_text, description=help_text)

@@ -81,7 +81,7 @@ def wrap_fsdp1(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, placed: dict
         device_id=next(model.parameters()).device,
     )
     with warnings.catch_warnings():
-        # Expected at world size 1, once per unit: README "FSDP1" documents what NO_SHARD changes.
+        # Expected at world size 1, once per unit: docs/engines.md "FSDP1" documents what NO_SHARD changes.
         warnings.filterwarnings("ignore", message="FSDP is switching to use `NO_SHARD`")
         warnings.filterwarnings("ignore", message="The `NO_SHARD` sharding strategy is deprecated")  # (W, 1)
         for fqn in spec.wrap:
