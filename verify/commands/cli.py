@@ -77,8 +77,19 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# Commands that read reports or make environments run on any torch; the others run cases.
+RUN_ON_ANY_TORCH = {"report", "gate"}
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    if args.command not in RUN_ON_ANY_TORCH:
+        from fsdp_verify.torch_support import unsupported_torch
+
+        why = unsupported_torch()
+        if why:
+            print(f"fsdp-verify: {why}", file=sys.stderr)
+            return EXIT_BAD_INPUT
     keep_freed_memory()  # the reference's records reuse the last case's pages (verify/sharded/allocator.py)
     return args._run(args)
 

@@ -31,6 +31,7 @@ from fsdp_verify.sharded.allocator import keep_freed_memory
 from fsdp_verify.sharded.arena import arena, release_arenas
 from fsdp_verify.sharded.collect import SPILL_FROM_BYTES
 from fsdp_verify.sharded.loop import RankContext, run_sharded
+from fsdp_verify.torch_support import clear_dtensor_caches
 
 PHASE_BYTES = 96  # per-rank slot in the shared phase board
 
@@ -118,11 +119,7 @@ def groups_released(clock=None) -> Iterator[None]:
             with contextlib.suppress(Exception):  # a group a crashed case left mid-collective
                 dist.destroy_process_group(group)
         if made:
-            from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-            from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-            _clear_sharding_prop_cache()
-            clear_redistribute_planner_cache()
+            clear_dtensor_caches()
             gc.collect()  # the FSDP state that holds the groups sits in reference cycles
 
 
@@ -257,11 +254,7 @@ def leave_process_group() -> None:
     if dist.is_initialized():
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
-    from torch.distributed.tensor._redistribute import clear_redistribute_planner_cache
-    from torch.distributed.tensor.debug import _clear_sharding_prop_cache
-
-    _clear_sharding_prop_cache()
-    clear_redistribute_planner_cache()
+    clear_dtensor_caches()
     gc.collect()
 
 
