@@ -124,3 +124,29 @@ def test_zoom_refuses_a_step_outside_the_case():
         zoom(mlp_case(2), step=5)
     with pytest.raises(CaseError, match="zoom"):
         Case(zoom="one/forward")
+
+
+def test_check_zoom_prints_the_chain_and_the_report_carries_it(tmp_path, capsys):
+    """`check --zoom --out`: the terminal chain; report.json's case row holds the zoom and
+    validates against the schema; report.html shows the module tree and the op table."""
+    import json
+
+    import jsonschema
+
+    from fsdp_verify.commands.cli import main
+    from fsdp_verify.reports.schema import SCHEMA_PATH
+
+    args = ["check", "--model", "tests/user/models.py:forward_reads_rank", "--wrap", "UserBlock"]
+    args += ["--steps", "1", "--seq-len", "6", "--zoom", "--out", str(tmp_path)]
+    assert main(args) == 1
+    out = capsys.readouterr().out
+    assert "Zoom: step 1 -> " in out and "forward of module 'blocks.0.down.1'" in out and "aten.add.Tensor" in out
+    report = json.loads((tmp_path / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+    zoomed = report["cases"][0]["zoom"]
+    assert (zoomed["module"], zoomed["op"], zoomed["rank"]) == ("blocks.0.down.1", "aten.add.Tensor", 1)
+    page = (tmp_path / "report.html").read_text()
+    assert 'data-plot="zoom-modules"' in page and "id=zoom-ops" in page
+    broken = dict(report, cases=[dict(report["cases"][0], zoom={**zoomed, "module": 3})])
+    with pytest.raises(jsonschema.ValidationError):  # the schema does hold the zoom's fields
+        jsonschema.validate(broken, json.loads(SCHEMA_PATH.read_text()))

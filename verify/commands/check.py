@@ -129,5 +129,8 @@ def write_check_report(verdict, out: Path) -> None:
         ]
     report = finish("check", [row], seconds=row["seconds"], engine=verdict.case.engine, failures=failures)
     _, html_path = write(report, out)
+    from fsdp_verify.reports.zoom_page import zoom_section
+
     extra = f"<h2>Steps x phases</h2>{heat_map(verdict)}<h2>Worst ratio per phase</h2>{ratio_plot(verdict)}"
+    extra += zoom_section(row.get("zoom"))
     html_path.write_text(render(report, extra))

@@ -74,7 +74,16 @@ class Zoom:
         return " -> ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items()}
+        """JSON-safe (report.schema.json's `zoom`): infinite ratios as "inf"."""
+        from fsdp_verify.reports.schema import ratio
+
+        out = dict(self.__dict__)
+        for key in ("ratio", "module_ratio", "op_ratio"):
+            out[key] = ratio(out[key])
+        out["modules"] = [{**m, "forward": ratio(m["forward"]), "backward": ratio(m["backward"])} for m in self.modules]
+        out["ops"] = [{**o, "ratio": ratio(o["ratio"])} for o in self.ops]
+        out["chain"] = self.chain()
+        return out
 
 
 def _r(ratio: float | None) -> str:
@@ -257,7 +266,12 @@ def module_table(findings: list[Finding]) -> list[dict[str, Any]]:
         col = "forward" if f.phase == "modules" else "backward"
         row[col] = max(row[col], f.ratio if f.kind == "deviation" else float("inf"))
         row["ok"] = row["ok"] and f.ok
-    return list(rows.values())
+    return sorted(rows.values(), key=lambda row: _tree_key(row["module"]))
+
+
+def _tree_key(fqn: str) -> list[tuple[int, Any]]:
+    """Depth-first order of the module tree: parents before children, layers.2 before layers.10."""
+    return [(0, int(p)) if p.isdigit() else (1, p) for p in fqn.split(".")] if fqn else []
 
 
 # ---- naming the op ------------------------------------------------------------------------------
