@@ -338,3 +338,21 @@ def test_runs_of_different_lengths_are_compared_over_the_steps_both_have(tmp_pat
     code, out = compare(tmp_path / "a", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
     assert "the runs recorded 3 and 2 steps; compared the 2 both have" in out, out
     assert code == 0, out
+
+
+def test_module_fingerprints_name_the_first_module_that_parts(tmp_path, capsys):
+    """Recorder(modules=[...]): per-module output fingerprints, in the order the modules ran, so
+    `compare` names the module (not only the logits) where a bug in the forward sits; equal runs
+    stay equivalent, and a pattern that matches nothing is refused."""
+    train(tmp_path / "ref", modules=["lin", "out"])
+    train(tmp_path / "same", modules=["lin", "out"])
+    code, out = compare(tmp_path / "ref", tmp_path / "same", "--out", tmp_path / "r0", capsys=capsys)
+    assert code == 0 and "EQUIVALENT" in out, out
+    torch.manual_seed(0)
+    model = Inner()
+    model.lin.register_forward_hook(lambda _m, _a, y: y * (1 + 1e-5))  # the bug, inside `lin`
+    train(tmp_path / "bad", model=model, modules=["lin", "out"])
+    code, out = compare(tmp_path / "ref", tmp_path / "bad", "--out", tmp_path / "r1", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, module outputs, 'lin'" in out, out
+    with pytest.raises(ValueError, match="modules"):
+        train(tmp_path / "none", modules=["layers.*"])
