@@ -107,10 +107,10 @@ class Recorder:
         self._ran: list[str] = []  # this step's modules in the order they first ran
         for fqn, module in model.named_modules():
             name = strip_wrappers(fqn)
-            if self.module_patterns and any(fnmatch.fnmatchcase(name, pat) for pat in self.module_patterns):
-                if name not in self._outputs:  # a wrapper and the module it wraps strip alike: once
-                    self._outputs[name] = []
-                    self._hooks.append(module.register_forward_hook(self._module_output(name)))
+            wanted = any(fnmatch.fnmatchcase(name, pat) for pat in self.module_patterns)
+            if wanted and name not in self._outputs:  # a wrapper and the module it wraps strip alike: once
+                self._outputs[name] = []
+                self._hooks.append(module.register_forward_hook(self._module_output(name)))
         if self.module_patterns and not self._outputs:
             raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
         self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
