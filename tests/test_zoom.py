@@ -117,6 +117,17 @@ def test_a_passing_case_zoomed_names_nothing(case):
     assert all(row["ok"] for row in result.modules)
 
 
+def test_a_reassociated_dot_product_on_one_rank_is_not_named():
+    """Rank 1's up projections sum their dot products in reverse order: its module outputs and
+    gradients move (a held-to-exact comparison names `blocks.0.up`, checked by hand), but by less
+    than the derived bound, so the zoom names nothing at that step."""
+    case = _user("reassociated_on_rank1")
+    result = zoom(case, step=1)
+    assert not result.named, result.chain()
+    moved = [m for m in result.modules if (m["forward"] or 0) > 0 or (m["backward"] or 0) > 0]
+    assert any(m["module"] == "blocks.0.up" for m in moved) and all(m["ok"] for m in result.modules)
+
+
 def test_zoom_refuses_a_step_outside_the_case():
     from fsdp_verify.validation import CaseError
 

@@ -182,3 +182,23 @@ def hook_on_one_rank(**kwargs) -> nn.Module:
     if _rank() == 1:
         model.blocks[1].up.register_full_backward_hook(lambda _m, gin, _gout: (gin[0] * 1.001,))
     return model
+
+
+class ReversedLinear(nn.Linear):
+    """The same map as nn.Linear, its dot products summed in the reverse order (the input
+    features flipped on both sides): equal in exact arithmetic, a rounding apart in floating point."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.flip(-1), self.weight.flip(-1), self.bias)
+
+
+def reassociated_on_rank1(**kwargs) -> nn.Module:
+    """Not a bug: rank 1's up projections sum their dot products in another order (as a kernel
+    that picks its blocking by shape or device would). A zoom must name nothing."""
+    model = UserLM(**kwargs)
+    if _rank() == 1:
+        for block in model.blocks:
+            old = block.up
+            block.up = ReversedLinear(old.in_features, old.out_features)
+            block.up.load_state_dict(old.state_dict())
+    return model
