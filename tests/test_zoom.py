@@ -161,3 +161,14 @@ def test_check_zoom_prints_the_chain_and_the_report_carries_it(tmp_path, capsys)
     broken = dict(report, cases=[dict(report["cases"][0], zoom={**zoomed, "module": 3})])
     with pytest.raises(jsonschema.ValidationError):  # the schema does hold the zoom's fields
         jsonschema.validate(broken, json.loads(SCHEMA_PATH.read_text()))
+
+
+def test_fuzz_zooms_into_the_shrunk_case(tmp_path, capsys):
+    from fsdp_verify.commands.cli import main
+
+    args = ["fuzz", "--engine", _mutant("inputs_cast_to_bf16"), "--models", "mlp", "--world-sizes", "2"]
+    assert main(args + ["--max-examples", "3", "--no-progress", "--out", str(tmp_path)]) == 1
+    out = capsys.readouterr().out
+    assert out.index("Shrunk case written") < out.index("Zoom: step 1 -> ")
+    assert "forward of module '' (the root)" in out and "aten._to_copy.default" in out
+    assert list(tmp_path.glob("zoom-*-op.safetensors"))
