@@ -172,3 +172,16 @@ def test_fuzz_zooms_into_the_shrunk_case(tmp_path, capsys):
     assert out.index("Shrunk case written") < out.index("Zoom: step 1 -> ")
     assert "forward of module '' (the root)" in out and "aten._to_copy.default" in out
     assert list(tmp_path.glob("zoom-*-op.safetensors"))
+
+
+def test_the_zoom_command_takes_a_case_file_and_refuses_bad_input(tmp_path, capsys):
+    from fsdp_verify.commands.cli import main
+
+    path = _user("forward_reads_rank").save(tmp_path / "case.json")
+    code = main(["zoom", str(path), "--trust-code", "--out", str(tmp_path), "--json", str(tmp_path / "z.json")])
+    out = capsys.readouterr().out
+    assert code == 1 and "Zoom: step 1 -> " in out and "'blocks.0.down.1'" in out
+    assert '"module": "blocks.0.down.1"' in (tmp_path / "z.json").read_text()
+    assert main(["zoom", str(tmp_path / "missing.json")]) == 2
+    assert main(["zoom", str(path), "--trust-code", "--step", "7"]) == 2
+    assert "zoom: expected a step in 1..1, got 7" in capsys.readouterr().err
