@@ -150,4 +150,6 @@ def test_a_zoomed_check_page_draws_the_module_tree_and_the_op_table(browser, tmp
     ops = browser.find_element("id", "zoom-ops").text
     assert "aten.mul.Tensor" in ops
     assert "blocks.1" in browser.find_element("id", "zoom-chain").text
+    # The chain on the first screen too, in the failure box.
+    assert "forward of module 'blocks.1'" in browser.find_element("id", "failures").text
     assert not_blank(shot(browser, "check-zoom"))

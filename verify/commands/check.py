@@ -123,6 +123,7 @@ def write_check_report(verdict, out: Path) -> None:
                 "case_hash": verdict.case.hash,
                 "summary": verdict.summary(),
                 "first_divergence": row["first_divergence"],
+                **({"zoom": verdict.zoom.chain()} if verdict.zoom is not None else {}),
                 "replay": replay_command(path),
                 "case": verdict.case.to_dict(),
             }
