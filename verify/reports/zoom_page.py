@@ -39,12 +39,15 @@ def module_tree(zoom: dict[str, Any]) -> str:
         'xmlns="http://www.w3.org/2000/svg" font-size="11">',
         f'<text x="{x_cells + 20}" y="14">forward</text><text x="{x_cells + cell_w + 14}" y="14">backward</text>',
     ]
+    names = {row["module"] for row in rows}
     for i, row in enumerate(rows):
         y = 20 + i * row_h
         fqn = row["module"]
         depth = 0 if fqn == "" else fqn.count(".") + 1
         named = zoom.get("module") == fqn
-        label = html.escape(fqn.rsplit(".", 1)[-1] if fqn else "(root)")
+        parent = fqn.rsplit(".", 1)[0] if "." in fqn else ""
+        # A module's own name under its parent; the whole path where the parent never ran (a ModuleList).
+        label = html.escape(fqn.rsplit(".", 1)[-1] if parent in names else fqn) if fqn else "(root)"
         weight = ' font-weight="bold"' if named else ""
         parts.append(f'<text x="{6 + 14 * depth}" y="{y + 13}"{weight}>{label}</text>')
         for j, col in enumerate(("forward", "backward")):

@@ -289,10 +289,11 @@ def name_op(
         outs = by_prefix.get(prefix, []) if side == "both" else []
         ratio = max((f.ratio for f in outs if f.kind == "deviation"), default=None)
         ok = side == "both" and all(f.ok for f in outs)
-        where = "parts" if side == "both" else f"only on the {side} side"
+        where = "both sides" if side == "both" else f"only on the {side} side"
         zoom.ops.append({"index": i, "op": prefix.split(":")[3], "ratio": ratio, "ok": ok, "where": where})
         if ok or zoom.op is not None or prefix.endswith("[recomputed]"):
             continue
+        where = "parts" if side == "both" else where
         zoom.op, zoom.op_index, zoom.op_ratio, zoom.op_where = prefix.split(":")[3], i, ratio, where
         if side == "both":
             ins = sorted(k for k in ref.records if k[1] == "op_inputs" and k[2].startswith(prefix + ":"))
