@@ -36,6 +36,7 @@ from fsdp_verify.training.data import as_call, global_batch, item_count, microba
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
 from fsdp_verify.training.rng import dropout_states, rng_fingerprint
+from fsdp_verify.zoom.watch import ModuleWatch
 
 
 def train_reference(
@@ -65,7 +66,7 @@ def train_reference(
     for step in range(1, case.steps + 1):
         state = run.begin_step(step)
         for m, group in enumerate(state.groups):
-            passes = run.rank_passes(state, group)  # each emulated rank's forward and backward
+            passes = run.rank_passes(state, group, m)  # each emulated rank's forward and backward
             rank_grads = run.collect(state, m, group, passes)
             run.reduce(state, m, rank_grads)
         run.hand_grads_to_params(state)
@@ -118,6 +119,7 @@ class _Run:
     share: RankShare | None
     rng_states: list[torch.Tensor]
     trace: Trace
+    watch: ModuleWatch | None = None  # a zoom's probes (verify/zoom/watch.py), on `model`
 
     @classmethod
     def build(
@@ -133,6 +135,7 @@ class _Run:
         """The model with the engine's casts, its optimizer, the emulated layout, and the initial
         records (step 0)."""
         model = reference_model(case, arithmetic, unit_input_node)
+        watch = ModuleWatch(model, case.zoom) if case.zoom is not None else None
         if share is not None:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once
@@ -168,6 +171,7 @@ class _Run:
             share=share,
             rng_states=rng_states,
             trace=trace,
+            watch=watch,
         )
 
     def begin_step(self, step: int) -> _Step:
@@ -198,26 +202,35 @@ class _Run:
         )
 
     # ---- forward and backward ---------------------------------------------------------------------
-    def rank_passes(self, state: _Step, group: list) -> dict[int, RankPass]:
+    def rank_passes(self, state: _Step, group: list, m: int = 0) -> dict[int, RankPass]:
         """Every emulated rank's pass over its slice of one micro-batch: this process's ranks run
         here, the others' (with a `share`) come from the processes that ran them."""
         ranks: dict[int, RankPass] = {}
         for r, index in enumerate(group):
             if self.share is not None and not self.share.mine(r):
                 continue  # another process runs this rank (`share.exchange` brings it)
-            ranks[r] = self.rank_pass(state, r, index)
+            ranks[r] = self.rank_pass(state, r, index, m)
         if self.share is not None:
             ranks = self.share.exchange(ranks, self.model)
         return ranks
 
-    def rank_pass(self, state: _Step, r: int, index) -> RankPass:
-        """Rank r's forward and backward of its samples `index`, with its own dropout generator
-        (fingerprinted around the forward and after the backward: verify/probes/rng.py), the loss
-        scaled by the loss scale when there is one."""
+    def rank_pass(self, state: _Step, r: int, index, m: int = 0) -> RankPass:
+        """Rank r's forward and backward of its samples `index` (micro-batch m), with its own
+        dropout generator (fingerprinted around the forward and after the backward:
+        verify/probes/rng.py), the loss scaled by the loss scale when there is one; watched by a
+        zoom's probes at its step."""
+        if self.watch is None:
+            return self._rank_pass(state, r, index)
+        with self.watch.rank_pass(state.step, m, r):
+            return self._rank_pass(state, r, index)
+
+    def _rank_pass(self, state: _Step, r: int, index) -> RankPass:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
         out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
+        if self.watch is not None:
+            self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
@@ -362,6 +375,8 @@ class _Run:
         """The trace, with the records the perturbation moved directly."""
         if self.jolt is not None:
             self.trace.meta["moved"] = sorted(self.jolt.moved)
+        if self.watch is not None:
+            self.watch.into(self.trace)
         return self.trace
 
 

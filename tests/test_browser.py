@@ -185,3 +185,26 @@ def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, com
         assert failures.location["y"] < top["runs"]
     else:
         assert "PASS" in status and "EQUIVALENT" in browser.find_element("id", "verdict").text
+
+
+def test_a_zoomed_check_page_draws_the_module_tree_and_the_op_table(browser, tmp_path):
+    """`check --zoom --out`: the module heat map (an SVG cell per module and direction, the named
+    module's outlined) and the op table, with no error and no request."""
+    from fsdp_verify.commands.cli import main
+
+    args = ["check", "--model", "tests/user/models.py:buffer_cast_to_bf16", "--wrap", "UserBlock"]
+    assert main(args + ["--steps", "1", "--seq-len", "6", "--zoom", "--out", str(tmp_path)]) == 1
+    seen = open_page(browser, tmp_path / "report.html")
+    assert seen["errors"] == [] and seen["requests"] == []
+    tree = [p for p in seen["plots"] if p["name"] == "zoom-modules"]
+    assert tree and tree[0]["width"] > 100 and tree[0]["shapes"] >= 2 * 5, seen["plots"]
+    assert (
+        browser.execute_script("return document.querySelectorAll('svg[data-plot=zoom-modules] rect[stroke]').length")
+        == 1
+    )
+    ops = browser.find_element("id", "zoom-ops").text
+    assert "aten.mul.Tensor" in ops
+    assert "blocks.1" in browser.find_element("id", "zoom-chain").text
+    # The chain on the first screen too, in the failure box.
+    assert "forward of module 'blocks.1'" in browser.find_element("id", "failures").text
+    assert not_blank(shot(browser, "check-zoom"))

@@ -363,3 +363,21 @@ def test_runs_of_different_lengths_are_compared_over_the_steps_both_have(tmp_pat
     report = json.loads((tmp_path / "r" / "report.json").read_text())
     assert report["compare"]["steps"] == report["cases"][0]["steps"] == 2
     assert code == 0, out
+
+
+def test_module_fingerprints_name_the_first_module_that_parts(tmp_path, capsys):
+    """Recorder(modules=[...]): per-module output fingerprints, in the order the modules ran, so
+    `compare` names the module (not only the logits) where a bug in the forward sits; equal runs
+    stay equivalent, and a pattern that matches nothing is refused."""
+    train(tmp_path / "ref", modules=["lin", "out"])
+    train(tmp_path / "same", modules=["lin", "out"])
+    code, out = compare(tmp_path / "ref", tmp_path / "same", "--out", tmp_path / "r0", capsys=capsys)
+    assert code == 0 and "EQUIVALENT" in out, out
+    torch.manual_seed(0)
+    model = Inner()
+    model.lin.register_forward_hook(lambda _m, _a, y: y * (1 + 1e-5))  # the bug, inside `lin`
+    train(tmp_path / "bad", model=model, modules=["lin", "out"])
+    code, out = compare(tmp_path / "ref", tmp_path / "bad", "--out", tmp_path / "r1", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, module outputs, 'lin'" in out, out
+    with pytest.raises(ValueError, match="modules"):
+        train(tmp_path / "none", modules=["layers.*"])

@@ -218,8 +218,11 @@ class Case:
     activation_checkpointing: bool = False
     # Dynamic loss scaling on both sides (a ShardedGradScaler on the sharded one); None: none.
     loss_scaling: LossScaleSpec | None = None
+    # Zoom (verify/zoom/): per-module probes at one step, "STEP"; or the ops inside one module's
+    # forward or backward, "STEP/forward/FQN" or "STEP/backward/FQN". None: an ordinary run.
+    zoom: str | None = None
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling")
+    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling", "zoom")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -231,6 +234,7 @@ class Case:
         self.optim.validate()
         self.data.validate()
         check(is_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
+        self._validate_zoom()
         mesh = self.mesh
         check(
             len(mesh) in (1, 2) and all(is_int(d) and d >= 1 for d in mesh),
@@ -391,6 +395,18 @@ class Case:
             for names in tied_groups(self.model):
                 owners = {_owner(plan, n.rsplit(".", 1)[0] if "." in n else "") for n in names}
                 check(len(owners) == 1, "wrap", f"the tied parameters {list(names)} in one shard unit", plan)
+
+    def _validate_zoom(self) -> None:
+        if self.zoom is None:
+            return
+        step, _, rest = str(self.zoom).partition("/")
+        direction, _, _fqn = rest.partition("/")
+        check(
+            isinstance(self.zoom, str) and step.isdigit() and direction in ("", "forward", "backward"),
+            "zoom",
+            'null, "STEP", "STEP/forward/FQN" or "STEP/backward/FQN"',
+            self.zoom,
+        )
 
     def _validate_checkpointing(self) -> None:
         """A checkpointed unit's forward runs again in backward. The KV cache of a transformers

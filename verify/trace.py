@@ -27,6 +27,8 @@ from safetensors.torch import save as st_save
 # gradients and comes before the clip, which sees them unscaled.
 # "build" (every rank built the same model) comes first: nothing later can agree without it.
 # "build", "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
+# "modules", "module_grads", "ops" and "op_inputs" are a zoom's only (verify/zoom/): each module's
+# outputs in forward, its gradients in backward, the operations inside one module.
 # "comm" and "memory" (the resource contracts) come last: a wrong number explains more than the
 # traffic or the bytes it took.
 PHASES = (
@@ -36,8 +38,12 @@ PHASES = (
     "init",
     "buffers",
     "rng",
+    "modules",
     "logits",
     "loss",
+    "module_grads",
+    "ops",
+    "op_inputs",
     "grads",
     "loss_scale",
     "grad_norm",

@@ -18,8 +18,12 @@ PHASE_TITLES = {
     "buffers": "buffers",
     "precision": "precision contract",
     "rng": "random state",
+    "modules": "module outputs",
     "logits": "logits",
     "loss": "loss",
+    "module_grads": "module gradients",
+    "ops": "operations",
+    "op_inputs": "operation inputs",
     "grads": "gradients",
     "loss_scale": "loss scale and skip decision",
     "grad_norm": "clip total norm",
@@ -44,6 +48,8 @@ class Verdict:
     # In place under torchrun: the global ranks whose processes ran the reference's passes (those
     # on rank 0's host, verify/sharded/torchrun.py); None for a pool's run.
     reference_ranks: list[int] | None = None
+    # A zoom into the first diverging step (verify/zoom/locate.py), when one ran.
+    zoom: Any = None
 
     @property
     def ok(self) -> bool:
@@ -100,7 +106,8 @@ class Verdict:
             cells.setdefault((f.step, f.phase), []).append(f)
         # "build" is shown only when it has something to say (a user's model, or a failure), and
         # "loss_scale" only in loss-scaled cases.
-        phases = [p for p in PHASES if p not in ("build", "loss_scale") or any(ph == p for _, ph in cells)]
+        optional = ("build", "loss_scale", "modules", "module_grads", "ops", "op_inputs")
+        phases = [p for p in PHASES if p not in optional or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
             row = [str(step)]
@@ -147,6 +154,7 @@ class Verdict:
             "findings": [f.to_dict() for f in sorted(self.findings, key=lambda f: sort_key(f.key))],
             **({"loss_scales": self.loss_scales} if self.loss_scales else {}),
             **({"reference_ranks": self.reference_ranks} if self.reference_ranks is not None else {}),
+            **({"zoom": self.zoom.to_dict()} if self.zoom is not None else {}),
         }
 
     def save_json(self, path: str | Path) -> Path:

@@ -163,3 +163,66 @@ class BatchNormLM(UserLM):
 
 def batchnorm_lm(**kwargs) -> nn.Module:
     return BatchNormLM(**kwargs)
+
+
+# ---- bugs planted in a user's model, for the zoom (tests/test_zoom.py) ---------------------------
+class ScaledBlock(UserBlock):
+    """A block that multiplies its output by a per-channel buffer (a rotary or scale cache)."""
+
+    def __init__(self, dim: int, hidden: int):
+        super().__init__(dim, hidden)
+        self.register_buffer("gain", torch.linspace(0.9, 1.1, dim) + 1e-3)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x)))) * self.gain
+
+
+def buffer_cast_to_bf16(**kwargs) -> nn.Module:
+    """The second block's buffer cast to bf16 in the distributed run only (a launcher's
+    `buffers.to(bfloat16)` to save memory): its forward rounds the gain; the reference's does not."""
+    model = UserLM(**kwargs)
+    model.blocks[1] = ScaledBlock(model.head.in_features, model.blocks[1].up.out_features)
+    if dist.is_initialized():
+        model.blocks[1].gain = model.blocks[1].gain.to(torch.bfloat16)
+    return model
+
+
+class RankShift(nn.Module):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + 1e-3 * _rank()
+
+
+def forward_reads_rank(**kwargs) -> nn.Module:
+    """Block 0's down projection followed by a module whose forward reads the rank."""
+    model = UserLM(**kwargs)
+    model.blocks[0].down = nn.Sequential(model.blocks[0].down, RankShift())
+    return model
+
+
+def hook_on_one_rank(**kwargs) -> nn.Module:
+    """A gradient hook on block 1's up projection, registered on rank 1 only (a debugging hook
+    left behind under `if rank == 1`): it scales the gradient with respect to its input."""
+    model = UserLM(**kwargs)
+    if _rank() == 1:
+        model.blocks[1].up.register_full_backward_hook(lambda _m, gin, _gout: (gin[0] * 1.001,))
+    return model
+
+
+class ReversedLinear(nn.Linear):
+    """The same map as nn.Linear, its dot products summed in the reverse order (the input
+    features flipped on both sides): equal in exact arithmetic, a rounding apart in floating point."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.flip(-1), self.weight.flip(-1), self.bias)
+
+
+def reassociated_on_rank1(**kwargs) -> nn.Module:
+    """Not a bug: rank 1's up projections sum their dot products in another order (as a kernel
+    that picks its blocking by shape or device would). A zoom must name nothing."""
+    model = UserLM(**kwargs)
+    if _rank() == 1:
+        for block in model.blocks:
+            old = block.up
+            block.up = ReversedLinear(old.in_features, old.out_features)
+            block.up.load_state_dict(old.state_dict())
+    return model

@@ -345,6 +345,15 @@ FLAGS: tuple[Flag, ...] = (
         "BOOL",
         const=True,
     ),
+    Flag(
+        "--zoom-at",
+        "zoom",
+        LOOP,
+        "record per-module probes at STEP, or the ops inside one module as STEP/forward/FQN or STEP/backward/FQN"
+        " (what `zoom` and `check --zoom` set; docs/zoom.md)",
+        or_none(str),
+        "SPEC",
+    ),
     # data
     Flag(
         "--batch-size",

@@ -25,6 +25,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", type=Path, metavar="DIR", help="write report.json and report.html (the one report format)")
     add_timeout(p)
     p.add_argument("--no-calibrate", action="store_true", help="hold records to the bound only (no calibration runs)")
+    p.add_argument(
+        "--zoom",
+        action="store_true",
+        help="on a divergence, rerun the step with module and op probes and name where the runs part (docs/zoom.md)",
+    )
     p.add_argument("--save-case", type=Path, metavar="PATH", help="write the resolved case JSON here")
     p.add_argument(
         "--print-flags",
@@ -73,6 +78,14 @@ def run(args: argparse.Namespace) -> int:
     print(verdict.summary())
     if not verdict.ok:
         print(f"Rerun from flags: {check_command(verdict.case)}")
+    if args.zoom and not verdict.ok and verdict.case.step is None:
+        from fsdp_verify.commands.zoom import zoom_and_print
+
+        try:
+            zoom_and_print(verdict, args.out or Path("."), args.timeout, check_seconds=sum(verdict.seconds.values()))
+        except RankFailure as e:
+            print(f"fsdp-verify: infrastructure failure while zooming: {e}", file=sys.stderr)
+            return EXIT_INFRA
     if args.json:
         verdict.save_json(args.json)
     if args.html:
@@ -110,11 +123,15 @@ def write_check_report(verdict, out: Path) -> None:
                 "case_hash": verdict.case.hash,
                 "summary": verdict.summary(),
                 "first_divergence": row["first_divergence"],
+                **({"zoom": verdict.zoom.chain()} if verdict.zoom is not None else {}),
                 "replay": replay_command(path),
                 "case": verdict.case.to_dict(),
             }
         ]
     report = finish("check", [row], seconds=row["seconds"], engine=verdict.case.engine, failures=failures)
     _, html_path = write(report, out)
+    from fsdp_verify.reports.zoom_page import zoom_section
+
     extra = f"<h2>Steps x phases</h2>{heat_map(verdict)}<h2>Worst ratio per phase</h2>{ratio_plot(verdict)}"
+    extra += zoom_section(row.get("zoom"))
     html_path.write_text(render(report, extra))

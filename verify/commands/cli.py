@@ -20,6 +20,11 @@ from fsdp_verify.sharded.allocator import keep_freed_memory
 SUBCOMMANDS: list[tuple[str, str, str]] = [
     ("check", "fsdp_verify.commands.check", "run one case on the reference and the engine, report where they part"),
     (
+        "zoom",
+        "fsdp_verify.commands.zoom",
+        "rerun a diverging step with probes: name the module and the op where the runs part",
+    ),
+    (
         "ownership",
         "fsdp_verify.commands.ownership",
         "print which shard unit owns each parameter and check it is a partition",

@@ -157,7 +157,23 @@ def _finish(args: argparse.Namespace, result) -> int:
     print(f"First divergence: {f.first_divergence}")
     print(f"Shrunk case written to {f.repro_path}")
     print(f"Replay: {replay_command(f.repro_path)}")
+    _zoom_shrunk(args, f)
     return EXIT_DIVERGED
+
+
+def _zoom_shrunk(args: argparse.Namespace, failure) -> None:
+    """The shrunk case's diverging step zoomed into (docs/zoom.md): the module and the op."""
+    verdict = getattr(failure, "verdict", None)
+    if verdict is None or verdict.ok or verdict.case.step is not None or getattr(args, "no_zoom", False):
+        return
+    from fsdp_verify.commands.zoom import zoom_and_print
+    from fsdp_verify.sharded.pool import RankFailure
+    from fsdp_verify.validation import CaseError
+
+    try:
+        zoom_and_print(verdict, Path(args.out) if getattr(args, "out", None) else None, getattr(args, "timeout", None))
+    except (RankFailure, CaseError) as e:  # the zoom is extra: the shrunk case stands without it
+        print(f"Zoom failed: {e}")
 
 
 def _progress(args: argparse.Namespace):

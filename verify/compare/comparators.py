@@ -159,6 +159,24 @@ def _decision(name: str, rank: int, ref: float, got: float) -> str:
     return f"rank {rank} {name} {got:.10g}, the reference {ref:.10g}"
 
 
+class ModulesComparator(Comparator):
+    """A zoom's module outputs (verify/zoom/): held as the logits are."""
+
+    phase = "modules"
+
+
+class ModuleGradsComparator(Comparator):
+    """A zoom's gradients with respect to each module's outputs and inputs, one rank's pass."""
+
+    phase = "module_grads"
+
+
+class OpsComparator(Comparator):
+    """A zoom's operation outputs inside one module."""
+
+    phase = "ops"
+
+
 class ParamsComparator(Comparator):
     """Parameters after the optimizer step."""
 
@@ -201,8 +219,11 @@ COMPARATORS: dict[str, Comparator] = {
     for c in (
         InitParamsComparator,
         BuffersComparator,
+        ModulesComparator,
         LogitsComparator,
         LossComparator,
+        ModuleGradsComparator,
+        OpsComparator,
         GradsComparator,
         LossScaleComparator,
         GradNormComparator,

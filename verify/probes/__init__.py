@@ -14,7 +14,17 @@ from fsdp_verify.probes.memory import MemoryProbe
 from fsdp_verify.probes.ownership import OwnershipProbe
 from fsdp_verify.probes.precision import PrecisionProbe
 from fsdp_verify.probes.rng import RngProbe
+from fsdp_verify.zoom.probe import ZoomProbe
 
-PROBES: list[type[Probe]] = [BuildProbe, OwnershipProbe, RngProbe, BuffersProbe, PrecisionProbe, CommProbe, MemoryProbe]
+PROBES: list[type[Probe]] = [
+    BuildProbe,
+    OwnershipProbe,
+    RngProbe,
+    BuffersProbe,
+    PrecisionProbe,
+    CommProbe,
+    MemoryProbe,
+    ZoomProbe,
+]
 
 __all__ = ["PROBES", "Probe"]

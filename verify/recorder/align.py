@@ -38,6 +38,7 @@ class Step:
     logits: Rows | None = None
     hashes: list[torch.Tensor] | None = None  # per rank, samples in order
     groups: dict[tuple[int, str], dict[str, Rows]] = field(default_factory=dict)  # (opt step, kind) -> name -> rows
+    modules: dict[str, Rows] = field(default_factory=dict)  # Recorder(modules=...): in the order they ran
 
 
 def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
@@ -97,6 +98,16 @@ def load_step(run: Run, call: int, opt_before: int) -> Step:
         step.logits = Rows(
             torch.cat([t["logits/row_sum"] for t in tensors]), torch.cat([t["logits/row_sq"] for t in tensors]), row_len
         )
+    for name, shape in headers[0].get("modules", []):
+        if all(f"module/{name}/row_sum" in t for t in tensors):
+            row_len = 1
+            for d in shape[1:]:
+                row_len *= d
+            step.modules[name] = Rows(
+                torch.cat([t[f"module/{name}/row_sum"] for t in tensors]),
+                torch.cat([t[f"module/{name}/row_sq"] for t in tensors]),
+                row_len,
+            )
     for k in step.opt_steps:
         kinds = sorted({key.split("/", 1)[1] for h in headers for key in h if key.startswith(f"opt{k}/")})
         for kind in kinds:

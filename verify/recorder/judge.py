@@ -14,9 +14,10 @@ from fsdp_verify.recorder import datacheck, rules
 from fsdp_verify.recorder.align import Rows, Step, steps
 from fsdp_verify.recorder.store import Run, RunError
 
-PHASES = ("init", "data", "logits", "loss", "grads", "params", "optim_state")
+PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state")
 COMPARATORS = {
     "init": "InitFingerprint",
+    "modules": "ModuleFingerprint",
     "logits": "LogitsFingerprint",
     "loss": "LossRecord",
     "grads": "GradsFingerprint",
@@ -55,6 +56,10 @@ def _records(step: Step, order: list[int] | None) -> dict[tuple[str, str], objec
         if order is not None:
             lg = Rows(lg.sum[order], lg.sq[order], lg.row_len)
         out[("logits", "logits")] = lg
+    for name, rows in step.modules.items():  # samples along dim 0 when a call saw the whole batch
+        if order is not None and rows.sum.numel() == len(order):
+            rows = Rows(rows.sum[order], rows.sq[order], rows.row_len)
+        out[("modules", name)] = rows
     for (k, kind), named in step.groups.items():
         phase = "init" if k == 0 else ("optim_state" if kind.startswith("optim.") else kind)
         suffix = f" [{kind.split('.', 1)[1]}]" if kind.startswith("optim.") else ""
@@ -158,7 +163,10 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         ref_rec, got_rec = _records(r_step, None), _records(g_step, _order(r_step, g_step))
         c_step = cal_steps.get(r_step.call)
         cal_rec = _records(c_step, None) if c_step is not None else {}
-        for key in sorted(ref_rec.keys() | got_rec.keys(), key=lambda k: (PHASES.index(k[0]), k[1])):
+        ran = {name: i for i, name in enumerate(r_step.modules)}  # modules: the order they ran, not by name
+        for key in sorted(
+            ref_rec.keys() | got_rec.keys(), key=lambda k: (PHASES.index(k[0]), ran.get(k[1], len(ran)), k[1])
+        ):
             phase, name = key
             base = dict(step=r_step.call, phase=phase, name=name, comparator=COMPARATORS[phase])
             if (key not in got_rec or key not in ref_rec) and name.endswith(" (whole)"):
@@ -172,12 +180,12 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             a, b = ref_rec[key], got_rec[key]
             shapes = [tuple(x.sum.shape) if isinstance(x, Rows) else tuple(getattr(x, "shape", ())) for x in (a, b)]
             if shapes[0] != shapes[1]:
-                what = "samples" if phase == "logits" else "shape"
+                what = "samples" if phase in ("logits", "modules") else "shape"
                 msg = f"{what} {shapes[1]} on the sharded run's ranks together, {shapes[0]} in the reference"
                 result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
                 continue
-            dtype = _dtype(got, "logits" if phase == "logits" else ("loss" if phase == "loss" else "params"))
-            before_update = phase == "init" or (phase in ("logits", "loss") and r_step.opt_before == 0)
+            dtype = _dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
+            before_update = phase == "init" or (phase in ("modules", "logits", "loss") and r_step.opt_before == 0)
             before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps
             if phase == "init":
                 tol = rules.exact_fp64(a.row_len if isinstance(a, Rows) else 1)

@@ -73,6 +73,9 @@ class Recorder:
     full_params: fnmatch patterns of (stripped) parameter names stored whole at every step.
     perturb: a seed for perturbation mode (a calibration run of the reference script; default
       the FSDP_VERIFY_PERTURB environment variable), see perturb.py.
+    modules: fnmatch patterns of (stripped) module names ("layers.*") whose forward outputs are
+      fingerprinted per row at every step, so `compare` names the first module whose output parts
+      (docs/zoom.md); each call's rows in order, a recomputation in backward not counted.
     """
 
     def __init__(
@@ -84,6 +87,7 @@ class Recorder:
         full_steps: Iterable[int] = (),
         full_params: Iterable[str] = (),
         perturb: int | None = None,
+        modules: Iterable[str] = (),
     ):
         self.out = Path(out)
         self.rank, self.world_size = _dist()
@@ -116,6 +120,17 @@ class Recorder:
             optimizer.register_step_pre_hook(self._before_optimizer),
             optimizer.register_step_post_hook(self._after_optimizer),
         ]
+        self.module_patterns = list(modules)
+        self._outputs: dict[str, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
+        self._ran: list[str] = []  # this step's modules in the order they first ran
+        for fqn, module in model.named_modules():
+            name = strip_wrappers(fqn)
+            wanted = any(fnmatch.fnmatchcase(name, pat) for pat in self.module_patterns)
+            if wanted and name not in self._outputs:  # a wrapper and the module it wraps strip alike: once
+                self._outputs[name] = []
+                self._hooks.append(module.register_forward_hook(self._module_output(name)))
+        if self.module_patterns and not self._outputs:
+            raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
         self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
         self._header["opt_steps"].append(0)
         self._flush()
@@ -159,6 +174,31 @@ class Recorder:
         for (prefix, _), a, b in zip(groups, sums.split(counts), squares.split(counts)):
             self._pending[f"{prefix}/row_sum"], self._pending[f"{prefix}/row_sq"] = a.clone(), b.clone()
 
+    def _module_output(self, name: str):
+        def hook(_module, _args, out) -> None:
+            if torch._C._current_graph_task_id() != -1:  # activation checkpointing's recomputation
+                return
+            t = (
+                out
+                if isinstance(out, torch.Tensor)
+                else next(
+                    (x for x in (out if isinstance(out, (tuple, list)) else ()) if isinstance(x, torch.Tensor)), None
+                )
+            )
+            if t is None or not t.is_floating_point():
+                return
+            t = t.to_local() if hasattr(t, "to_local") else t
+            # Before any update: held to the bound like the logits, so fingerprinted in float64.
+            before_update = self.opt_step == 0
+            with torch.no_grad():
+                sums, squares = row_stats([t], exact=before_update)
+            if not self._outputs[name]:
+                self._ran.append(name)
+            self._outputs[name].append((sums, squares, list(t.shape)))
+            self.dtypes.setdefault("modules", set()).add(_dtype(t))
+
+        return hook
+
     @torch.no_grad()
     def _before_optimizer(self, optimizer, args, kwargs) -> None:
         self.opt_step += 1
@@ -201,6 +241,16 @@ class Recorder:
             self.dtypes.setdefault("logits", set()).add(_dtype(logits))
         if batch is not None:
             self._pending["data/hashes"] = sample_hashes(batch)
+        if self._outputs:  # in the order the modules first ran: the order compare searches in
+            order = []
+            for name in self._ran:
+                calls = self._outputs[name]
+                self._pending[f"module/{name}/row_sum"] = torch.cat([c[0] for c in calls])
+                self._pending[f"module/{name}/row_sq"] = torch.cat([c[1] for c in calls])
+                order.append([name, calls[0][2]])
+                calls.clear()
+            self._ran = []
+            self._header["modules"] = order
         self._flush()
 
     def _flush(self) -> None:
@@ -236,6 +286,7 @@ class Recorder:
                     "full_steps": sorted(self.full_steps),
                     "full_params": self.full_params,
                     "perturb": self.perturbation.seed if self.perturbation else None,
+                    "modules": self.module_patterns,
                 },
                 "torch": torch.__version__,
                 "fsdp_verify": __version__,

@@ -8,6 +8,7 @@ from fsdp_verify.recorder.judge import PHASES, Comparison
 TITLES = {
     "init": "initial parameters",
     "data": "data",
+    "modules": "module outputs",
     "logits": "logits",
     "loss": "loss",
     "grads": "gradients",

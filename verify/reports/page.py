@@ -42,9 +42,10 @@ def failures_section(report: dict[str, Any]) -> str:
         case = ""
         if f.get("case"):
             case = f"<details><summary>Case</summary><pre>{e(json.dumps(f['case'], indent=2, sort_keys=True))}</pre></details>"
+        zoomed = f"<p>Zoom: <code>{e(f['zoom'])}</code></p>" if f.get("zoom") else ""
         items.append(
             f"<div class=failure><p><b>{e(f['case_hash'])}</b>: {e(f['summary'])}</p>"
-            f"<p>First divergence: <code>{e(f['first_divergence'] or '-')}</code></p>{replay}{case}</div>"
+            f"<p>First divergence: <code>{e(f['first_divergence'] or '-')}</code></p>{zoomed}{replay}{case}</div>"
         )
     missing = report.get("missing_shards") or []
     if missing:

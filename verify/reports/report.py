@@ -64,6 +64,7 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         **(
             {"loss_scale": loss_scale_tally(verdict.loss_scales)} if verdict is not None and verdict.loss_scales else {}
         ),
+        **({"zoom": verdict.zoom.to_dict()} if getattr(verdict, "zoom", None) is not None else {}),
     }
 
 

@@ -11,6 +11,7 @@ import math
 from pathlib import Path
 
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.reports.zoom_page import zoom_section
 from fsdp_verify.trace import PHASES, sort_key
 from fsdp_verify.verdict import PHASE_TITLES, Verdict, cell_text
 
@@ -118,6 +119,7 @@ tr.bad td{{background:#fde0dd}} .summary{{padding:1em;background:{"#e5f5e0" if v
 </head><body><h1>fsdp-verify: {status}</h1><p class=summary>{html.escape(verdict.summary())}</p>
 <h2>Steps x phases</h2><p>Each cell: the worst ratio of deviation to tolerance among its records (below 1 passes).</p>
 {heat_map(verdict)}<h2>How close each phase came to its tolerance</h2>{ratio_plot(verdict)}
+{zoom_section(verdict.zoom.to_dict() if verdict.zoom is not None else None)}
 <h2>Findings, failures and closest calls first</h2><table><tr><th>step</th><th>phase</th><th>name</th><th>kind</th>
 <th>deviation</th><th>tolerance</th><th>ratio</th><th>mode</th><th>why / message</th></tr>{rows}</table>
 <h2>Case</h2><pre>{html.escape(verdict.case.to_json())}</pre></body></html>"""
