@@ -36,6 +36,7 @@ from fsdp_verify.case import (
     check_field_value,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
+from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
 
 PRECISIONS = PRECISION_POLICIES
@@ -410,6 +411,11 @@ def _cases(
             "loss_scaling",
             loss_scale_specs(**_sub(pins, "loss_scaling")) if precision.param_dtype == "fp16" else st.just(None),
         ),
+        # fully_shard's knobs (issue 28, items 1-4), drawn last so that the draws before them stay
+        # what they were for a seed. An engine that cannot take them gets them pinned off by
+        # `cases` (verify/engines/capabilities.py).
+        "offload": field("offload", st.booleans()),
+        "shard_placement": field("shard_placement", st.sampled_from(PLACEMENTS)),
     }
     try:
         return Case(**values)
@@ -459,6 +465,7 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    pins = _shard_knob_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -518,6 +525,21 @@ def _model_keywords(
             changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)
         custom_model = replace(custom_model, **changes)
     return model_kinds, custom_model, pins
+
+
+def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
+    """fully_shard's knobs (offload, shard_placement) pinned off for an engine that cannot take
+    them; a pin that asks one for them is refused now, naming the field."""
+    from fsdp_verify.engines import engine_capabilities
+
+    if engine_capabilities(engine).shard_knobs:
+        return pins
+    off = {"offload": False, "shard_placement": "dim0"}
+    for name, value in off.items():
+        given = pins.get(name, value)
+        if not isinstance(given, SearchStrategy) and given != value:
+            raise PinError(f"{name}: expected {value!r}: engine {engine!r} has no fully_shard knobs, got {given!r}")
+    return {**pins, **off}
 
 
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:

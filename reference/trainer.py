@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
+from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
@@ -311,12 +312,14 @@ class _Run:
         if self.case.clip_norm is None:
             return
         step = state.step
-        with_grad = [p for p in self.params.values() if p.grad is not None]
+        named = [(n, p) for n, p in self.params.items() if p.grad is not None]
+        with_grad = [p for _, p in named]
         grads = [p.grad for p in with_grad]
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-            norm = _norm_from_shards(grads, self.case.mesh[-1])  # HSDP: the shard group's row chunks
+            dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
+            norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
         else:
             norm = torch.nn.utils.get_total_norm(grads[::-1] if self.order == "reverse" else grads)
         if self.jolt is not None:
@@ -449,7 +452,8 @@ def _hsdp_average(
         units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
     out: dict[str, torch.Tensor] = {}
     for names in units.values():
-        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype) for g in rank_grads]
+        dims = [_placement_dim(case, n, rank_grads[0][n].shape) for n in names]
+        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype, dims) for g in rank_grads]
         if pre != 1:
             bufs = [b / pre for b in bufs]
         per_replica = []
@@ -461,8 +465,14 @@ def _hsdp_average(
         last = float(replicas) if staged else post
         total = total / last if last != 1 else total
         offset = 0
-        for n in names:
+        for n, dim in zip(names, dims):
             shape = rank_grads[0][n].shape
+            if dim:  # Shard(1): rank s's block is the dim-1 chunk s, (rows, cols / S) flattened
+                numel = rank_grads[0][n].numel() // shards
+                block = total[:, offset : offset + numel].reshape(shards, shape[0], -1, *shape[2:])
+                out[n] = torch.cat(block.unbind(0), dim=1)
+                offset += numel
+                continue
             rows = shape[0] if len(shape) else 1
             chunk, width = -(-rows // shards), max(rank_grads[0][n].numel() // max(rows, 1), 1)
             block = total[:, offset : offset + chunk * width].reshape(shards * chunk, width)
@@ -471,12 +481,24 @@ def _hsdp_average(
     return out
 
 
-def _chunk_cat(grads: list[torch.Tensor], shards: int, dtype: torch.dtype) -> torch.Tensor:
+def _placement_dim(case: Case, name: str, shape) -> int:
+    """The dim FSDP2 shards parameter `name` on (`case.shard_placement`, verify/engines/placement.py)."""
+    return shard_dim(case.shard_placement, name, tuple(shape), case.mesh[-1])
+
+
+def _chunk_cat(
+    grads: list[torch.Tensor], shards: int, dtype: torch.dtype, dims: list[int] | None = None
+) -> torch.Tensor:
     """FSDP2's reduce-scatter input (`foreach_reduce_scatter_copy_in`): each gradient's rows
     padded with zeros to S equal chunks (ceil(rows / S) each), row s of the (S, n) result the
-    chunks s of every gradient, flattened and concatenated in the unit's order."""
+    chunks s of every gradient, flattened and concatenated in the unit's order. A Shard(1)
+    gradient (`dims`) is first cut in S chunks along dim 1 and those stacked along dim 0
+    (`foreach_reduce`, before the copy-in): row s holds its dim-1 chunk s."""
     pieces = []
-    for g in grads:
+    for i, g in enumerate(grads):
+        if dims is not None and dims[i] and shards > 1:
+            pieces.append(torch.stack(g.to(dtype).chunk(shards, dim=1)).reshape(shards, -1))
+            continue
         rows = g.reshape(g.shape[0] if g.dim() else 1, -1)
         chunk = -(-rows.shape[0] // shards)
         padded = torch.zeros(chunk * shards, rows.shape[1], dtype=dtype)
@@ -622,7 +644,7 @@ def _replica_all_reduce(per_replica: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([gloo_allreduce_sum([t[s] for t in per_replica]) for s in range(rows)])
 
 
-def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+def _norm_from_shards(grads: list[torch.Tensor], world: int, dims: list[int] | None = None) -> torch.Tensor:
     """The global norm as FSDP2's `clip_grad_norm_` computes it on DTensors: per parameter, the
     norm of each rank's row chunk, squared, summed over ranks (rank order), and the root; then the
     norm of those norms. It differs from one norm of the full gradient by an ulp or two, which
@@ -630,10 +652,13 @@ def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     scale 100, AdamW) turns that into a 1.5e-6 deviation of the next step's logits. Measured
     bit-exact against FSDP2 on gloo at world size 3. On an HSDP mesh (R, S) a gradient is
     Replicate on the replicas and Shard(0) over the S ranks of a shard group: `world` is S
-    (bit-exact on (2, 2), (3, 1) and (1, 3))."""
+    (bit-exact on (2, 2), (3, 1) and (1, 3)). A Shard(1) parameter (`dims`): its dim-1 chunks."""
     norms = []
-    for g in grads:
-        squares = [c.norm() ** 2 for c in (g.chunk(world, dim=0) if g.dim() else [g])]
+    for i, g in enumerate(grads):
+        dim = dims[i] if dims is not None else 0
+        # A Shard(1) shard is a contiguous (rows, cols / S) tensor on its rank: its norm reduces
+        # in that layout's order, not a strided view's (1 ulp apart at 3 ranks).
+        squares = [c.contiguous().norm() ** 2 for c in (g.chunk(world, dim=dim) if g.dim() else [g])]
         total = squares[0]
         for sq in squares[1:]:
             total = total + sq

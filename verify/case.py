@@ -213,8 +213,17 @@ class Case:
     activation_checkpointing: bool = False
     # Dynamic loss scaling on both sides (a ShardedGradScaler on the sharded one); None: none.
     loss_scaling: LossScaleSpec | None = None
+    # ---- fully_shard's knobs (issue 28, items 1-4) ----
+    # `offload_policy=CPUOffloadPolicy(pin_memory=False)`: sharded parameters, gradients and the
+    # optimizer step on the CPU, each unit's parameters all-gathered on the compute device.
+    # Numbers unchanged (the same arithmetic on the same values); what is held where changes.
+    offload: bool = False
+    # `shard_placement_fn`: dim0 (Shard(0), FSDP2's default), dim1 (Shard(1) where the shard
+    # group divides dim 1) or mixed (some of those Shard(1), the rest Shard(0), per unit);
+    # verify/engines/placement.py. Changes the reduce-scatter's layout, so its summation order.
+    shard_placement: str = "dim0"
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling")
+    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling", "offload", "shard_placement")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -305,6 +314,7 @@ class Case:
                 "null with a user's step (--step scales its own loss, if it does)",
                 dataclasses.asdict(self.loss_scaling),
             )
+        self._validate_shard_knobs()
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
@@ -315,6 +325,13 @@ class Case:
                 "'normal' for a transformer (token ids cannot cancel)",
                 self.data.kind,
             )
+
+    def _validate_shard_knobs(self) -> None:
+        """fully_shard's knobs (issue 28): offload and per-parameter placements."""
+        from fsdp_verify.engines.placement import PLACEMENTS
+
+        check(isinstance(self.offload, bool), "offload", "true or false", self.offload)
+        check(self.shard_placement in PLACEMENTS, "shard_placement", f"one of {PLACEMENTS}", self.shard_placement)
 
     def _validate_custom(self) -> None:
         if self.step is not None:

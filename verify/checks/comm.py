@@ -97,6 +97,15 @@ def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int
     return units
 
 
+def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
+    """Parameter -> the tensor dim FSDP2 shards it on (`shard_placement`: Shard(1) moves the
+    padding from dim 0 to an even dim-1 split, so a shard's size; verify/engines/placement.py)."""
+    from fsdp_verify.engines.placement import shard_dim
+
+    rule = getattr(case, "shard_placement", "dim0")
+    return {n: shard_dim(rule, n, s, case.mesh[-1]) for params in units.values() for n, s in params}
+
+
 def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
     """The units FSDP2 unshards in backward, if resharded after forward (see the module
     docstring): each unit whose output needs a gradient, and the one whose forward finished
@@ -128,6 +137,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     else:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
+    dims = placement_dims(case, units)
     reached = backward_reached(units, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
@@ -136,8 +146,8 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             synced = case.sync_every_microbatch or m == case.microbatches - 1
             for unit, params in units.items():
                 name = unit or "<root>"
-                shards = sum(padded_shard_numel(s, shard) for _, s in params)
-                grad_shards = sum(padded_shard_numel(s, shard) for n, s in params if n in with_grad)
+                shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
+                grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
                 if shard > 1 and shards:
                     gathered = shard * shards * _size(param_dtype)
                     out.append(Collective(step, m, "forward", "all_gather", param_dtype, shard, gathered, name))

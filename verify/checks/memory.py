@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_verify.case import Case
-from fsdp_verify.checks.comm import _size, params_by_unit
+from fsdp_verify.checks.comm import _size, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
@@ -91,10 +91,12 @@ def budget(case: Case, got: Trace) -> Budget:
     with_grad = {n for s, phase, n in got.records if phase == "grads"}
     sharded = grads = full = full_grads = 0
     by_unit: dict[str, int] = {}
-    for unit, params in params_by_unit(case, got).items():
+    units = params_by_unit(case, got)
+    dims = placement_dims(case, units)
+    for unit, params in units.items():
         for name, shape in params:
             own = getattr(torch, dtypes[name].removeprefix("torch.")).itemsize
-            rows = padded_shard_numel(shape, shard)
+            rows = padded_shard_numel(shape, shard, dims[name])
             sharded += rows * own
             grads += rows * own if name in with_grad else 0
             full += padded_shard_numel(shape, 1) * own
@@ -142,6 +144,7 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     )
                 )
                 break
+        findings += offload_findings(case, rank, rec)
         left = b.post_forward_left(case, rec)
         for step, m, where, _held, _shapes, other in rec["boundaries"]:
             allowed = 0 if where == "before forward" and step == 1 else left
@@ -161,6 +164,30 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                 )
                 break
     return findings
+
+
+OFFLOADED = {"sharded": "sharded parameters", "grads": "gradients", "optim": "optimizer state"}
+
+
+def offload_findings(case: Case, rank: int, rec: dict) -> list[Finding]:
+    """Under `offload` (CPUOffloadPolicy) the sharded parameters, their gradients and the
+    optimizer state live on the CPU: any of them found on another device is a finding. (On a
+    CPU-only host the compute device is the CPU too, so this cannot fail there; what offload
+    changes in bytes is nothing: the same shards, held elsewhere.)"""
+    if not getattr(case, "offload", False):
+        return []
+    out = []
+    for what, label in OFFLOADED.items():
+        elsewhere = [d for d in rec.get("where", {}).get(what, []) if d != "cpu"]
+        if elsewhere:
+            out.append(
+                _finding(
+                    0,
+                    f"offload:{what}",
+                    f"rank {rank} holds {label} on {', '.join(elsewhere)}; CPUOffloadPolicy keeps them on the CPU",
+                )
+            )
+    return out
 
 
 def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, str, int, list, int, str | None]]:
@@ -196,8 +223,9 @@ def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     if raw is None or not case_contracts(case).memory:
         return None
     b = budget(case, got)
+    where = " (on the CPU: offloaded)" if getattr(case, "offload", False) else ""
     return (
-        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state as sharded"
+        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state{where} as sharded"
         f" over {b.shard} ranks: {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
         " nothing unsharded left after resharding"
     )
