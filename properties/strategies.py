@@ -383,14 +383,16 @@ def _cases(
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
     data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
     mesh = field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None))
+    # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
+    # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
+    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world))
     values = {
         "model": model,
         "wrap": wrap,
         "world_size": world,
         "mesh_shape": mesh,
         "precision": precision,
-        # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
-        "reshard_after_forward": field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world)),
+        "reshard_after_forward": rsf,
         "optim": optim,
         "steps": steps,
         "microbatches": microbatches,
@@ -415,7 +417,14 @@ def _cases(
         # what they were for a seed. An engine that cannot take them gets them pinned off by
         # `cases` (verify/engines/capabilities.py).
         "offload": field("offload", st.booleans()),
-        "shard_placement": field("shard_placement", st.sampled_from(PLACEMENTS)),
+        # Not with an int reshard_after_forward between 1 and S: FSDP2 crashes there (Case refuses it).
+        "shard_placement": field(
+            "shard_placement",
+            st.sampled_from(PLACEMENTS) if _shard1_takes(rsf, mesh[-1] if mesh else world) else st.just("dim0"),
+        ),
+        "replica_sync_last": field(
+            "replica_sync_last", st.booleans() if mesh is not None and len(mesh) == 2 else st.just(False)
+        ),
     }
     try:
         return Case(**values)
@@ -527,6 +536,11 @@ def _model_keywords(
     return model_kinds, custom_model, pins
 
 
+def _shard1_takes(rsf: bool | int, shard: int) -> bool:
+    """Whether FSDP2 can take Shard(1) placements beside this reshard_after_forward (see Case)."""
+    return isinstance(rsf, bool) or not 1 < rsf < shard
+
+
 def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
     """fully_shard's knobs (offload, shard_placement) pinned off for an engine that cannot take
     them; a pin that asks one for them is refused now, naming the field."""
@@ -534,7 +548,7 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
 
     if engine_capabilities(engine).shard_knobs:
         return pins
-    off = {"offload": False, "shard_placement": "dim0"}
+    off = {"offload": False, "shard_placement": "dim0", "replica_sync_last": False}
     for name, value in off.items():
         given = pins.get(name, value)
         if not isinstance(given, SearchStrategy) and given != value:

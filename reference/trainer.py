@@ -14,7 +14,7 @@ each a screen long, so that a new knob changes one phase and the reference stays
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -96,6 +96,9 @@ class _Step:
     master_grads: dict[str, torch.Tensor]  # fp32, reduced
     local_grads: list[dict[str, torch.Tensor]]  # sync-last accumulators, per rank
     fingerprints: dict[str, list[int]]  # verify/probes/rng.py
+    # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
+    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
+    partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -262,9 +265,30 @@ class _Run:
             rank_grads = state.local_grads
         if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`_FlatLayout.carry`)
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
+        if self.defers_replica_reduce():
+            last = m == len(state.groups) - 1
+            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
+            for n, avg in averaged.items():
+                state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
+            return
         for n, avg in self.average(rank_grads, state.step).items():
             reduced = avg.to(torch.float32)
             state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+
+    def defers_replica_reduce(self) -> bool:
+        """`replica_sync_last` on a 2-D mesh (FSDP2's HSDP: `set_requires_all_reduce(False)` before
+        every micro-batch but the last), reduced every micro-batch, FSDP2's arithmetic emulated:
+        the replicas' all-reduce waits for the last micro-batch (`_hsdp_average`'s `partial`)."""
+        case = self.case
+        return (
+            case.replica_sync_last
+            and len(case.mesh) == 2
+            and case.sync_every_microbatch
+            and self.layout is None
+            and self.order == "ring"
+            and self.jolt is None
+            and self.emulate
+        )
 
     def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
         """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's
@@ -428,7 +452,12 @@ def _average(
 
 
 def _hsdp_average(
-    rank_grads: list[dict[str, torch.Tensor]], case: Case, reduce_dtype: torch.dtype, divide: tuple[float, float]
+    rank_grads: list[dict[str, torch.Tensor]],
+    case: Case,
+    reduce_dtype: torch.dtype,
+    divide: tuple[float, float],
+    partial: dict[str, list[torch.Tensor]] | None = None,
+    all_reduce: bool = True,
 ) -> dict[str, torch.Tensor]:
     """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
     (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
@@ -443,7 +472,13 @@ def _hsdp_average(
     copy and the all-reduce does it all; (1, W): the reduce-scatter alone, and so a 1-D mesh of W,
     whose reduce-scatter gloo adds the same way: by segments of the whole buffer, not by each
     parameter's row chunks as `_average`'s ring assumed (that missed gloo's segment boundaries:
-    the default MLP at 3 ranks with a clip and Adam was 0.041x off uncalibrated, now exact)."""
+    the default MLP at 3 ranks with a clip and Adam was 0.041x off uncalibrated, now exact).
+
+    `partial` (`replica_sync_last`): a micro-batch without the all-reduce (`all_reduce=False`)
+    adds each replica's reduce-scattered rows into `partial[unit]` in reduce_dtype and gives no
+    gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
+    micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
+    partial_reduce_output`), then all-reduces the sum."""
     replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
     pre, post = divide
     staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
@@ -461,6 +496,14 @@ def _hsdp_average(
             group = [b.reshape(-1) for b in bufs[i * shards : (i + 1) * shards]]
             summed = gloo_allreduce_sum(group).view(shards, -1)
             per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
+        if partial is not None:
+            unit = _owning_unit(case.wrap_plan, names[0])
+            kept = partial.pop(unit, None)
+            if kept is not None:
+                per_replica = [mine + earlier for mine, earlier in zip(per_replica, kept)]
+            if not all_reduce:
+                partial[unit] = per_replica
+                continue
         total = _replica_all_reduce(per_replica)
         last = float(replicas) if staged else post
         total = total / last if last != 1 else total

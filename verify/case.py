@@ -222,8 +222,20 @@ class Case:
     # group divides dim 1) or mixed (some of those Shard(1), the rest Shard(0), per unit);
     # verify/engines/placement.py. Changes the reduce-scatter's layout, so its summation order.
     shard_placement: str = "dim0"
+    # HSDP accumulation: `set_requires_all_reduce(False)` before every micro-batch but the last,
+    # so each replica reduce-scatters every micro-batch and the replicas all-reduce once, on the
+    # last (FSDP2 keeps the partial sums in reduce_dtype meanwhile). A 1-D mesh has no replicas.
+    replica_sync_last: bool = False
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling", "offload", "shard_placement")
+    OPTIONAL_FIELDS = (
+        "loss",
+        "step",
+        "activation_checkpointing",
+        "loss_scaling",
+        "offload",
+        "shard_placement",
+        "replica_sync_last",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -332,6 +344,30 @@ class Case:
 
         check(isinstance(self.offload, bool), "offload", "true or false", self.offload)
         check(self.shard_placement in PLACEMENTS, "shard_placement", f"one of {PLACEMENTS}", self.shard_placement)
+        check(isinstance(self.replica_sync_last, bool), "replica_sync_last", "true or false", self.replica_sync_last)
+        rsf = self.reshard_after_forward
+        if self.shard_placement != "dim0" and is_int(rsf) and not isinstance(rsf, bool):
+            check(
+                not 1 < rsf < self.mesh[-1],
+                "shard_placement",
+                f"'dim0' with an int reshard_after_forward {rsf} below the shard group {self.mesh[-1]}: FSDP2 (torch"
+                " 2.13) crashes resharding a Shard(1) parameter to the smaller group after forward"
+                " (tests/upstream/test_fsdp2_shard1_int_reshard_after_forward.py)",
+                self.shard_placement,
+            )
+        if self.replica_sync_last:
+            check(
+                len(self.mesh) == 2,
+                "replica_sync_last",
+                "false on a 1-D mesh (no replicas to all-reduce over; set mesh_shape R,S)",
+                True,
+            )
+            check(
+                self.step is None,
+                "replica_sync_last",
+                "false with a user's step (--step calls set_requires_all_reduce itself, if it does)",
+                True,
+            )
 
     def _validate_custom(self) -> None:
         if self.step is not None:

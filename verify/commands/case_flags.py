@@ -356,6 +356,15 @@ FLAGS: tuple[Flag, ...] = (
         "RULE",
     ),
     Flag(
+        "--replica-sync-last",
+        "replica_sync_last",
+        LOOP,
+        "HSDP: set_requires_all_reduce(False) before every micro-batch but the last (replicas all-reduce once)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
         "--activation-checkpointing",
         "activation_checkpointing",
         LOOP,

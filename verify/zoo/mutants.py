@@ -519,3 +519,35 @@ def shard1_cut_on_dim0(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
                 with torch.no_grad():
                     local.copy_(rows.view(local.shape))
     return model
+
+
+class _ReplicaSyncView(EngineView):
+    """`set_requires_all_reduce` as a faulty loop calls it: `never` leaves it off on the last
+    micro-batch too, else it is ignored (the all-reduce on every micro-batch)."""
+
+    def __init__(self, module: nn.Module, never: bool):
+        super().__init__(module)
+        self.never = never
+
+    def set_requires_all_reduce(self, all_reduce: bool) -> None:
+        if self.never:
+            self.module.set_requires_all_reduce(False)
+
+
+def replica_all_reduce_skipped_on_last(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HSDP accumulation that turns the replicas' all-reduce off for the micro-batches before the
+    last and never back on (`set_requires_all_reduce(False)` outside the loop): FSDP2 then keeps
+    every micro-batch's reduce-scattered sum as partial and never hands a gradient to the
+    optimizer."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReplicaSyncView(model, never=True)
+    return model
+
+
+def replica_all_reduce_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HSDP accumulation asked for (`replica_sync_last`) but `set_requires_all_reduce` never
+    called: the replicas all-reduce on every micro-batch. The same average in another order
+    (within the tolerance); R - 1 all-reduces per unit too many on the wire."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReplicaSyncView(model, never=False)
+    return model
