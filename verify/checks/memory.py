@@ -21,6 +21,14 @@ copy alive: 1/k of the unit's padded parameters in param_dtype, counted as *othe
 the optimizer step and before the next forward (torch 2.13; found by a fresh-seed sweep, 3 of 300
 cases, tests/regressions/8608cf484d42.json). The plan allows exactly that there, no more.
 
+Under `shard_placement` a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by
+construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `offload`
+(CPUOffloadPolicy) the bytes are the same and the sharded parameters, gradients and optimizer
+state must be found on the CPU (`offload_findings`; the probe records their device types).
+Under `replica_sync_last` FSDP2 keeps each unit's reduce-scattered partial sum between
+micro-batches (reduce_dtype, the unit's shards with gradients), freed on the last micro-batch:
+nothing more at the judged boundaries.
+
 S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
 (fp32 master weights). A finding names the boundary and the unit when more is held: an engine
 that keeps an unsharded copy alive after resharding, or holds full gradients. Under

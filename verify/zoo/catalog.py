@@ -342,6 +342,36 @@ ZOO: list[ZooBug] = [
         ("init",),
         pins={**_CHEAP, "shard_placement": "dim1"},
     ),
+    ZooBug(
+        "replica_all_reduce_skipped_on_last",
+        _mutant("replica_all_reduce_skipped_on_last"),
+        "HSDP accumulation whose replica all-reduce, off for the earlier micro-batches, is skipped on the last too",
+        "issue 28: set_requires_all_reduce(False) for accumulation, never turned back on",
+        ("grads",),
+        world_sizes=(4,),
+        pins={
+            **_CHEAP,
+            "mesh_shape": (2, 2),
+            "microbatches": _MICROBATCHES,
+            "sync_every_microbatch": True,
+            "replica_sync_last": True,
+        },
+    ),
+    ZooBug(
+        "replica_all_reduce_every_microbatch",
+        _mutant("replica_all_reduce_every_microbatch"),
+        "HSDP accumulation asked for, but the replicas all-reduce on every micro-batch (R - 1 too many per unit)",
+        "issue 28: set_requires_all_reduce never called; the same average, more traffic",
+        ("comm",),
+        world_sizes=(4,),
+        pins={
+            **_CHEAP,
+            "mesh_shape": (2, 2),
+            "microbatches": _MICROBATCHES,
+            "sync_every_microbatch": True,
+            "replica_sync_last": True,
+        },
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}
