@@ -36,6 +36,7 @@ from fsdp_verify.case import (
     check_field_value,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
+from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
 
 PRECISIONS = PRECISION_POLICIES
@@ -382,14 +383,16 @@ def _cases(
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
     data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
     mesh = field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None))
+    # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
+    # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
+    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world))
     values = {
         "model": model,
         "wrap": wrap,
         "world_size": world,
         "mesh_shape": mesh,
         "precision": precision,
-        # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
-        "reshard_after_forward": field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world)),
+        "reshard_after_forward": rsf,
         "optim": optim,
         "steps": steps,
         "microbatches": microbatches,
@@ -409,6 +412,18 @@ def _cases(
         "loss_scaling": field(
             "loss_scaling",
             loss_scale_specs(**_sub(pins, "loss_scaling")) if precision.param_dtype == "fp16" else st.just(None),
+        ),
+        # fully_shard's knobs (issue 28, items 1-4), drawn last so that the draws before them stay
+        # what they were for a seed. An engine that cannot take them gets them pinned off by
+        # `cases` (verify/engines/capabilities.py).
+        "offload": field("offload", st.booleans()),
+        # Not with an int reshard_after_forward between 1 and S: FSDP2 crashes there (Case refuses it).
+        "shard_placement": field(
+            "shard_placement",
+            st.sampled_from(PLACEMENTS) if _shard1_takes(rsf, mesh[-1] if mesh else world) else st.just("dim0"),
+        ),
+        "replica_sync_last": field(
+            "replica_sync_last", st.booleans() if mesh is not None and len(mesh) == 2 else st.just(False)
         ),
     }
     try:
@@ -459,6 +474,7 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    pins = _shard_knob_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -518,6 +534,26 @@ def _model_keywords(
             changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)
         custom_model = replace(custom_model, **changes)
     return model_kinds, custom_model, pins
+
+
+def _shard1_takes(rsf: bool | int, shard: int) -> bool:
+    """Whether FSDP2 can take Shard(1) placements beside this reshard_after_forward (see Case)."""
+    return isinstance(rsf, bool) or not 1 < rsf < shard
+
+
+def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
+    """fully_shard's knobs (offload, shard_placement) pinned off for an engine that cannot take
+    them; a pin that asks one for them is refused now, naming the field."""
+    from fsdp_verify.engines import engine_capabilities
+
+    if engine_capabilities(engine).shard_knobs:
+        return pins
+    off = {"offload": False, "shard_placement": "dim0", "replica_sync_last": False}
+    for name, value in off.items():
+        given = pins.get(name, value)
+        if not isinstance(given, SearchStrategy) and given != value:
+            raise PinError(f"{name}: expected {value!r}: engine {engine!r} has no fully_shard knobs, got {given!r}")
+    return {**pins, **off}
 
 
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:

@@ -14,7 +14,7 @@ each a screen long, so that a new knob changes one phase and the reference stays
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
+from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
@@ -96,6 +97,9 @@ class _Step:
     master_grads: dict[str, torch.Tensor]  # fp32, reduced
     local_grads: list[dict[str, torch.Tensor]]  # sync-last accumulators, per rank
     fingerprints: dict[str, list[int]]  # verify/probes/rng.py
+    # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
+    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
+    partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
 
 
 @dataclass
@@ -274,9 +278,30 @@ class _Run:
             rank_grads = state.local_grads
         if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`_FlatLayout.carry`)
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
+        if self.defers_replica_reduce():
+            last = m == len(state.groups) - 1
+            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
+            for n, avg in averaged.items():
+                state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
+            return
         for n, avg in self.average(rank_grads, state.step).items():
             reduced = avg.to(torch.float32)
             state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+
+    def defers_replica_reduce(self) -> bool:
+        """`replica_sync_last` on a 2-D mesh (FSDP2's HSDP: `set_requires_all_reduce(False)` before
+        every micro-batch but the last), reduced every micro-batch, FSDP2's arithmetic emulated:
+        the replicas' all-reduce waits for the last micro-batch (`_hsdp_average`'s `partial`)."""
+        case = self.case
+        return (
+            case.replica_sync_last
+            and len(case.mesh) == 2
+            and case.sync_every_microbatch
+            and self.layout is None
+            and self.order == "ring"
+            and self.jolt is None
+            and self.emulate
+        )
 
     def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
         """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's
@@ -324,12 +349,14 @@ class _Run:
         if self.case.clip_norm is None:
             return
         step = state.step
-        with_grad = [p for p in self.params.values() if p.grad is not None]
+        named = [(n, p) for n, p in self.params.items() if p.grad is not None]
+        with_grad = [p for _, p in named]
         grads = [p.grad for p in with_grad]
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-            norm = _norm_from_shards(grads, self.case.mesh[-1])  # HSDP: the shard group's row chunks
+            dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
+            norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
         else:
             norm = torch.nn.utils.get_total_norm(grads[::-1] if self.order == "reverse" else grads)
         if self.jolt is not None:
@@ -440,7 +467,12 @@ def _average(
 
 
 def _hsdp_average(
-    rank_grads: list[dict[str, torch.Tensor]], case: Case, reduce_dtype: torch.dtype, divide: tuple[float, float]
+    rank_grads: list[dict[str, torch.Tensor]],
+    case: Case,
+    reduce_dtype: torch.dtype,
+    divide: tuple[float, float],
+    partial: dict[str, list[torch.Tensor]] | None = None,
+    all_reduce: bool = True,
 ) -> dict[str, torch.Tensor]:
     """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
     (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
@@ -455,7 +487,13 @@ def _hsdp_average(
     copy and the all-reduce does it all; (1, W): the reduce-scatter alone, and so a 1-D mesh of W,
     whose reduce-scatter gloo adds the same way: by segments of the whole buffer, not by each
     parameter's row chunks as `_average`'s ring assumed (that missed gloo's segment boundaries:
-    the default MLP at 3 ranks with a clip and Adam was 0.041x off uncalibrated, now exact)."""
+    the default MLP at 3 ranks with a clip and Adam was 0.041x off uncalibrated, now exact).
+
+    `partial` (`replica_sync_last`): a micro-batch without the all-reduce (`all_reduce=False`)
+    adds each replica's reduce-scattered rows into `partial[unit]` in reduce_dtype and gives no
+    gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
+    micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
+    partial_reduce_output`), then all-reduces the sum."""
     replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
     pre, post = divide
     staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
@@ -464,7 +502,8 @@ def _hsdp_average(
         units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
     out: dict[str, torch.Tensor] = {}
     for names in units.values():
-        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype) for g in rank_grads]
+        dims = [_placement_dim(case, n, rank_grads[0][n].shape) for n in names]
+        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype, dims) for g in rank_grads]
         if pre != 1:
             bufs = [b / pre for b in bufs]
         per_replica = []
@@ -472,12 +511,26 @@ def _hsdp_average(
             group = [b.reshape(-1) for b in bufs[i * shards : (i + 1) * shards]]
             summed = gloo_allreduce_sum(group).view(shards, -1)
             per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
+        if partial is not None:
+            unit = _owning_unit(case.wrap_plan, names[0])
+            kept = partial.pop(unit, None)
+            if kept is not None:
+                per_replica = [mine + earlier for mine, earlier in zip(per_replica, kept)]
+            if not all_reduce:
+                partial[unit] = per_replica
+                continue
         total = _replica_all_reduce(per_replica)
         last = float(replicas) if staged else post
         total = total / last if last != 1 else total
         offset = 0
-        for n in names:
+        for n, dim in zip(names, dims):
             shape = rank_grads[0][n].shape
+            if dim:  # Shard(1): rank s's block is the dim-1 chunk s, (rows, cols / S) flattened
+                numel = rank_grads[0][n].numel() // shards
+                block = total[:, offset : offset + numel].reshape(shards, shape[0], -1, *shape[2:])
+                out[n] = torch.cat(block.unbind(0), dim=1)
+                offset += numel
+                continue
             rows = shape[0] if len(shape) else 1
             chunk, width = -(-rows // shards), max(rank_grads[0][n].numel() // max(rows, 1), 1)
             block = total[:, offset : offset + chunk * width].reshape(shards * chunk, width)
@@ -486,12 +539,24 @@ def _hsdp_average(
     return out
 
 
-def _chunk_cat(grads: list[torch.Tensor], shards: int, dtype: torch.dtype) -> torch.Tensor:
+def _placement_dim(case: Case, name: str, shape) -> int:
+    """The dim FSDP2 shards parameter `name` on (`case.shard_placement`, verify/engines/placement.py)."""
+    return shard_dim(case.shard_placement, name, tuple(shape), case.mesh[-1])
+
+
+def _chunk_cat(
+    grads: list[torch.Tensor], shards: int, dtype: torch.dtype, dims: list[int] | None = None
+) -> torch.Tensor:
     """FSDP2's reduce-scatter input (`foreach_reduce_scatter_copy_in`): each gradient's rows
     padded with zeros to S equal chunks (ceil(rows / S) each), row s of the (S, n) result the
-    chunks s of every gradient, flattened and concatenated in the unit's order."""
+    chunks s of every gradient, flattened and concatenated in the unit's order. A Shard(1)
+    gradient (`dims`) is first cut in S chunks along dim 1 and those stacked along dim 0
+    (`foreach_reduce`, before the copy-in): row s holds its dim-1 chunk s."""
     pieces = []
-    for g in grads:
+    for i, g in enumerate(grads):
+        if dims is not None and dims[i] and shards > 1:
+            pieces.append(torch.stack(g.to(dtype).chunk(shards, dim=1)).reshape(shards, -1))
+            continue
         rows = g.reshape(g.shape[0] if g.dim() else 1, -1)
         chunk = -(-rows.shape[0] // shards)
         padded = torch.zeros(chunk * shards, rows.shape[1], dtype=dtype)
@@ -637,7 +702,7 @@ def _replica_all_reduce(per_replica: list[torch.Tensor]) -> torch.Tensor:
     return torch.stack([gloo_allreduce_sum([t[s] for t in per_replica]) for s in range(rows)])
 
 
-def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
+def _norm_from_shards(grads: list[torch.Tensor], world: int, dims: list[int] | None = None) -> torch.Tensor:
     """The global norm as FSDP2's `clip_grad_norm_` computes it on DTensors: per parameter, the
     norm of each rank's row chunk, squared, summed over ranks (rank order), and the root; then the
     norm of those norms. It differs from one norm of the full gradient by an ulp or two, which
@@ -645,10 +710,13 @@ def _norm_from_shards(grads: list[torch.Tensor], world: int) -> torch.Tensor:
     scale 100, AdamW) turns that into a 1.5e-6 deviation of the next step's logits. Measured
     bit-exact against FSDP2 on gloo at world size 3. On an HSDP mesh (R, S) a gradient is
     Replicate on the replicas and Shard(0) over the S ranks of a shard group: `world` is S
-    (bit-exact on (2, 2), (3, 1) and (1, 3))."""
+    (bit-exact on (2, 2), (3, 1) and (1, 3)). A Shard(1) parameter (`dims`): its dim-1 chunks."""
     norms = []
-    for g in grads:
-        squares = [c.norm() ** 2 for c in (g.chunk(world, dim=0) if g.dim() else [g])]
+    for i, g in enumerate(grads):
+        dim = dims[i] if dims is not None else 0
+        # A Shard(1) shard is a contiguous (rows, cols / S) tensor on its rank: its norm reduces
+        # in that layout's order, not a strided view's (1 ulp apart at 3 ranks).
+        squares = [c.contiguous().norm() ** 2 for c in (g.chunk(world, dim=dim) if g.dim() else [g])]
         total = squares[0]
         for sq in squares[1:]:
             total = total + sq

@@ -222,7 +222,30 @@ class Case:
     # forward or backward, "STEP/forward/FQN" or "STEP/backward/FQN". None: an ordinary run.
     zoom: str | None = None
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling", "zoom")
+    # ---- fully_shard's knobs (issue 28, items 1-4) ----
+    # `offload_policy=CPUOffloadPolicy(pin_memory=False)`: sharded parameters, gradients and the
+    # optimizer step on the CPU, each unit's parameters all-gathered on the compute device.
+    # Numbers unchanged (the same arithmetic on the same values); what is held where changes.
+    offload: bool = False
+    # `shard_placement_fn`: dim0 (Shard(0), FSDP2's default), dim1 (Shard(1) where the shard
+    # group divides dim 1) or mixed (some of those Shard(1), the rest Shard(0), per unit);
+    # verify/engines/placement.py. Changes the reduce-scatter's layout, so its summation order.
+    shard_placement: str = "dim0"
+    # HSDP accumulation: `set_requires_all_reduce(False)` before every micro-batch but the last,
+    # so each replica reduce-scatters every micro-batch and the replicas all-reduce once, on the
+    # last (FSDP2 keeps the partial sums in reduce_dtype meanwhile). A 1-D mesh has no replicas.
+    replica_sync_last: bool = False
+
+    OPTIONAL_FIELDS = (
+        "loss",
+        "step",
+        "activation_checkpointing",
+        "loss_scaling",
+        "offload",
+        "shard_placement",
+        "replica_sync_last",
+        "zoom",
+    )
 
     def __post_init__(self) -> None:
         self.validate()
@@ -325,6 +348,7 @@ class Case:
                 " fp16): dynamic loss scaling is for fp16's range; bf16 and fp32 need none (--loss-scaling off)",
                 f"{self.loss_scaling.describe()} with precision {self.precision.describe()}",
             )
+        self._validate_shard_knobs()
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
@@ -334,6 +358,37 @@ class Case:
                 "data.kind",
                 "'normal' for a transformer (token ids cannot cancel)",
                 self.data.kind,
+            )
+
+    def _validate_shard_knobs(self) -> None:
+        """fully_shard's knobs (issue 28): offload and per-parameter placements."""
+        from fsdp_verify.engines.placement import PLACEMENTS
+
+        check(isinstance(self.offload, bool), "offload", "true or false", self.offload)
+        check(self.shard_placement in PLACEMENTS, "shard_placement", f"one of {PLACEMENTS}", self.shard_placement)
+        check(isinstance(self.replica_sync_last, bool), "replica_sync_last", "true or false", self.replica_sync_last)
+        rsf = self.reshard_after_forward
+        if self.shard_placement != "dim0" and is_int(rsf) and not isinstance(rsf, bool):
+            check(
+                not 1 < rsf < self.mesh[-1],
+                "shard_placement",
+                f"'dim0' with an int reshard_after_forward {rsf} below the shard group {self.mesh[-1]}: FSDP2 (torch"
+                " 2.13) crashes resharding a Shard(1) parameter to the smaller group after forward"
+                " (tests/upstream/test_fsdp2_shard1_int_reshard_after_forward.py)",
+                self.shard_placement,
+            )
+        if self.replica_sync_last:
+            check(
+                len(self.mesh) == 2,
+                "replica_sync_last",
+                "false on a 1-D mesh (no replicas to all-reduce over; set mesh_shape R,S)",
+                True,
+            )
+            check(
+                self.step is None,
+                "replica_sync_last",
+                "false with a user's step (--step calls set_requires_all_reduce itself, if it does)",
+                True,
             )
 
     def _validate_custom(self) -> None:
@@ -540,6 +595,8 @@ def check_field_value(name: str, value: Any) -> None:
             changes = {name: value}
             if name == "mesh_shape" and isinstance(value, tuple) and all(isinstance(d, int) for d in value):
                 changes["world_size"] = _product(value)
+            if name == "replica_sync_last":  # wrong only beside a 1-D mesh: judged on a 2-D one
+                changes.update(mesh_shape=(1, 2), world_size=2)
             Case().with_(**changes)
     except CaseError as e:
         if e.field_path == name:

@@ -15,7 +15,9 @@ S is the shard group (the mesh's last dimension), R the replicas (HSDP's first),
 a multiple of S, cut in S rows (FSDP2's Shard(0)); a unit's collective carries all its
 parameters at once. The backward all-gather is absent for a unit kept unsharded after forward;
 the reduce-scatter (and HSDP all-reduce) happens on every micro-batch when syncing every
-micro-batch, else on the last only.
+micro-batch, else on the last only; under `replica_sync_last` (HSDP's `set_requires_all_reduce(False)`
+before all but the last micro-batch) the all-reduce on the last only. Under `shard_placement`
+a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by construction).
 
 Degenerate meshes, as torch 2.13 issues them (measured with the probe; `FSDPParamGroup.unshard`
 and `foreach_reduce`): at S = 1 ((W, 1), world size 1) no all-gather or reduce-scatter: both
@@ -97,6 +99,15 @@ def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int
     return units
 
 
+def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
+    """Parameter -> the tensor dim FSDP2 shards it on (`shard_placement`: Shard(1) moves the
+    padding from dim 0 to an even dim-1 split, so a shard's size; verify/engines/placement.py)."""
+    from fsdp_verify.engines.placement import shard_dim
+
+    rule = getattr(case, "shard_placement", "dim0")
+    return {n: shard_dim(rule, n, s, case.mesh[-1]) for params in units.values() for n, s in params}
+
+
 def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
     """The units FSDP2 unshards in backward, if resharded after forward (see the module
     docstring): each unit whose output needs a gradient, and the one whose forward finished
@@ -128,16 +139,20 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     else:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
+    dims = placement_dims(case, units)
     reached = backward_reached(units, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
         for m in range(case.microbatches):
-            synced = case.sync_every_microbatch or m == case.microbatches - 1
+            last = m == case.microbatches - 1
+            synced = case.sync_every_microbatch or last
+            # replica_sync_last: the replicas' all-reduce only on the last micro-batch
+            replicas_synced = synced and (last or not getattr(case, "replica_sync_last", False))
             for unit, params in units.items():
                 name = unit or "<root>"
-                shards = sum(padded_shard_numel(s, shard) for _, s in params)
-                grad_shards = sum(padded_shard_numel(s, shard) for n, s in params if n in with_grad)
+                shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
+                grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
                 if shard > 1 and shards:
                     gathered = shard * shards * _size(param_dtype)
                     out.append(Collective(step, m, "forward", "all_gather", param_dtype, shard, gathered, name))
@@ -148,7 +163,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))
-                if synced and grad_shards and hsdp:
+                if replicas_synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
         if case.clip_norm is not None and shard > 1 and with_grad:

@@ -21,6 +21,14 @@ copy alive: 1/k of the unit's padded parameters in param_dtype, counted as *othe
 the optimizer step and before the next forward (torch 2.13; found by a fresh-seed sweep, 3 of 300
 cases, tests/regressions/8608cf484d42.json). The plan allows exactly that there, no more.
 
+Under `shard_placement` a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by
+construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `offload`
+(CPUOffloadPolicy) the bytes are the same and the sharded parameters, gradients and optimizer
+state must be found on the CPU (`offload_findings`; the probe records their device types).
+Under `replica_sync_last` FSDP2 keeps each unit's reduce-scattered partial sum between
+micro-batches (reduce_dtype, the unit's shards with gradients), freed on the last micro-batch:
+nothing more at the judged boundaries.
+
 S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
 (fp32 master weights). A finding names the boundary and the unit when more is held: an engine
 that keeps an unsharded copy alive after resharding, or holds full gradients. Under
@@ -37,7 +45,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_verify.case import Case
-from fsdp_verify.checks.comm import _size, params_by_unit
+from fsdp_verify.checks.comm import _size, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
@@ -91,10 +99,12 @@ def budget(case: Case, got: Trace) -> Budget:
     with_grad = {n for s, phase, n in got.records if phase == "grads"}
     sharded = grads = full = full_grads = 0
     by_unit: dict[str, int] = {}
-    for unit, params in params_by_unit(case, got).items():
+    units = params_by_unit(case, got)
+    dims = placement_dims(case, units)
+    for unit, params in units.items():
         for name, shape in params:
             own = getattr(torch, dtypes[name].removeprefix("torch.")).itemsize
-            rows = padded_shard_numel(shape, shard)
+            rows = padded_shard_numel(shape, shard, dims[name])
             sharded += rows * own
             grads += rows * own if name in with_grad else 0
             full += padded_shard_numel(shape, 1) * own
@@ -142,6 +152,7 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     )
                 )
                 break
+        findings += offload_findings(case, rank, rec)
         left = b.post_forward_left(case, rec)
         for step, m, where, _held, _shapes, other in rec["boundaries"]:
             allowed = 0 if where == "before forward" and step == 1 else left
@@ -161,6 +172,30 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                 )
                 break
     return findings
+
+
+OFFLOADED = {"sharded": "sharded parameters", "grads": "gradients", "optim": "optimizer state"}
+
+
+def offload_findings(case: Case, rank: int, rec: dict) -> list[Finding]:
+    """Under `offload` (CPUOffloadPolicy) the sharded parameters, their gradients and the
+    optimizer state live on the CPU: any of them found on another device is a finding. (On a
+    CPU-only host the compute device is the CPU too, so this cannot fail there; what offload
+    changes in bytes is nothing: the same shards, held elsewhere.)"""
+    if not getattr(case, "offload", False):
+        return []
+    out = []
+    for what, label in OFFLOADED.items():
+        elsewhere = [d for d in rec.get("where", {}).get(what, []) if d != "cpu"]
+        if elsewhere:
+            out.append(
+                _finding(
+                    0,
+                    f"offload:{what}",
+                    f"rank {rank} holds {label} on {', '.join(elsewhere)}; CPUOffloadPolicy keeps them on the CPU",
+                )
+            )
+    return out
 
 
 def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, str, int, list, int, str | None]]:
@@ -196,8 +231,9 @@ def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     if raw is None or not case_contracts(case).memory:
         return None
     b = budget(case, got)
+    where = " (on the CPU: offloaded)" if getattr(case, "offload", False) else ""
     return (
-        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state as sharded"
+        f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state{where} as sharded"
         f" over {b.shard} ranks: {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
         " nothing unsharded left after resharding"
     )

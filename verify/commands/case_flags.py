@@ -336,6 +336,34 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--init", "init", LOOP, "eager | meta (build on the meta device, then materialise)", str, "MODE"),
     Flag("--seed", "seed", LOOP, "the case's seed (initial values and dropout masks)", int, "N", draw=None),
+    # fully_shard's knobs (issue 28, items 1-4)
+    Flag(
+        "--offload",
+        "offload",
+        LOOP,
+        "FSDP2 offload_policy=CPUOffloadPolicy(pin_memory=False): sharded state and the optimizer step on the CPU",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
+        "--shard-placement",
+        "shard_placement",
+        LOOP,
+        "FSDP2 shard_placement_fn: dim0 (Shard(0), default) | dim1 (Shard(1) where the shard group divides dim 1)"
+        " | mixed (some Shard(1), some Shard(0))",
+        str,
+        "RULE",
+    ),
+    Flag(
+        "--replica-sync-last",
+        "replica_sync_last",
+        LOOP,
+        "HSDP: set_requires_all_reduce(False) before every micro-batch but the last (replicas all-reduce once)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
     Flag(
         "--activation-checkpointing",
         "activation_checkpointing",

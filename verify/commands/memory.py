@@ -39,6 +39,13 @@ def report(case, got) -> tuple[list[str], list]:
     rows.append([f"grads (step {last})", f"<= {b.grads:,}"] + [f"{r['grads'].get(last, 0):,}" for r in ranks])
     rows.append([f"optimizer state (step {last})", f"<= {b.optim:,}"] + [f"{r['optim'].get(last, 0):,}" for r in ranks])
     lines += ["", "persistent state:"] + table(rows)
+    if getattr(case, "offload", False):  # CPUOffloadPolicy: where the sharded state is held
+        from fsdp_verify.checks.memory import OFFLOADED
+
+        rows = [["held on (offload: the CPU)", "plan"] + [f"rank {r}" for r in range(len(ranks))]]
+        for what, label in OFFLOADED.items():
+            rows.append([label, "cpu"] + [",".join(r.get("where", {}).get(what, [])) or "-" for r in ranks])
+        lines += [""] + table(rows)
     judged = [judged_boundaries(case, b, r) for r in ranks]
     rows = [["boundary (step 1)", "micro-batch", "unsharded allowed"] + [f"rank {r}" for r in range(len(ranks))]]
     for i, (step, m, where, _held, _shapes, allowed, _unit) in enumerate(judged[0] if judged else []):

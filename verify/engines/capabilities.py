@@ -27,6 +27,9 @@ class Capabilities:
     # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
+    # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`): FSDP1 and the flat
+    # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
+    shard_knobs: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -43,6 +46,10 @@ class Capabilities:
             raise CaseError(
                 "precision.output_dtype", f"null: engine {engine!r} has no output_dtype", case.precision.output_dtype
             )
+        if not self.shard_knobs:
+            for name, off in (("offload", False), ("shard_placement", "dim0"), ("replica_sync_last", False)):
+                if getattr(case, name) != off:
+                    raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
             raise CaseError(

@@ -77,6 +77,10 @@ class EngineView:
         if hasattr(self.module, "set_requires_gradient_sync"):
             self.module.set_requires_gradient_sync(sync)
 
+    def set_requires_all_reduce(self, all_reduce: bool) -> None:
+        """HSDP's replica all-reduce on or off for the next backward (`replica_sync_last`)."""
+        self.module.set_requires_all_reduce(all_reduce)
+
 
 DTensorView = EngineView
 

@@ -225,9 +225,13 @@ class CommProbe(Probe):
         self.meta("comm", {"ranks": per_rank})
 
 
-def padded_shard_numel(shape: tuple[int, ...] | list[int], shard: int) -> int:
+def padded_shard_numel(shape: tuple[int, ...] | list[int], shard: int, dim: int = 0) -> int:
     """Elements of one rank's shard of a parameter under FSDP2's Shard(0): dim 0 padded up to a
-    multiple of the shard group's size, then cut into equal chunks (a 0-dim tensor is one row)."""
+    multiple of the shard group's size, then cut into equal chunks (a 0-dim tensor is one row).
+    Under Shard(1) (`shard_placement`, even by construction: verify/engines/placement.py) the
+    dim-1 chunk, numel / shard."""
+    if dim:
+        return math.prod(shape) // shard
     rows = shape[0] if len(shape) else 1
     rest = math.prod(shape[1:]) if len(shape) > 1 else 1
     return -(-rows // shard) * rest

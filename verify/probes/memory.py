@@ -23,8 +23,9 @@ Gradient and optimizer-state bytes are counted after every step (no walk). Each 
 own; they travel in the case's one gather (`to_gather`) into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
 "boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...],
-"no_backward": [unit, ...]}, ...]}`, the last naming the units whose forward output requires no
-grad (no backward runs through them).
+"no_backward": [unit, ...], "where": {"sharded"|"grads"|"optim": [device type, ...]}}, ...]}`,
+"no_backward" naming the units whose forward output requires no grad (no backward runs through
+them), "where" the device types the sharded state was found on (CPU offload's contract).
 """
 
 from __future__ import annotations
@@ -132,7 +133,14 @@ def _filled(cell: types.CellType) -> bool:
 class MemoryProbe(Probe):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.record: dict[str, Any] = {"sharded": 0, "grads": {}, "optim": {}, "boundaries": [], "no_backward": []}
+        self.record: dict[str, Any] = {
+            "sharded": 0,
+            "grads": {},
+            "optim": {},
+            "boundaries": [],
+            "no_backward": [],
+            "where": {"sharded": [], "grads": [], "optim": []},
+        }
         self.model: nn.Module | None = None
         self.view: EngineView | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -185,6 +193,11 @@ class MemoryProbe(Probe):
         n, shapes, other = self.unsharded()
         self.record["boundaries"].append([self.step, self.microbatch, where, n, shapes, other])
 
+    def _where(self, what: str, tensors: list[torch.Tensor]) -> None:
+        """The device types `tensors` (sharded state of kind `what`) are on, added to the record."""
+        seen = set(self.record["where"][what]) | {_local(t).device.type for t in tensors}
+        self.record["where"][what] = sorted(seen)
+
     @staticmethod
     def _bytes(tensors: list[torch.Tensor]) -> int:
         storages = dict(_storage(t) for t in tensors)
@@ -207,6 +220,7 @@ class MemoryProbe(Probe):
         self.model, self.view = model, view
         self.sharded_params = list(view.parameters().values())
         self.record["sharded"] = self._bytes(self.sharded_params)
+        self._where("sharded", self.sharded_params)
         probe = weakref.ref(self)
         for unit in self.case.wrap_plan:
             module = model.get_submodule(unit)
@@ -237,6 +251,7 @@ class MemoryProbe(Probe):
             assert self.view is not None
             grads = [p.grad for p in self.view.parameters().values() if p.grad is not None]
             self.record["grads"][str(step)] = self._bytes(grads)
+            self._where("grads", grads)
 
     def after_step(self, step: int) -> None:
         assert self.optimizer is not None and self.view is not None
@@ -247,6 +262,7 @@ class MemoryProbe(Probe):
             if isinstance(v, torch.Tensor) and v.dim() > 0  # not the scalar step count
         ]
         self.record["optim"][str(step)] = self._bytes(states)
+        self._where("optim", states)
         self.microbatch = 0
         if step in (1, self.case.steps):  # see the module docstring
             self._boundary("after the optimizer step")

@@ -113,6 +113,8 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records)
         for m, index in enumerate(slices):
             if not case.sync_every_microbatch:
                 view.set_requires_gradient_sync(m == len(slices) - 1)
+            if case.replica_sync_last:
+                view.set_requires_all_reduce(m == len(slices) - 1)
             ctx.phase(f"step {step} forward (micro-batch {m})")
             for probe in probes:
                 probe.before_forward(step, m)

@@ -324,6 +324,54 @@ ZOO: list[ZooBug] = [
         world_sizes=(2,),
         pins={**_CHEAP, **_FSDP1, "mesh_shape": (2, 1)},
     ),
+    # fully_shard's knobs (issue 28, items 1-4)
+    ZooBug(
+        "offload_grad_added_twice",
+        _mutant("offload_grad_added_twice"),
+        "under CPU offload the reduced gradient is added to the CPU copy and again from the device copy",
+        "issue 28: offload_policy=CPUOffloadPolicy (seed 000's configuration), an offloaded gradient stepped twice",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "offload": True},
+    ),
+    ZooBug(
+        "shard1_cut_on_dim0",
+        _mutant("shard1_cut_on_dim0"),
+        "a Shard(1) parameter's local shard holds the rank's dim-0 rows (cut on the wrong dimension)",
+        "issue 28: shard_placement_fn=Shard(1), a shard padded and cut on the wrong dimension",
+        ("init",),
+        pins={**_CHEAP, "shard_placement": "dim1"},
+    ),
+    ZooBug(
+        "replica_all_reduce_skipped_on_last",
+        _mutant("replica_all_reduce_skipped_on_last"),
+        "HSDP accumulation whose replica all-reduce, off for the earlier micro-batches, is skipped on the last too",
+        "issue 28: set_requires_all_reduce(False) for accumulation, never turned back on",
+        ("grads",),
+        world_sizes=(4,),
+        pins={
+            **_CHEAP,
+            "mesh_shape": (2, 2),
+            "microbatches": _MICROBATCHES,
+            "sync_every_microbatch": True,
+            "replica_sync_last": True,
+        },
+    ),
+    ZooBug(
+        "replica_all_reduce_every_microbatch",
+        _mutant("replica_all_reduce_every_microbatch"),
+        "HSDP accumulation asked for, but the replicas all-reduce on every micro-batch (R - 1 too many per unit)",
+        "issue 28: set_requires_all_reduce never called; the same average, more traffic",
+        ("comm",),
+        world_sizes=(4,),
+        pins={
+            **_CHEAP,
+            "mesh_shape": (2, 2),
+            "microbatches": _MICROBATCHES,
+            "sync_every_microbatch": True,
+            "replica_sync_last": True,
+        },
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as _DefaultAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _DefaultReduceScatter
 
+from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.fsdp1 import fsdp1_engine, placement, wrap_fsdp1
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
@@ -230,6 +231,9 @@ def meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) 
 
 
 _FLAT_CONTRACTS = Contracts(comm=False, memory=False, why="the flat engine's FlatParameters: not FSDP2's model")
+# As FSDP2 for meshes (what they were drawn with before), but no fully_shard knobs: the flat engine
+# ignores them.
+_FLAT_CAPABILITIES = Capabilities(shard_knobs=False)
 
 
 # ---- the bundled flat engine's bugs (seed 004; tests/test_engine_flat.py) -------------------------
@@ -250,6 +254,7 @@ def flat_nested_double_ownership(model: nn.Module, mesh: DeviceMesh, spec: Shard
 
 
 flat_nested_double_ownership.contracts = _FLAT_CONTRACTS
+flat_nested_double_ownership.capabilities = _FLAT_CAPABILITIES
 
 
 def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
@@ -271,6 +276,7 @@ def flat_meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardS
 
 
 flat_meta_init_consumes_rng.contracts = _FLAT_CONTRACTS
+flat_meta_init_consumes_rng.capabilities = _FLAT_CAPABILITIES
 
 
 class _ScaleGradOnce(torch.autograd.Function):
@@ -426,6 +432,7 @@ def _fsdp1_mutant(fn):  # a decorator
     not for arithmetic the reference would model otherwise."""
     fn.arithmetic = fsdp1_engine.arithmetic
     fn.contracts = fsdp1_engine.contracts
+    fn.capabilities = fsdp1_engine.capabilities  # no fully_shard knobs (offload, placements)
     return fn
 
 
@@ -474,4 +481,73 @@ def _fsdp1_divided_by(model: nn.Module, world: int) -> nn.Module:
     for unit in FSDP.fsdp_modules(model):
         unit._gradient_predivide_factor = DefaultState._get_gradient_predivide_factor(world)
         unit._gradient_postdivide_factor = world / unit._gradient_predivide_factor
+    return model
+
+
+# ---- fully_shard's knobs (issue 28, items 1-4; tests/test_fsdp2_knobs.py) ---------------------------
+def offload_grad_added_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Under `offload_policy=CPUOffloadPolicy`, the reduced gradient is added to the CPU copy the
+    optimizer steps and again from the device copy it was offloaded from (an offload path that
+    accumulates instead of moving): every offloaded gradient counts twice. Without offload it is
+    the correct engine."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case is not None and spec.case.offload:
+        for unit in _units(model):
+            unit.set_all_reduce_hook(lambda t: t.mul_(2))
+    return model
+
+
+def shard1_cut_on_dim0(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each Shard(1) parameter's local shard filled with the rank's dim-0 slice of the full
+    tensor, laid out in the shard's (rows, cols / S) shape (a loader that cuts every parameter by
+    rows, whatever its placement): the DTensor says Shard(1), the rows say Shard(0). Shard(0)
+    parameters are untouched, so with `shard_placement=dim0` it is the correct engine."""
+    full = {
+        (id(owner), attr): p.detach().clone()
+        for owner in model.modules()
+        for attr, p in owner.named_parameters(recurse=False)
+    }
+    fully_shard_engine(model, mesh, spec)
+    for unit in _units(model):
+        for group in unit._get_fsdp_state()._fsdp_param_groups:
+            for fp in group.fsdp_params:
+                if fp.fsdp_placement.dim == 0:
+                    continue
+                source = full[(id(fp._module_info.module), fp._module_info.param_name)]
+                local = fp.sharded_param._local_tensor
+                rows = source.reshape(fp.mesh_info.shard_mesh_size, -1)[fp.mesh_info.shard_mesh_rank]
+                with torch.no_grad():
+                    local.copy_(rows.view(local.shape))
+    return model
+
+
+class _ReplicaSyncView(EngineView):
+    """`set_requires_all_reduce` as a faulty loop calls it: `never` leaves it off on the last
+    micro-batch too, else it is ignored (the all-reduce on every micro-batch)."""
+
+    def __init__(self, module: nn.Module, never: bool):
+        super().__init__(module)
+        self.never = never
+
+    def set_requires_all_reduce(self, all_reduce: bool) -> None:
+        if self.never:
+            self.module.set_requires_all_reduce(False)
+
+
+def replica_all_reduce_skipped_on_last(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HSDP accumulation that turns the replicas' all-reduce off for the micro-batches before the
+    last and never back on (`set_requires_all_reduce(False)` outside the loop): FSDP2 then keeps
+    every micro-batch's reduce-scattered sum as partial and never hands a gradient to the
+    optimizer."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReplicaSyncView(model, never=True)
+    return model
+
+
+def replica_all_reduce_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """HSDP accumulation asked for (`replica_sync_last`) but `set_requires_all_reduce` never
+    called: the replicas all-reduce on every micro-batch. The same average in another order
+    (within the tolerance); R - 1 all-reduces per unit too many on the wire."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReplicaSyncView(model, never=False)
     return model

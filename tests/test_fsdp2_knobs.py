@@ -1,0 +1,165 @@
+"""fully_shard's knobs (issue 28, items 1-2): `offload` (CPUOffloadPolicy(pin_memory=False)) and
+`shard_placement` (shard_placement_fn: Shard(1), mixed placements). A correct FSDP2 run passes
+bit-exact at world sizes 1 to 4 and on a (2, 2) HSDP mesh, communication and memory contracts
+included; each knob's mutant is caught with the knob on and invisible with it off; engines
+without the knobs refuse them as bad input."""
+
+import pytest
+from hypothesis import find, given, settings
+
+from fsdp_verify.case import Case, OptimSpec
+from fsdp_verify.checks.memory import offload_findings
+from fsdp_verify.engines.placement import shard_dim
+from fsdp_verify.properties.strategies import cases
+from fsdp_verify.runner import refuse_untakeable
+from fsdp_verify.validation import CaseError
+from tests.conftest import lm_case, mlp_case
+
+MESHES = [(1, None), (2, None), (3, None), (4, None), (4, (2, 2))]
+ADAM = OptimSpec(name="adam")
+
+
+def _inexact(verdict) -> list:
+    return [(f.key, f.max_abs) for f in verdict.findings if f.phase != "param_sums" and f.max_abs not in (0, None)]
+
+
+def _knob_case(world: int, mesh, **knobs) -> Case:
+    # MLP widths 16, 33, 17, 8: dim 1 of 16, 33 and 17 -> Shard(1) for one layer at 2, 3 and 4
+    # ranks (uneven dim-0 shards everywhere else: 33 and 17 rows), every layer at 1 rank.
+    return mlp_case(world, **{"mesh_shape": mesh, "clip_norm": 0.01, "microbatches": 2, "optim": ADAM, **knobs})
+
+
+@pytest.mark.parametrize(("world", "mesh"), MESHES)
+@pytest.mark.parametrize("knobs", [{"offload": True}, {"shard_placement": "dim1"}, {"shard_placement": "mixed"}])
+def test_correct_fsdp2_with_the_knob_is_bit_exact(fsdp_check, world, mesh, knobs):
+    """Numbers, and the comm and memory contracts: under Shard(1) a shard is the dim-1 chunk
+    (numel / S), not dim 0 padded to S rows; without `placement_dims` both contracts flag it."""
+    verdict = fsdp_check(_knob_case(world, mesh, **knobs), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    phases = {f.phase for f in verdict.findings}
+    assert {"comm", "memory"} <= phases, phases
+
+
+def test_transformer_mixed_placements_offloaded_under_bf16_passes(fsdp_check):
+    case = lm_case(3, shard_placement="mixed", offload=True, microbatches=2, sync_every_microbatch=False)
+    verdict = fsdp_check(case.with_(**{"precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"}))
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize(
+    ("mutant", "on", "off", "phase"),
+    [
+        ("offload_grad_added_twice", {"offload": True}, {"offload": False}, "grads"),
+        ("shard1_cut_on_dim0", {"shard_placement": "dim1"}, {"shard_placement": "dim0"}, "init"),
+    ],
+)
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
+def test_the_knobs_mutant_is_caught_only_with_the_knob(fsdp_check, mutant, on, off, phase, world, mesh):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    caught = fsdp_check(_knob_case(world, mesh, engine=engine, **on))
+    assert not caught.ok
+    assert caught.first_divergence.phase == phase, caught.summary()
+    assert fsdp_check(_knob_case(world, mesh, engine=engine, **off)).ok
+
+
+@pytest.mark.parametrize("engine", ["fsdp1", "flat", "fsdp_verify.zoo.mutants:fsdp1_hybrid_replicas_not_reduced"])
+@pytest.mark.parametrize(("field", "value"), [("offload", True), ("shard_placement", "dim1")])
+def test_engines_without_the_knobs_refuse_them(engine, field, value):
+    with pytest.raises(CaseError, match=rf"^{field}: expected .*engine '{engine}' has no fully_shard {field}"):
+        refuse_untakeable(mlp_case(2, engine=engine, **{field: value}))
+
+
+def test_bad_knob_values_name_the_field():
+    with pytest.raises(CaseError, match=r"^shard_placement: expected one of \('dim0', 'dim1', 'mixed'\)"):
+        mlp_case(2, shard_placement="dim2")
+    with pytest.raises(CaseError, match=r"^offload: expected true or false"):
+        mlp_case(2, offload=1)
+
+
+def test_knobs_at_their_defaults_keep_a_cases_json_and_hash():
+    assert "offload" not in Case().to_dict() and "shard_placement" not in Case().to_dict()
+    assert Case().hash == Case(offload=False, shard_placement="dim0").hash
+    assert Case(offload=True).hash != Case().hash
+
+
+def test_the_placement_rule():
+    """Shard(1) only where the shard group divides dim 1 (FSDP2's reduce-scatter refuses an
+    uneven Shard(1)); vectors, uneven and too-narrow dims stay Shard(0); `mixed` mixes."""
+    assert shard_dim("dim1", "w", (33, 16), 4) == 1
+    assert shard_dim("dim1", "w", (16, 33), 4) == 0  # uneven
+    assert shard_dim("dim1", "w", (16, 3), 4) == 0  # narrower than the group
+    assert shard_dim("dim1", "b", (16,), 1) == 0
+    assert shard_dim("dim0", "w", (33, 16), 4) == 0
+    names = [f"layers.{i}.weight" for i in range(8)]
+    assert {shard_dim("mixed", n, (8, 8), 2) for n in names} == {0, 1}
+
+
+def test_offload_contract_names_sharded_state_off_the_cpu():
+    """The memory contract's *where* (the probe records device types): on this CPU-only host a
+    correct run can only be on the CPU, so the contract's teeth are shown on a record."""
+    case = mlp_case(2, offload=True)
+    rec = {"where": {"sharded": ["cpu"], "grads": ["cpu", "cuda"], "optim": ["cpu"]}}
+    found = offload_findings(case, 1, rec)
+    assert [f.name for f in found] == ["offload:grads"]
+    assert "rank 1 holds gradients on cuda" in found[0].message
+    assert offload_findings(mlp_case(2), 1, rec) == []  # without offload: held where the engine likes
+
+
+@settings(max_examples=25, deadline=None, database=None)
+@given(cases(engine="fsdp1", world_sizes=(2,)))
+def test_an_engine_without_the_knobs_is_never_drawn_them(case):
+    assert (case.offload, case.shard_placement) == (False, "dim0")
+
+
+def test_fsdp2_draws_the_knobs():
+    found = find(cases(world_sizes=(2,)), lambda c: c.offload and c.shard_placement == "mixed")
+    assert found.offload and found.shard_placement == "mixed"
+
+
+# ---- replica_sync_last (issue 28, item 3): HSDP accumulation without the replica all-reduce ----
+@pytest.mark.parametrize("mesh", [(2, 2), (4, 1), (1, 4)])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_hsdp_accumulation_without_the_replica_all_reduce_is_bit_exact(fsdp_check, mesh, precision):
+    """Each replica reduce-scatters every micro-batch and keeps the sum in reduce_dtype; the
+    replicas all-reduce once (the reference's `partial`): emulated as the all-reduce of every
+    micro-batch, (2, 2) fp32 was 0.307x its tolerance, not equal. The comm contract counts one
+    all-reduce per unit and step."""
+    case = _knob_case(4, mesh, replica_sync_last=True, microbatches=3)
+    if precision == "bf16":
+        case = case.with_(**{"precision.param_dtype": "bf16", "precision.reduce_dtype": "bf16"})
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+
+
+@pytest.mark.parametrize(
+    ("mutant", "phase"),
+    [("replica_all_reduce_skipped_on_last", "grads"), ("replica_all_reduce_every_microbatch", "comm")],
+)
+def test_hsdp_accumulation_mutants_are_caught(fsdp_check, mutant, phase):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    caught = fsdp_check(_knob_case(4, (2, 2), replica_sync_last=True, engine=engine))
+    assert not caught.ok
+    assert caught.first_divergence.phase == phase, caught.summary()
+    assert fsdp_check(_knob_case(4, (2, 2), engine=engine)).ok  # the knob off: the correct engine
+
+
+def test_replica_sync_last_needs_replicas_and_the_toolkits_loop():
+    with pytest.raises(CaseError, match=r"^replica_sync_last: expected false on a 1-D mesh"):
+        mlp_case(2, replica_sync_last=True)
+
+
+def test_shard1_with_an_int_reshard_after_forward_is_refused():
+    """FSDP2 crashes there (tests/upstream/test_fsdp2_shard1_int_reshard_after_forward.py)."""
+    with pytest.raises(CaseError, match=r"^shard_placement: expected 'dim0' with an int reshard_after_forward 2"):
+        mlp_case(4, shard_placement="dim1", reshard_after_forward=2)
+    mlp_case(4, shard_placement="dim1", reshard_after_forward=4)  # == True: the whole group
+
+
+@settings(max_examples=30, deadline=None, database=None)
+@given(cases(world_sizes=(4,), hsdp=True))
+def test_drawn_cases_never_combine_shard1_with_an_int_reshard(case):
+    rsf = case.reshard_after_forward
+    if case.shard_placement != "dim0" and not isinstance(rsf, bool):
+        assert not 1 < rsf < case.mesh[-1]
