@@ -67,8 +67,9 @@ def probe(python: Path) -> str:
     return done.stdout.strip()
 
 
-def ensure(version: str, cache: Path, project: list[str], log=print) -> TorchEnv:
-    """The cached environment for torch `version`, made on first use."""
+def ensure(version: str, cache: Path, project: list[str], pip_args: list[str] = (), log=print) -> TorchEnv:
+    """The cached environment for torch `version`, made on first use. `pip_args` go to pip as
+    they are (`--index-url https://download.pytorch.org/whl/cpu` for CPU builds on a CPU runner)."""
     if not VERSION.match(version):
         raise ValueError(f"--torch: expected a release such as 2.12.0, got {version!r}")
     root = cache / f"torch-{version}"
@@ -83,7 +84,7 @@ def ensure(version: str, cache: Path, project: list[str], log=print) -> TorchEnv
     root.parent.mkdir(parents=True, exist_ok=True)
     steps = [] if python.exists() else [[sys.executable, "-m", "venv", str(root)]]
     steps += [
-        [str(python), "-m", "pip", "install", "-q", f"torch=={version}", *project],
+        [str(python), "-m", "pip", "install", "-q", *pip_args, f"torch=={version}", *project],
     ]
     for cmd in steps:
         done = subprocess.run(cmd, capture_output=True, text=True)

@@ -51,6 +51,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--project", help="what to install beside torch (default: this checkout, or this fsdp-verify release)"
     )
+    p.add_argument(
+        "--pip-args",
+        default="",
+        metavar="'ARGS'",
+        help="more pip options for making an environment, quoted: '--index-url https://download.pytorch.org/whl/cpu'",
+    )
     p.add_argument("--factor", type=float, default=2.0, help="a ratio moving by more than this is reported")
 
 
@@ -64,7 +70,8 @@ def _environments(args):
 
     cache = args.cache or torch_envs.default_cache()
     project = [args.project] if args.project else torch_envs.project_requirement()
-    envs = [torch_envs.ensure(v, cache, project) for v in args.torch]
+    pip_args = shlex.split(args.pip_args)
+    envs = [torch_envs.ensure(v, cache, project, pip_args) for v in args.torch]
     envs += [torch_envs.given(spec) for spec in args.python]
     return envs
 
@@ -117,7 +124,7 @@ def run(args: argparse.Namespace) -> int:
     if len(args.torch) + len(args.python) < 2:
         return _bad("gate: expected at least two environments (--torch A B, or --python NAME=PATH)")
     try:
-        shlex.split(args.sweep_args)
+        shlex.split(args.sweep_args)  # a quoting error is bad input, before anything is made
         envs = _environments(args)
     except (ValueError, torch_envs.EnvironmentError_) as e:
         return _bad(f"gate: {e}")
