@@ -26,6 +26,8 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
+    OPTIMIZERS,
+    SCHEDULES,
     Case,
     CaseError,
     DataSpec,
@@ -296,21 +298,57 @@ def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> Sear
 
 
 def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
-    """SGD with momentum, Adam, AdamW with weight decay, at a few learning rates."""
+    """SGD with momentum, Adam, AdamW with weight decay, Adagrad and RMSprop (state that is a
+    running sum or average, and a scalar step), at a few learning rates; Adam(W) with or without
+    AMSGrad's running max (a pinned `amsgrad` applies to the Adam(W) draws); a constant rate or
+    one of the schedules (docs/optimizers-and-schedules.md). AMSGrad's max differs from the
+    second moment only where the moment falls, which beta2 = 0.999 makes rare in three steps:
+    its draws take beta2 = 0.5 too."""
 
     def build(name: str) -> SearchStrategy[OptimSpec]:
-        decay = {"sgd": st.sampled_from((0.0, 0.01)), "adam": st.just(0.0), "adamw": st.sampled_from((0.01, 0.1))}
-        return st.builds(
-            OptimSpec,
-            name=st.just(name),
-            lr=_pinned(pins, "lr", st.sampled_from(LEARNING_RATES)),
-            momentum=_pinned(pins, "momentum", st.sampled_from((0.9, 0.0)) if name == "sgd" else st.just(0.9)),
-            weight_decay=_pinned(pins, "weight_decay", decay[name]),
-            betas=_pinned(pins, "betas", st.just((0.9, 0.999))),
-            eps=_pinned(pins, "eps", st.just(1e-8)),
+        decay = {
+            "sgd": st.sampled_from((0.0, 0.01)),
+            "adam": st.just(0.0),
+            "adamw": st.sampled_from((0.01, 0.1)),
+            "adagrad": st.sampled_from((0.0, 0.01)),
+            "rmsprop": st.sampled_from((0.0, 0.01)),
+        }
+        adam = name in ("adam", "adamw")
+        amsgrad = draw_amsgrad = st.booleans() if adam else st.just(False)
+        if adam and "amsgrad" in pins:
+            amsgrad = _pinned(pins, "amsgrad", draw_amsgrad)
+
+        def betas(uses_max: bool) -> SearchStrategy[tuple[float, float]]:
+            return _pinned(
+                pins, "betas", st.sampled_from(((0.9, 0.999), (0.9, 0.5))) if uses_max else st.just((0.9, 0.999))
+            )
+
+        return amsgrad.flatmap(
+            lambda uses_max: st.builds(
+                OptimSpec,
+                name=st.just(name),
+                lr=_pinned(pins, "lr", st.sampled_from(LEARNING_RATES)),
+                momentum=_pinned(
+                    pins, "momentum", st.sampled_from((0.9, 0.0)) if name in ("sgd", "rmsprop") else st.just(0.9)
+                ),
+                weight_decay=_pinned(pins, "weight_decay", decay[name]),
+                betas=betas(uses_max),
+                eps=_pinned(pins, "eps", st.just(1e-8)),
+                amsgrad=st.just(uses_max),
+                schedule=_pinned(pins, "schedule", st.sampled_from((None, *SCHEDULES))),
+                schedule_factor=_pinned(pins, "schedule_factor", st.sampled_from((0.5, 0.9))),
+            )
         )
 
-    return _pinned(pins, "name", st.sampled_from(("sgd", "adam", "adamw"))).flatmap(build)
+    return _pinned(pins, "name", st.sampled_from(OPTIMIZERS)).flatmap(build)
+
+
+def unfreeze_steps(model: ModelSpec, steps: int) -> SearchStrategy[int | None]:
+    """None, or a step from 2 to the last at which the frozen parameters start to train (a
+    model with none frozen: None)."""
+    if not model.frozen or steps < 2:
+        return st.just(None)
+    return st.one_of(st.just(None), st.integers(2, steps))
 
 
 def loss_scale_specs(**pins: Any) -> SearchStrategy[LossScaleSpec]:
@@ -410,6 +448,10 @@ def _cases(
             "loss_scaling",
             loss_scale_specs(**_sub(pins, "loss_scaling")) if precision.param_dtype == "fp16" else st.just(None),
         ),
+        # What is trained changes: the frozen parameters train from this step on.
+        "unfreeze_step": field(
+            "unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None)
+        ),
     }
     try:
         return Case(**values)
@@ -459,6 +501,7 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    pins = _unfreeze_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -530,6 +573,19 @@ def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
     if mesh is not None and not isinstance(mesh, SearchStrategy) and len(mesh) not in capabilities.mesh_dims:
         raise PinError(f"mesh_shape: expected {capabilities.accepts()} (what engine {engine!r} takes), got {mesh!r}")
     return 2 in capabilities.mesh_dims
+
+
+def _unfreeze_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
+    """An engine that cannot unfreeze mid-run (verify/engines/capabilities.py) draws none; a
+    pinned unfreeze step for it is refused now, naming the field."""
+    from fsdp_verify.engines import engine_capabilities
+
+    if engine_capabilities(engine).unfreezes:
+        return pins
+    pinned = pins.get("unfreeze_step")
+    if pinned is not None and not isinstance(pinned, SearchStrategy):
+        raise PinError(f"unfreeze_step: expected null (engine {engine!r} cannot unfreeze mid-run), got {pinned!r}")
+    return {**pins, "unfreeze_step": None}
 
 
 def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:

@@ -22,7 +22,9 @@ from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
+# Learning-rate schedules (torch.optim.lr_scheduler), stepped once after every optimizer step.
+SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
 INIT_MODES = ("eager", "meta")
 
@@ -65,13 +67,43 @@ class PrecisionSpec:
 class OptimSpec:
     name: str = "adamw"
     lr: float = 1e-2
-    momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.01  # sgd, adamw
+    momentum: float = 0.9  # sgd, rmsprop
+    weight_decay: float = 0.01  # sgd, adamw, adagrad, rmsprop
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # ---- optimizers and schedules (docs/optimizers-and-schedules.md) ----
+    # Adam(W) keeping the running max of its second moment (state `max_exp_avg_sq`).
+    amsgrad: bool = False
+    # None: a constant rate. "exponential": lr * factor**k after k steps (ExponentialLR, gamma =
+    # factor); "linear_warmup": from lr * factor up to lr over the case's steps (LinearLR,
+    # start_factor = factor). Either way the rate changes every step.
+    schedule: str | None = None
+    schedule_factor: float = 0.5
+
+    # Left out of the JSON (and so of the hash) while at their defaults: a case keeps its hash.
+    OPTIONAL_FIELDS = ("amsgrad", "schedule", "schedule_factor")
 
     def validate(self, prefix: str = "optim") -> None:
         check(self.name in OPTIMIZERS, f"{prefix}.name", f"one of {OPTIMIZERS}", self.name)
+        check(isinstance(self.amsgrad, bool), f"{prefix}.amsgrad", "true or false", self.amsgrad)
+        check(
+            not self.amsgrad or self.name in ("adam", "adamw"),
+            f"{prefix}.amsgrad",
+            f"false unless the optimizer is adam or adamw (not {self.name})",
+            self.amsgrad,
+        )
+        check(
+            self.schedule is None or self.schedule in SCHEDULES,
+            f"{prefix}.schedule",
+            f"null or one of {SCHEDULES}",
+            self.schedule,
+        )
+        check(
+            is_number(self.schedule_factor) and 0 < self.schedule_factor <= 1,
+            f"{prefix}.schedule_factor",
+            "a factor in (0, 1]",
+            self.schedule_factor,
+        )
         check(is_number(self.lr) and self.lr > 0, f"{prefix}.lr", "a positive learning rate", self.lr)
         check(
             is_number(self.momentum) and 0 <= self.momentum < 1,
@@ -213,8 +245,12 @@ class Case:
     activation_checkpointing: bool = False
     # Dynamic loss scaling on both sides (a ShardedGradScaler on the sharded one); None: none.
     loss_scaling: LossScaleSpec | None = None
+    # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
+    # names are frozen for the steps before this one and trained from it on (a fine-tuning
+    # recipe; a unit's first forward may run frozen). None: frozen throughout.
+    unfreeze_step: int | None = None
 
-    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling")
+    OPTIONAL_FIELDS = ("loss", "step", "activation_checkpointing", "loss_scaling", "unfreeze_step")
 
     def __post_init__(self) -> None:
         self.validate()
@@ -305,6 +341,7 @@ class Case:
                 "null with a user's step (--step scales its own loss, if it does)",
                 dataclasses.asdict(self.loss_scaling),
             )
+        self._validate_unfreeze()
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
@@ -315,6 +352,27 @@ class Case:
                 "'normal' for a transformer (token ids cannot cancel)",
                 self.data.kind,
             )
+
+    def _validate_unfreeze(self) -> None:
+        check(
+            self.step is None or self.optim.schedule is None,
+            "optim.schedule",
+            "null with a user's step (it steps its own optimizer)",
+            self.optim.schedule,
+        )
+        if self.unfreeze_step is None:
+            return
+        check(
+            is_int(self.unfreeze_step) and self.unfreeze_step >= 2,
+            "unfreeze_step",
+            "null or a step from 2 on (the first step the frozen parameters train)",
+            self.unfreeze_step,
+        )
+        # Named `model.frozen`: a pinned unfreeze step is valid beside a frozen model (`check_field_value`).
+        check(bool(self.model.frozen), "model.frozen", f"the parameters to unfreeze at step {self.unfreeze_step}", ())
+        check(
+            self.step is None, "unfreeze_step", "null with a user's step (it trains what it trains)", self.unfreeze_step
+        )
 
     def _validate_custom(self) -> None:
         if self.step is not None:
@@ -428,7 +486,8 @@ class Case:
         at their defaults: a built-in case keeps the JSON and the hash it had before they existed
         (an older revision can still replay it under `git bisect`)."""
         data = _plain(self)
-        for where, spec in ((data, self), (data["model"], self.model), (data["data"], self.data)):
+        nested = ((data, self), (data["model"], self.model), (data["data"], self.data), (data["optim"], self.optim))
+        for where, spec in nested:
             defaults = {f.name: f for f in fields(spec)}
             for name in type(spec).OPTIONAL_FIELDS:
                 f = defaults[name]

@@ -27,6 +27,9 @@ class Capabilities:
     # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
+    # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
+    # parameters train when it shards (a FlatParameter's requires_grad) cannot.
+    unfreezes: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -42,6 +45,12 @@ class Capabilities:
         if not self.output_dtype and case.precision.output_dtype is not None:
             raise CaseError(
                 "precision.output_dtype", f"null: engine {engine!r} has no output_dtype", case.precision.output_dtype
+            )
+        if not self.unfreezes and case.unfreeze_step is not None:
+            raise CaseError(
+                "unfreeze_step",
+                f"null: engine {engine!r} fixes which parameters train when it shards",
+                case.unfreeze_step,
             )
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:

@@ -326,4 +326,42 @@ ZOO: list[ZooBug] = [
     ),
 ]
 
+# Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only
+# with its knob on (a schedule, an optimizer with state beyond Adam's, an unfreeze step).
+ZOO += [
+    ZooBug(
+        "lr_scheduler_stepped_twice",
+        _mutant("lr_scheduler_stepped_twice"),
+        "the learning-rate schedule stepped twice per optimizer step: it runs twice as fast",
+        "`scheduler.step()` inside the accumulation loop and again after `optimizer.step()`",
+        ("params",),
+        world_sizes=(1, 2, 3, 4),
+        # The rate of step 1 is the initial one: a second step is the first the schedule moves.
+        pins={"steps": st.integers(2, 3), "optim.schedule": st.sampled_from(("exponential", "linear_warmup"))},
+    ),
+    ZooBug(
+        "optimizer_state_known_keys_only",
+        _mutant("optimizer_state_known_keys_only"),
+        "optimizer state beyond SGD's and Adam's (Adagrad's sum, RMSprop's square average,"
+        " AMSGrad's running max) reset to zero after every step",
+        "an optimizer-state offload or resharding written for Adam (issue 28: state not shaped like Adam's)",
+        ("optim_state", "params"),
+        world_sizes=(1, 2, 3, 4),
+        pins={
+            **_CHEAP,
+            "optim.name": st.sampled_from(("adagrad", "rmsprop", "adam", "adamw")),
+            "optim.amsgrad": True,
+        },
+    ),
+    ZooBug(
+        "optimizer_without_frozen_params",
+        _mutant("optimizer_without_frozen_params"),
+        "the optimizer holds only the parameters trainable when it was built: those unfrozen later never step",
+        "`AdamW(p for p in model.parameters() if p.requires_grad)` in a fine-tuning recipe that unfreezes later",
+        ("params",),
+        world_sizes=(1, 2, 3, 4),
+        pins={"steps": st.integers(2, 3), "model.frozen": ("layers.0.linear.weight",), "unfreeze_step": 2},
+    ),
+]
+
 BY_NAME = {bug.name: bug for bug in ZOO}

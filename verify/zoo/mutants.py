@@ -475,3 +475,71 @@ def _fsdp1_divided_by(model: nn.Module, world: int) -> nn.Module:
         unit._gradient_predivide_factor = DefaultState._get_gradient_predivide_factor(world)
         unit._gradient_postdivide_factor = world / unit._gradient_predivide_factor
     return model
+
+
+# ---- optimizers, schedules, what is trained (docs/optimizers-and-schedules.md) --------------------
+class _SchedulerTwiceView(EngineView):
+    def make_scheduler(self, optimizer, spec, steps):
+        scheduler = super().make_scheduler(optimizer, spec, steps)
+        if scheduler is not None:
+            once = scheduler.step
+
+            def twice(*args, **kwargs):
+                once(*args, **kwargs)
+                once(*args, **kwargs)
+
+            scheduler.step = twice
+        return scheduler
+
+
+def lr_scheduler_stepped_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`scheduler.step()` called twice per optimizer step (once inside the accumulation loop's
+    last micro-batch, once after `optimizer.step()`): the schedule runs twice as fast; a
+    constant rate hides it."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _SchedulerTwiceView(model)
+    return model
+
+
+# The state an optimizer-state round trip written for SGD and Adam knows.
+_KNOWN_STATE = ("step", "momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def _reset_unknown_state(optimizer, _args, _kwargs) -> None:
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key not in _KNOWN_STATE and isinstance(value, torch.Tensor):
+                    value.zero_()
+
+
+class _AdamStateOnlyView(EngineView):
+    def make_optimizer(self, spec, params):
+        optimizer = super().make_optimizer(spec, params)
+        optimizer.register_step_post_hook(_reset_unknown_state)
+        return optimizer
+
+
+def optimizer_state_known_keys_only(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The optimizer state re-created after every step by code that knows SGD's and Adam's
+    entries (`step`, `momentum_buffer`, `exp_avg`, `exp_avg_sq`), as a state offload or
+    resharding written for Adam does: every other entry starts over at zero, so Adagrad's `sum`,
+    RMSprop's `square_avg` and AMSGrad's `max_exp_avg_sq` are lost each step; SGD and Adam
+    cannot show it."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _AdamStateOnlyView(model)
+    return model
+
+
+class _TrainableOnlyView(EngineView):
+    def make_optimizer(self, spec, params):
+        return super().make_optimizer(spec, {n: p for n, p in params.items() if p.requires_grad})
+
+
+def optimizer_without_frozen_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The optimizer built over the parameters that require grad when it is built
+    (`AdamW(p for p in model.parameters() if p.requires_grad)`, the usual recipe): parameters
+    unfrozen later get gradients but are never stepped."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _TrainableOnlyView(model)
+    return model

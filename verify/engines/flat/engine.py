@@ -42,7 +42,7 @@ flat_engine.contracts = Contracts(
 )
 # It shards over one process group (verify/engines/flat/api.py): a 1-D mesh only; an int
 # reshard_after_forward counts as True.
-flat_engine.capabilities = Capabilities(mesh_dims=(1,), reshard_int_divides_shard=False)
+flat_engine.capabilities = Capabilities(mesh_dims=(1,), reshard_int_divides_shard=False, unfreezes=False)
 
 
 def wrap_per_plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Collect = unmanaged_params) -> None:
