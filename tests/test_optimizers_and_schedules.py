@@ -169,9 +169,9 @@ MUTANTS = [
         (1, "optim_state"),
     ),
     (
-        "optimizer_without_frozen_params",
+        "unfreeze_misses_sharded_params",
         {"model": ModelSpec(kind="mlp", frozen=("layers.0.linear.weight",)), "unfreeze_step": 2},
-        (2, "params"),
+        (2, "grads"),
     ),
 ]
 

@@ -107,7 +107,9 @@ def budget(case: Case, got: Trace) -> Budget:
             full += padded_shard_numel(shape, 1) * own
             full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
             by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
-    optim = optimizer_states(case.optim) * grads
+    # Adagrad creates its state for every parameter when it is built, frozen ones included;
+    # the others on a parameter's first gradient.
+    optim = optimizer_states(case.optim) * (sharded if case.optim.name == "adagrad" else grads)
     return Budget(sharded, grads, optim, by_unit, full, full_grads, shard)
 
 

@@ -5,6 +5,7 @@ Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -531,15 +532,26 @@ def optimizer_state_known_keys_only(model: nn.Module, mesh: DeviceMesh, spec: Sh
     return model
 
 
-class _TrainableOnlyView(EngineView):
-    def make_optimizer(self, spec, params):
-        return super().make_optimizer(spec, {n: p for n, p in params.items() if p.requires_grad})
+class _StaleUnfreezeView(EngineView):
+    def __init__(self, module: nn.Module, before: dict[str, weakref.ref]):
+        super().__init__(module)
+        self.before = before
+
+    def unfreeze(self, names: list[str]) -> None:
+        for n in names:
+            stale = self.before[n]()
+            if stale is not None:
+                stale.requires_grad_(True)
 
 
-def optimizer_without_frozen_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    """The optimizer built over the parameters that require grad when it is built
-    (`AdamW(p for p in model.parameters() if p.requires_grad)`, the usual recipe): parameters
-    unfrozen later get gradients but are never stepped."""
+def unfreeze_misses_sharded_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Unfreezes the parameters it collected before sharding (a fine-tuning callback that took
+    `model.named_parameters()` before `fully_shard` replaced them with DTensors): the sharded
+    parameters the model computes with stay frozen, get no gradient and never train. Held by weak
+    reference here, so that only the unfreezing shows (strong ones would also keep the
+    unsharded weights alive, which the memory contract catches on its own, as for
+    `retains_full_params`)."""
+    before = {n: weakref.ref(p) for n, p in model.named_parameters()}
     fully_shard_engine(model, mesh, spec)
-    model.verify_view = lambda: _TrainableOnlyView(model)
+    model.verify_view = lambda: _StaleUnfreezeView(model, before)
     return model
