@@ -133,8 +133,10 @@ def test_optimizers_and_schedules_match_the_reference(fsdp_check, world, engine,
 
 UNFREEZE_CASES = [
     (1, "fsdp2", PrecisionSpec(), False),
-    # The unit layers.0 runs its first forward frozen (the PyTorch bug the FSDP2 view works around).
-    (2, "fsdp2", BF16, True),
+    # The unit layers.0 runs its first forward frozen. Reducing every micro-batch, it hits the PyTorch
+    # bug the FSDP2 view works around (without it: a grad_dtype error on every rank); accumulating
+    # without sync, the accumulated gradient is upcast to reduce_dtype first and the bug cannot show.
+    (2, "fsdp2", BF16, False),
     (3, "fsdp1", BF16, False),
     (4, "fsdp2", BF16, True),
 ]
