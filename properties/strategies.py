@@ -131,9 +131,11 @@ def _frozen(draw: Callable, spec: ModelSpec) -> tuple[str, ...]:
 def _mlp(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
     widths = draw(_pinned(pins, "widths", st.lists(_widths(), min_size=2, max_size=4).map(tuple)))
     dropout = draw(_pinned(pins, "dropout", st.sampled_from((0.0, 0.1, 0.5))))
-    spec = ModelSpec(kind="mlp", widths=widths, dropout=dropout)
+    # Routed experts: with 1-2 samples a rank and micro-batch, some expert is often reached by none.
+    experts = draw(_pinned(pins, "experts", st.sampled_from((0, 2, 3))))
+    spec = ModelSpec(kind="mlp", widths=widths, dropout=dropout, experts=experts)
     frozen = draw(_pinned(pins, "frozen", _frozen(spec)))
-    return ModelSpec(kind="mlp", widths=widths, dropout=dropout, frozen=frozen)
+    return ModelSpec(kind="mlp", widths=widths, dropout=dropout, frozen=frozen, experts=experts)
 
 
 @st.composite
@@ -210,6 +212,8 @@ def _wrappable(spec: ModelSpec) -> tuple[str, ...]:
         model = _construct(spec)
     out = []
     for name, module in model.named_modules():
+        if name.startswith("moe.experts"):
+            continue  # a routed expert's forward runs on some ranks only: never a unit (Case._validate_wrap)
         if name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             if spec.tie_embeddings and name in ("tok_embeddings", "output"):
                 continue  # tied: both must stay with the root in one unit
@@ -343,6 +347,17 @@ def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
     return _pinned(pins, "name", st.sampled_from(OPTIMIZERS)).flatmap(build)
 
 
+def sync_values(model: ModelSpec, precision: PrecisionSpec) -> SearchStrategy[bool]:
+    """Reduce every micro-batch, or only the last. Routed experts under a reduce dtype other than
+    param_dtype reduce every micro-batch: FSDP2 cannot accumulate them without sync (an expert
+    first reached in the last micro-batch brings a param_dtype gradient among the reduce_dtype
+    accumulated ones; tests/upstream/test_fsdp2_no_sync_param_used_only_in_last_microbatch.py)."""
+    low = precision.param_dtype not in (None, "fp32")
+    if model.experts and low and precision.reduce_dtype not in (None, precision.param_dtype):
+        return st.just(True)
+    return st.sampled_from((True, False))
+
+
 def unfreeze_steps(model: ModelSpec, steps: int) -> SearchStrategy[int | None]:
     """None, or a step from 2 to the last at which the frozen parameters start to train (a
     model with none frozen: None)."""
@@ -431,7 +446,7 @@ def _cases(
         "optim": optim,
         "steps": steps,
         "microbatches": microbatches,
-        "sync_every_microbatch": field("sync_every_microbatch", st.sampled_from((True, False))),
+        "sync_every_microbatch": field("sync_every_microbatch", sync_values(model, precision)),
         "clip_norm": field("clip_norm", st.sampled_from((None,) + CLIP_NORMS)),
         "data": data,
         "seed": field("seed", st.integers(0, 2**16)),
@@ -576,11 +591,20 @@ def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
 
 
 def _unfreeze_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
-    """An engine that cannot unfreeze mid-run (verify/engines/capabilities.py) draws none; a
-    pinned unfreeze step for it is refused now, naming the field."""
+    """An engine that cannot unfreeze mid-run, or that the reference does not model with routed
+    experts (verify/engines/capabilities.py), draws none; a pinned value it cannot take is
+    refused now, naming the field."""
     from fsdp_verify.engines import engine_capabilities
 
-    if engine_capabilities(engine).unfreezes:
+    takes = engine_capabilities(engine)
+    if not takes.routed_experts:
+        experts = pins.get("model.experts")
+        if experts and not isinstance(experts, SearchStrategy):
+            raise PinError(
+                f"model.experts: expected 0 (engine {engine!r} is not modelled with experts), got {experts!r}"
+            )
+        pins = {**pins, "model.experts": 0}
+    if takes.unfreezes:
         return pins
     pinned = pins.get("unfreeze_step")
     if pinned is not None and not isinstance(pinned, SearchStrategy):

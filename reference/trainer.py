@@ -235,7 +235,11 @@ class _Run:
         after = rng_fingerprint(torch.get_rng_state())
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
-        grads = torch.autograd.grad(backpropagated, [state.compute[n] for n in state.trainable])
+        # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
+        # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
+        grads = torch.autograd.grad(
+            backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+        )
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)

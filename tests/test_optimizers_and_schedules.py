@@ -62,6 +62,9 @@ def test_the_flat_engine_refuses_an_unfreeze_step_as_bad_input():
     refuse_untakeable(_case(2, model=FROZEN_LAYER, unfreeze_step=2, engine="fsdp1"))
     with pytest.raises(PinError, match="unfreeze_step"):
         cases(engine="flat", unfreeze_step=2)
+    with pytest.raises(CaseError) as e:  # not modelled yet (verify/engines/flat/engine.py)
+        refuse_untakeable(_case(2, model=ModelSpec(kind="mlp", experts=2), engine="flat"))
+    assert e.value.field_path == "model.experts"
 
 
 # ---- the pieces -----------------------------------------------------------------------------------
@@ -160,6 +163,45 @@ def test_parameters_unfrozen_mid_run_match_the_reference(fsdp_check, world, engi
     assert verdict.ok, verdict.summary()
     grads = {(f.step, f.name) for f in verdict.findings if f.phase == "grads"}  # compared on both sides
     assert (1, "layers.0.linear.weight") not in grads and (2, "layers.0.linear.weight") in grads
+
+
+ROUTED = ModelSpec(kind="mlp", widths=(16, 33, 17, 8), experts=3)
+EXPERT_CASES = [
+    (1, "fsdp2", PrecisionSpec(), False),
+    (2, "fsdp2", BF16, False),
+    (3, "fsdp1", PrecisionSpec(), False),
+    (4, "fsdp2", PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16"), True),
+    (2, "fsdp1", PrecisionSpec(), True),
+]
+
+
+@pytest.mark.parametrize(("world", "engine", "precision", "sync_last"), EXPERT_CASES)
+def test_routed_experts_some_micro_batches_skip_match_the_reference(fsdp_check, world, engine, precision, sync_last):
+    case = _case(
+        world,
+        engine=engine,
+        model=ROUTED,
+        precision=precision,
+        microbatches=2,
+        sync_every_microbatch=not sync_last,
+        optim=OptimSpec(name="adam"),
+        data=DataSpec(batch_size=world * 2),  # one sample a rank and micro-batch: most experts idle
+    )
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    expert_grads = {f.name for f in verdict.findings if f.phase == "grads" and f.name.startswith("moe.experts")}
+    assert len(expert_grads) == 6, expert_grads  # every expert compared (zeros where none was reached)
+
+
+def test_an_idle_expert_dropping_its_accumulated_gradient_is_caught_only_under_accumulation(fsdp_check):
+    mutant = MUTANT + "idle_expert_grads_dropped"
+    caught = fsdp_check(_case(2, engine=mutant, model=ROUTED, microbatches=2, data=DataSpec(batch_size=4)))
+    first = caught.first_divergence
+    assert first is not None and (first.step, first.phase) == (1, "grads"), caught.summary()
+    assert first.name.startswith("moe.experts"), caught.summary()
+    # One micro-batch: nothing accumulated to drop, the mutant trains as FSDP2 does.
+    once = fsdp_check(_case(2, engine=mutant, model=ROUTED, microbatches=1, data=DataSpec(batch_size=2)))
+    assert once.ok, once.summary()
 
 
 # ---- each knob's mutant: caught with it, not without it -------------------------------------------

@@ -418,6 +418,13 @@ class Case:
                 )
         plan = self.wrap_plan
         check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
+        check(
+            not any(u.startswith("moe.experts") for u in plan),
+            "wrap",
+            "no routed expert as a unit of its own (a rank that routes no sample to it would skip its"
+            " all-gather while the others run it)",
+            plan,
+        )
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         for i, fqn in enumerate(plan):
             for later in plan[i + 1 :]:

@@ -241,6 +241,14 @@ FLAGS: tuple[Flag, ...] = (
     ),
     Flag("--dropout", "model.dropout", MODEL, "dropout probability", number, "P"),
     Flag(
+        "--experts",
+        "model.experts",
+        MODEL,
+        "MLP: routed experts after the first block, top-1 per sample; 0 = none",
+        int,
+        "N",
+    ),
+    Flag(
         "--frozen",
         "model.frozen",
         MODEL,

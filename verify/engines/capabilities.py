@@ -30,6 +30,8 @@ class Capabilities:
     # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
     # parameters train when it shards (a FlatParameter's requires_grad) cannot.
     unfreezes: bool = True
+    # Whether the reference models it with routed experts (`model.experts`).
+    routed_experts: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -51,6 +53,12 @@ class Capabilities:
                 "unfreeze_step",
                 f"null: engine {engine!r} fixes which parameters train when it shards",
                 case.unfreeze_step,
+            )
+        if not self.routed_experts and case.model.experts:
+            raise CaseError(
+                "model.experts",
+                f"0: the reference does not model engine {engine!r} with routed experts yet",
+                case.model.experts,
             )
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:

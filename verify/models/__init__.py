@@ -33,7 +33,7 @@ def _construct(spec: ModelSpec) -> nn.Module:
     if spec.is_custom:
         return custom.construct(spec)
     if spec.kind == "mlp":
-        return MLP(spec.widths, dropout=spec.dropout)
+        return MLP(spec.widths, dropout=spec.dropout, experts=spec.experts)
     return Transformer(
         vocab_size=spec.vocab_size,
         dim=spec.dim,

@@ -362,6 +362,15 @@ ZOO += [
         world_sizes=(1, 2, 3, 4),
         pins={"steps": st.integers(2, 3), "model.frozen": ("layers.0.linear.weight",), "unfreeze_step": 2},
     ),
+    ZooBug(
+        "idle_expert_grads_dropped",
+        _mutant("idle_expert_grads_dropped"),
+        "a routed expert no sample of a micro-batch reached drops the gradient earlier micro-batches accumulated",
+        "issue 28: parameters that only some micro-batches use (MoE experts freeing idle gradients)",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "model.experts": st.sampled_from((2, 3)), "microbatches": _MICROBATCHES},
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

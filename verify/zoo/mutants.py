@@ -555,3 +555,27 @@ def unfreeze_misses_sharded_params(model: nn.Module, mesh: DeviceMesh, spec: Sha
     fully_shard_engine(model, mesh, spec)
     model.verify_view = lambda: _StaleUnfreezeView(model, before)
     return model
+
+
+def idle_expert_grads_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A routed expert that no sample of a micro-batch reached on this rank has its gradient set
+    to None after that forward (an "idle experts free their gradients" optimisation): what earlier
+    micro-batches accumulated into its sharded gradient is dropped."""
+    moe = getattr(model, "moe", None)
+    fully_shard_engine(model, mesh, spec)
+    if moe is None:
+        return model
+    sharded = [list(expert.parameters()) for expert in moe.experts]  # the DTensors the optimizer steps
+    ran: set[int] = set()
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda _m, _a, _o, e=e: ran.add(e))
+
+    def drop_idle(_module, _args, _out) -> None:
+        for e, params in enumerate(sharded):
+            if e not in ran:
+                for p in params:
+                    p.grad = None
+        ran.clear()
+
+    moe.register_forward_hook(drop_idle)
+    return model
