@@ -199,6 +199,7 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
         lr_schedule=None,
         amsgrad=False,
         unfreeze_step=None,
+        experts=0,
     ),
     modes=_modes(),
     unit_input_node=st.sampled_from((None, False, True)),
