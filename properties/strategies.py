@@ -26,6 +26,8 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
+    OPTIMIZERS,
+    SCHEDULES,
     Case,
     CaseError,
     DataSpec,
@@ -130,9 +132,11 @@ def _frozen(draw: Callable, spec: ModelSpec) -> tuple[str, ...]:
 def _mlp(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
     widths = draw(_pinned(pins, "widths", st.lists(_widths(), min_size=2, max_size=4).map(tuple)))
     dropout = draw(_pinned(pins, "dropout", st.sampled_from((0.0, 0.1, 0.5))))
-    spec = ModelSpec(kind="mlp", widths=widths, dropout=dropout)
+    # Routed experts: with 1-2 samples a rank and micro-batch, some expert is often reached by none.
+    experts = draw(_pinned(pins, "experts", st.sampled_from((0, 2, 3))))
+    spec = ModelSpec(kind="mlp", widths=widths, dropout=dropout, experts=experts)
     frozen = draw(_pinned(pins, "frozen", _frozen(spec)))
-    return ModelSpec(kind="mlp", widths=widths, dropout=dropout, frozen=frozen)
+    return ModelSpec(kind="mlp", widths=widths, dropout=dropout, frozen=frozen, experts=experts)
 
 
 @st.composite
@@ -209,6 +213,8 @@ def _wrappable(spec: ModelSpec) -> tuple[str, ...]:
         model = _construct(spec)
     out = []
     for name, module in model.named_modules():
+        if name.startswith("moe.experts"):
+            continue  # a routed expert's forward runs on some ranks only: never a unit (Case._validate_wrap)
         if name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             if spec.tie_embeddings and name in ("tok_embeddings", "output"):
                 continue  # tied: both must stay with the root in one unit
@@ -297,21 +303,68 @@ def precision_specs(precisions: Iterable[str] = PRECISIONS, **pins: Any) -> Sear
 
 
 def optim_specs(**pins: Any) -> SearchStrategy[OptimSpec]:
-    """SGD with momentum, Adam, AdamW with weight decay, at a few learning rates."""
+    """SGD with momentum, Adam, AdamW with weight decay, Adagrad and RMSprop (state that is a
+    running sum or average, and a scalar step), at a few learning rates; Adam(W) with or without
+    AMSGrad's running max (a pinned `amsgrad` applies to the Adam(W) draws); a constant rate or
+    one of the schedules (docs/optimizers-and-schedules.md). AMSGrad's max differs from the
+    second moment only where the moment falls, which beta2 = 0.999 makes rare in three steps:
+    its draws take beta2 = 0.5 too."""
 
     def build(name: str) -> SearchStrategy[OptimSpec]:
-        decay = {"sgd": st.sampled_from((0.0, 0.01)), "adam": st.just(0.0), "adamw": st.sampled_from((0.01, 0.1))}
-        return st.builds(
-            OptimSpec,
-            name=st.just(name),
-            lr=_pinned(pins, "lr", st.sampled_from(LEARNING_RATES)),
-            momentum=_pinned(pins, "momentum", st.sampled_from((0.9, 0.0)) if name == "sgd" else st.just(0.9)),
-            weight_decay=_pinned(pins, "weight_decay", decay[name]),
-            betas=_pinned(pins, "betas", st.just((0.9, 0.999))),
-            eps=_pinned(pins, "eps", st.just(1e-8)),
+        decay = {
+            "sgd": st.sampled_from((0.0, 0.01)),
+            "adam": st.just(0.0),
+            "adamw": st.sampled_from((0.01, 0.1)),
+            "adagrad": st.sampled_from((0.0, 0.01)),
+            "rmsprop": st.sampled_from((0.0, 0.01)),
+        }
+        adam = name in ("adam", "adamw")
+        amsgrad = draw_amsgrad = st.booleans() if adam else st.just(False)
+        if adam and "amsgrad" in pins:
+            amsgrad = _pinned(pins, "amsgrad", draw_amsgrad)
+
+        def betas(uses_max: bool) -> SearchStrategy[tuple[float, float]]:
+            return _pinned(
+                pins, "betas", st.sampled_from(((0.9, 0.999), (0.9, 0.5))) if uses_max else st.just((0.9, 0.999))
+            )
+
+        return amsgrad.flatmap(
+            lambda uses_max: st.builds(
+                OptimSpec,
+                name=st.just(name),
+                lr=_pinned(pins, "lr", st.sampled_from(LEARNING_RATES)),
+                momentum=_pinned(
+                    pins, "momentum", st.sampled_from((0.9, 0.0)) if name in ("sgd", "rmsprop") else st.just(0.9)
+                ),
+                weight_decay=_pinned(pins, "weight_decay", decay[name]),
+                betas=betas(uses_max),
+                eps=_pinned(pins, "eps", st.just(1e-8)),
+                amsgrad=st.just(uses_max),
+                schedule=_pinned(pins, "schedule", st.sampled_from((None, *SCHEDULES))),
+                schedule_factor=_pinned(pins, "schedule_factor", st.sampled_from((0.5, 0.9))),
+            )
         )
 
-    return _pinned(pins, "name", st.sampled_from(("sgd", "adam", "adamw"))).flatmap(build)
+    return _pinned(pins, "name", st.sampled_from(OPTIMIZERS)).flatmap(build)
+
+
+def sync_values(model: ModelSpec, precision: PrecisionSpec) -> SearchStrategy[bool]:
+    """Reduce every micro-batch, or only the last. Routed experts under a reduce dtype other than
+    param_dtype reduce every micro-batch: FSDP2 cannot accumulate them without sync (an expert
+    first reached in the last micro-batch brings a param_dtype gradient among the reduce_dtype
+    accumulated ones; tests/upstream/test_fsdp2_no_sync_param_used_only_in_last_microbatch.py)."""
+    low = precision.param_dtype not in (None, "fp32")
+    if model.experts and low and precision.reduce_dtype not in (None, precision.param_dtype):
+        return st.just(True)
+    return st.sampled_from((True, False))
+
+
+def unfreeze_steps(model: ModelSpec, steps: int) -> SearchStrategy[int | None]:
+    """None, or a step from 2 to the last at which the frozen parameters start to train (a
+    model with none frozen: None)."""
+    if not model.frozen or steps < 2:
+        return st.just(None)
+    return st.one_of(st.just(None), st.integers(2, steps))
 
 
 def loss_scale_specs(**pins: Any) -> SearchStrategy[LossScaleSpec]:
@@ -396,7 +449,7 @@ def _cases(
         "optim": optim,
         "steps": steps,
         "microbatches": microbatches,
-        "sync_every_microbatch": field("sync_every_microbatch", st.sampled_from((True, False))),
+        "sync_every_microbatch": field("sync_every_microbatch", sync_values(model, precision)),
         "clip_norm": field("clip_norm", st.sampled_from((None,) + CLIP_NORMS)),
         "data": data,
         "seed": field("seed", st.integers(0, 2**16)),
@@ -424,6 +477,10 @@ def _cases(
         ),
         "replica_sync_last": field(
             "replica_sync_last", st.booleans() if mesh is not None and len(mesh) == 2 else st.just(False)
+        ),
+        # What is trained changes: the frozen parameters train from this step on.
+        "unfreeze_step": field(
+            "unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None)
         ),
     }
     try:
@@ -475,6 +532,7 @@ def cases(
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
     pins = _shard_knob_pins(engine, pins)
+    pins = _unfreeze_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -566,6 +624,28 @@ def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
     if mesh is not None and not isinstance(mesh, SearchStrategy) and len(mesh) not in capabilities.mesh_dims:
         raise PinError(f"mesh_shape: expected {capabilities.accepts()} (what engine {engine!r} takes), got {mesh!r}")
     return 2 in capabilities.mesh_dims
+
+
+def _unfreeze_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
+    """An engine that cannot unfreeze mid-run, or that the reference does not model with routed
+    experts (verify/engines/capabilities.py), draws none; a pinned value it cannot take is
+    refused now, naming the field."""
+    from fsdp_verify.engines import engine_capabilities
+
+    takes = engine_capabilities(engine)
+    if not takes.routed_experts:
+        experts = pins.get("model.experts")
+        if experts and not isinstance(experts, SearchStrategy):
+            raise PinError(
+                f"model.experts: expected 0 (engine {engine!r} is not modelled with experts), got {experts!r}"
+            )
+        pins = {**pins, "model.experts": 0}
+    if takes.unfreezes:
+        return pins
+    pinned = pins.get("unfreeze_step")
+    if pinned is not None and not isinstance(pinned, SearchStrategy):
+        raise PinError(f"unfreeze_step: expected null (engine {engine!r} cannot unfreeze mid-run), got {pinned!r}")
+    return {**pins, "unfreeze_step": None}
 
 
 def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:

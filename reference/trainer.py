@@ -26,7 +26,7 @@ from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
 from fsdp_verify.engines.placement import shard_dim
-from fsdp_verify.models import build_model
+from fsdp_verify.models import build_model, is_frozen
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
@@ -35,7 +35,7 @@ from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import make_optimizer, optimizer_state
+from fsdp_verify.training.optim import make_optimizer, make_scheduler, optimizer_state, step_scheduler
 from fsdp_verify.training.rng import dropout_states, rng_fingerprint
 from fsdp_verify.zoom.watch import ModuleWatch
 
@@ -65,6 +65,7 @@ def train_reference(
     the ranks of a run in place under torchrun); every process then averages and steps alike."""
     run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share)
     for step in range(1, case.steps + 1):
+        run.unfreeze(step)
         state = run.begin_step(step)
         for m, group in enumerate(state.groups):
             passes = run.rank_passes(state, group, m)  # each emulated rank's forward and backward
@@ -114,6 +115,7 @@ class _Run:
     model: nn.Module
     params: dict[str, nn.Parameter]  # tied weights appear once
     optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler | None  # the case's learning-rate schedule
     layout: _FlatLayout | None  # a flat engine's buffers, for the reduction and the clip's norm
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
@@ -144,6 +146,7 @@ class _Run:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once
         optimizer = make_optimizer(case.optim, params.values())
+        scheduler = make_scheduler(case.optim, optimizer, case.steps)
         flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
         layout = _FlatLayout(model, case, emulated) if flat else None
@@ -166,6 +169,7 @@ class _Run:
             model=model,
             params=params,
             optimizer=optimizer,
+            scheduler=scheduler,
             layout=layout,
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
@@ -177,6 +181,16 @@ class _Run:
             trace=trace,
             watch=watch,
         )
+
+    def unfreeze(self, step: int) -> None:
+        """From the case's `unfreeze_step` on, the parameters `model.frozen` names train: they
+        require grad, and the optimizer, which holds every parameter, steps them once they have
+        a gradient (`begin_step` takes the trainable ones from `requires_grad`)."""
+        if step != self.case.unfreeze_step:
+            return
+        for n, p in self.params.items():
+            if is_frozen(self.case.model, n):
+                p.requires_grad_(True)
 
     def begin_step(self, step: int) -> _Step:
         """The step's global batch cut into micro-batches and ranks, and the compute copies of
@@ -238,7 +252,11 @@ class _Run:
         after = rng_fingerprint(torch.get_rng_state())
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
-        grads = torch.autograd.grad(backpropagated, [state.compute[n] for n in state.trainable])
+        # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
+        # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
+        grads = torch.autograd.grad(
+            backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+        )
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
@@ -365,13 +383,15 @@ class _Run:
         self.trace.add(step, "grad_norm", "total_norm", norm)
 
     def optimizer_step(self, skip: bool) -> None:
-        """The optimizer's step, and the loss scale's update; the gradients dropped."""
+        """The optimizer's step, the loss scale's update and the learning-rate schedule's step
+        (after a skipped step too, as the loop steps it); the gradients dropped."""
         if self.scaler is None:
             self.optimizer.step()
         else:  # every rank skips an overflowing step (the found-inf flag is all-reduced)
             if not skip:
                 self.optimizer.step()
             self.scaler.update(skip)
+        step_scheduler(self.scheduler)
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- the records ------------------------------------------------------------------------------
@@ -589,7 +609,7 @@ class _FlatLayout:
         self.carries = arithmetic.no_shard_reduces_running_sum and self.world == 1
         self.empty_pieces = arithmetic.empty_pieces_in_norm
         self.plain_unsharded = arithmetic.plain_norm_unsharded
-        self.trainable = {n for n, p in params.items() if p.requires_grad}
+        self.params = params  # which ones train is read when needed: a case may unfreeze some
         self.shapes = {n: p.shape for n, p in params.items()}
         # units[i] = ([(name, offset, numel)], padded numel)
         self.units: list[tuple[list[tuple[str, int, int]], int]] = []
@@ -670,7 +690,7 @@ class _FlatLayout:
         norms of the pieces of each gradient in its chunk, squared; summed over the ranks in
         rank order; the root."""
         if self.world == 1 and self.plain_unsharded:
-            return torch.nn.utils.get_total_norm([g for n, g in grads.items() if n in self.trainable])
+            return torch.nn.utils.get_total_norm([g for n, g in grads.items() if self.params[n].requires_grad])
         squares = []
         for r in range(self.world):
             pieces = []
@@ -678,7 +698,7 @@ class _FlatLayout:
                 chunk = padded // self.world
                 lo, hi = r * chunk, (r + 1) * chunk
                 for n, offset, numel in slots:
-                    if n not in grads or n not in self.trainable:
+                    if n not in grads or not self.params[n].requires_grad:
                         continue
                     a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
                     if a < b:

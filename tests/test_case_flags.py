@@ -127,7 +127,7 @@ def test_flags_override_a_case_file_and_keep_its_other_fields(tmp_path):
         (["--lr", "-1"], "optim.lr: expected a positive learning rate, got -1 (from --lr)"),
         (
             ["--optimizer", "lamb"],
-            "optim.name: expected one of ('sgd', 'adam', 'adamw'), got 'lamb' (from --optimizer)",
+            "optim.name: expected one of ('sgd', 'adam', 'adamw', 'adagrad', 'rmsprop'), got 'lamb' (from --optimizer)",
         ),
         (
             ["--mesh-shape", "2,3", "--world-size", "4"],
@@ -196,7 +196,8 @@ def test_a_draw_value_no_case_can_hold_is_bad_input_before_any_draw(tmp_path, ca
     """`--optimizer adam lamb` would discard every draw holding lamb: named now, exit 2."""
     assert main(["fuzz", "--optimizer", "adam", "lamb", "--out", str(tmp_path)]) == 2
     assert (
-        "optim.name: expected one of ('sgd', 'adam', 'adamw'), got 'lamb' (from --optimizer)" in capsys.readouterr().err
+        "optim.name: expected one of ('sgd', 'adam', 'adamw', 'adagrad', 'rmsprop'), got 'lamb' (from --optimizer)"
+        in capsys.readouterr().err
     )
     assert main(["sweep", "--steps", "0", "--out", str(tmp_path)]) == 2
     assert "steps: expected a positive integer, got 0 (from --steps)" in capsys.readouterr().err

@@ -21,6 +21,11 @@ SPECS = [
     OptimSpec(name="sgd", momentum=0.9, weight_decay=0.01),
     OptimSpec(name="adam"),
     OptimSpec(name="adamw", betas=(0.8, 0.95), eps=1e-6, weight_decay=0.1),
+    # State beyond Adam's (docs/optimizers-and-schedules.md): a running sum, a running average
+    # with momentum, AMSGrad's running max.
+    OptimSpec(name="adagrad", weight_decay=0.01),
+    OptimSpec(name="rmsprop", momentum=0.9, weight_decay=0.01),
+    OptimSpec(name="adamw", amsgrad=True, betas=(0.9, 0.5), weight_decay=0.1),
 ]
 # Rows that do not split evenly over two ranks, a vector, a scalar-like one.
 SHAPES = [(33, 16), (33,), (17, 33), (7,), (1,)]
@@ -62,7 +67,7 @@ def _bits(tensors: list[torch.Tensor]) -> list[bytes]:
     return [t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes() for t in tensors]
 
 
-@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name)
+@pytest.mark.parametrize("spec", SPECS, ids=lambda s: s.name + "-amsgrad" * s.amsgrad)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
 def test_the_update_is_the_single_tensor_update_bit_for_bit(spec, dtype):
     for seed in range(3):

@@ -22,7 +22,9 @@ from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
 
-OPTIMIZERS = ("sgd", "adam", "adamw")
+OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
+# Learning-rate schedules (torch.optim.lr_scheduler), stepped once after every optimizer step.
+SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
 INIT_MODES = ("eager", "meta")
 
@@ -70,13 +72,43 @@ class PrecisionSpec:
 class OptimSpec:
     name: str = "adamw"
     lr: float = 1e-2
-    momentum: float = 0.9  # sgd only
-    weight_decay: float = 0.01  # sgd, adamw
+    momentum: float = 0.9  # sgd, rmsprop
+    weight_decay: float = 0.01  # sgd, adamw, adagrad, rmsprop
     betas: tuple[float, float] = (0.9, 0.999)
     eps: float = 1e-8
+    # ---- optimizers and schedules (docs/optimizers-and-schedules.md) ----
+    # Adam(W) keeping the running max of its second moment (state `max_exp_avg_sq`).
+    amsgrad: bool = False
+    # None: a constant rate. "exponential": lr * factor**k after k steps (ExponentialLR, gamma =
+    # factor); "linear_warmup": from lr * factor up to lr over the case's steps (LinearLR,
+    # start_factor = factor). Either way the rate changes every step.
+    schedule: str | None = None
+    schedule_factor: float = 0.5
+
+    # Left out of the JSON (and so of the hash) while at their defaults: a case keeps its hash.
+    OPTIONAL_FIELDS = ("amsgrad", "schedule", "schedule_factor")
 
     def validate(self, prefix: str = "optim") -> None:
         check(self.name in OPTIMIZERS, f"{prefix}.name", f"one of {OPTIMIZERS}", self.name)
+        check(isinstance(self.amsgrad, bool), f"{prefix}.amsgrad", "true or false", self.amsgrad)
+        check(
+            not self.amsgrad or self.name in ("adam", "adamw"),
+            f"{prefix}.amsgrad",
+            f"false unless the optimizer is adam or adamw (not {self.name})",
+            self.amsgrad,
+        )
+        check(
+            self.schedule is None or self.schedule in SCHEDULES,
+            f"{prefix}.schedule",
+            f"null or one of {SCHEDULES}",
+            self.schedule,
+        )
+        check(
+            is_number(self.schedule_factor) and 0 < self.schedule_factor <= 1,
+            f"{prefix}.schedule_factor",
+            "a factor in (0, 1]",
+            self.schedule_factor,
+        )
         check(is_number(self.lr) and self.lr > 0, f"{prefix}.lr", "a positive learning rate", self.lr)
         check(
             is_number(self.momentum) and 0 <= self.momentum < 1,
@@ -236,6 +268,11 @@ class Case:
     # last (FSDP2 keeps the partial sums in reduce_dtype meanwhile). A 1-D mesh has no replicas.
     replica_sync_last: bool = False
 
+    # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
+    # names are frozen for the steps before this one and trained from it on (a fine-tuning
+    # recipe; a unit's first forward may run frozen). None: frozen throughout.
+    unfreeze_step: int | None = None
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -245,6 +282,7 @@ class Case:
         "shard_placement",
         "replica_sync_last",
         "zoom",
+        "unfreeze_step",
     )
 
     def __post_init__(self) -> None:
@@ -349,6 +387,7 @@ class Case:
                 f"{self.loss_scaling.describe()} with precision {self.precision.describe()}",
             )
         self._validate_shard_knobs()
+        self._validate_unfreeze()
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
@@ -390,6 +429,27 @@ class Case:
                 "false with a user's step (--step calls set_requires_all_reduce itself, if it does)",
                 True,
             )
+
+    def _validate_unfreeze(self) -> None:
+        check(
+            self.step is None or self.optim.schedule is None,
+            "optim.schedule",
+            "null with a user's step (it steps its own optimizer)",
+            self.optim.schedule,
+        )
+        if self.unfreeze_step is None:
+            return
+        check(
+            is_int(self.unfreeze_step) and self.unfreeze_step >= 2,
+            "unfreeze_step",
+            "null or a step from 2 on (the first step the frozen parameters train)",
+            self.unfreeze_step,
+        )
+        # Named `model.frozen`: a pinned unfreeze step is valid beside a frozen model (`check_field_value`).
+        check(bool(self.model.frozen), "model.frozen", f"the parameters to unfreeze at step {self.unfreeze_step}", ())
+        check(
+            self.step is None, "unfreeze_step", "null with a user's step (it trains what it trains)", self.unfreeze_step
+        )
 
     def _validate_custom(self) -> None:
         if self.step is not None:
@@ -435,6 +495,13 @@ class Case:
                 )
         plan = self.wrap_plan
         check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
+        check(
+            not any(u.startswith("moe.experts") for u in plan),
+            "wrap",
+            "no routed expert as a unit of its own (a rank that routes no sample to it would skip its"
+            " all-gather while the others run it)",
+            plan,
+        )
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         for i, fqn in enumerate(plan):
             for later in plan[i + 1 :]:
@@ -515,7 +582,8 @@ class Case:
         at their defaults: a built-in case keeps the JSON and the hash it had before they existed
         (an older revision can still replay it under `git bisect`)."""
         data = _plain(self)
-        for where, spec in ((data, self), (data["model"], self.model), (data["data"], self.data)):
+        nested = ((data, self), (data["model"], self.model), (data["data"], self.data), (data["optim"], self.optim))
+        for where, spec in nested:
             defaults = {f.name: f for f in fields(spec)}
             for name in type(spec).OPTIONAL_FIELDS:
                 f = defaults[name]

@@ -53,7 +53,10 @@ def _buffers_summary(case: Case, ref: Trace, got: Trace) -> str | None:
 
 
 def _frozen_summary(case: Case, ref: Trace, got: Trace) -> str | None:
-    return f"parameters under {list(case.model.frozen)} got no gradient and never moved" if case.model.frozen else None
+    if not case.model.frozen:
+        return None
+    until = f" until step {case.unfreeze_step}" if case.unfreeze_step is not None else ""
+    return f"parameters under {list(case.model.frozen)} got no gradient and never moved{until}"
 
 
 CHECKS: list[Check] = [

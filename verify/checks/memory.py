@@ -44,14 +44,21 @@ from dataclasses import dataclass
 
 import torch
 
-from fsdp_verify.case import Case
+from fsdp_verify.case import Case, OptimSpec
 from fsdp_verify.checks.comm import _size, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "MemoryContract"
-STATES = {"sgd": 1, "adam": 2, "adamw": 2}
+STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 2}
+
+
+def optimizer_states(optim: OptimSpec) -> int:
+    """Parameter-shaped state tensors the optimizer keeps per parameter, at most (scalar `step`
+    tensors aside): SGD's momentum; Adam(W)'s two moments, and AMSGrad's running max; Adagrad's
+    sum; RMSprop's square average and momentum."""
+    return STATES[optim.name] + int(optim.amsgrad)
 
 
 @dataclass
@@ -72,7 +79,7 @@ class Budget:
 
     def single_device(self, case: Case) -> int:
         """Params, grads and optimizer state of the unsharded model: one device's persistent bytes."""
-        return self.unsharded_total + self.unsharded_grads * (1 + STATES[case.optim.name])
+        return self.unsharded_total + self.unsharded_grads * (1 + optimizer_states(case.optim))
 
     def post_forward_left(self, case: Case, rec: dict) -> int:
         """Bytes of the post-forward shards FSDP2 leaves on units no backward ran through (see
@@ -110,7 +117,9 @@ def budget(case: Case, got: Trace) -> Budget:
             full += padded_shard_numel(shape, 1) * own
             full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
             by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
-    optim = STATES[case.optim.name] * grads
+    # Adagrad creates its state for every parameter when it is built, frozen ones included;
+    # the others on a parameter's first gradient.
+    optim = optimizer_states(case.optim) * (sharded if case.optim.name == "adagrad" else grads)
     return Budget(sharded, grads, optim, by_unit, full, full_grads, shard)
 
 

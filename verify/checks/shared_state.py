@@ -29,17 +29,19 @@ def frozen_names(case: Case, names: list[str]) -> list[str]:
 
 def check_frozen_params(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     """First step at which each frozen parameter received a gradient, and first step at which it
-    moved away from its initial value."""
+    moved away from its initial value, over the steps it is frozen (all, or those before the
+    case's `unfreeze_step`)."""
     if not case.model.frozen:
         return []
     findings = []
+    last = got.steps if case.unfreeze_step is None else min(got.steps, case.unfreeze_step - 1)
     initial = {n: t for (s, p, n), t in got.records.items() if s == 0 and p == "init"}
     for name in frozen_names(case, sorted(initial)):
-        with_grad = sorted(s for (s, p, n) in got.records if p == "grads" and n == name)
+        with_grad = sorted(s for (s, p, n) in got.records if p == "grads" and n == name and s <= last)
         if with_grad:
             message = "frozen (requires_grad=False) but the engine produced a gradient for it"
             findings.append(Finding(with_grad[0], "grads", name, False, "mismatch", "FrozenParamsCheck", message))
-        for step in range(1, got.steps + 1):
+        for step in range(1, last + 1):
             now = got.records.get((step, "params", name))
             if now is not None and not torch.equal(now, initial[name]):
                 moved = (now.double() - initial[name].double()).abs().max().item()

@@ -30,6 +30,11 @@ class Capabilities:
     # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`): FSDP1 and the flat
     # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
     shard_knobs: bool = True
+    # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
+    # parameters train when it shards (a FlatParameter's requires_grad) cannot.
+    unfreezes: bool = True
+    # Whether the reference models it with routed experts (`model.experts`).
+    routed_experts: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -50,6 +55,18 @@ class Capabilities:
             for name, off in (("offload", False), ("shard_placement", "dim0"), ("replica_sync_last", False)):
                 if getattr(case, name) != off:
                     raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))
+        if not self.unfreezes and case.unfreeze_step is not None:
+            raise CaseError(
+                "unfreeze_step",
+                f"null: engine {engine!r} fixes which parameters train when it shards",
+                case.unfreeze_step,
+            )
+        if not self.routed_experts and case.model.experts:
+            raise CaseError(
+                "model.experts",
+                f"0: the reference does not model engine {engine!r} with routed experts yet",
+                case.model.experts,
+            )
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
             raise CaseError(

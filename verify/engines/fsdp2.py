@@ -24,4 +24,9 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
             offload_policy=offload,
             shard_placement_fn=placements,
         )
+    if spec.case is not None and spec.case.model.experts:
+        # Routed experts: a rank whose micro-batch reaches none of an expert's samples has no
+        # gradient for it, and FSDP2 would reduce-scatter fewer parameters there than on the
+        # others; zeros keep every rank's reduce-scatter the same (as a MoE trainer sets it).
+        model.set_reduce_scatter_unused_params(True)
     return model

@@ -12,9 +12,10 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_verify.case import LossScaleSpec
+from fsdp_verify.case import LossScaleSpec, OptimSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, sum_full
+from fsdp_verify.training.optim import make_optimizer, make_scheduler
 
 
 class EngineView:
@@ -65,6 +66,33 @@ class EngineView:
         """Divide the gradients by the scale and decide the skip, before clipping: a clip of
         scaled gradients clips by a norm `scale` times too large."""
         scaler.unscale_(optimizer)
+
+    # ---- what the loop trains with (docs/optimizers-and-schedules.md) ----
+    def make_optimizer(self, spec: OptimSpec, params: dict[str, torch.Tensor]) -> torch.optim.Optimizer:
+        """The case's optimizer over every parameter the loop steps (frozen ones too: they get no
+        gradient, so it skips them, until a case unfreezes them)."""
+        return make_optimizer(spec, params.values())
+
+    def make_scheduler(self, optimizer: torch.optim.Optimizer, spec: OptimSpec, steps: int):
+        """The case's learning-rate schedule, or None (verify/training/optim.py)."""
+        return make_scheduler(spec, optimizer, steps)
+
+    def unfreeze(self, names: list[str]) -> None:
+        """The parameters `names` train from now on. FSDP2 fixes each unit's reduce dtype and
+        original dtype when it first runs (`FSDPParamGroup._init_mp_dtypes` at lazy init), from
+        the parameters that require grad then: a unit whose first forward ran frozen keeps None
+        for both, and once unfrozen under a MixedPrecisionPolicy its gradients are
+        reduce-scattered in param_dtype and assigned to the fp32 sharded parameter, which
+        torch 2.13 refuses (grad_dtype; tests/upstream/test_fsdp2_unfreeze_after_first_forward.py).
+        The groups' dtypes are derived again here, as FSDP2's lazy init would have with these
+        parameters trainable."""
+        params = self.parameters()
+        for n in names:
+            params[n].requires_grad_(True)
+        for unit in self.module.modules():
+            state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
+            for group in getattr(state, "_fsdp_param_groups", None) or []:
+                group._init_mp_dtypes()
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a

@@ -22,6 +22,7 @@ __all__ = [
     "ModelSpec",
     "Transformer",
     "build_model",
+    "is_frozen",
     "default_wrap_plan",
     "module_classes",
     "module_names",
@@ -32,7 +33,7 @@ def _construct(spec: ModelSpec) -> nn.Module:
     if spec.is_custom:
         return custom.construct(spec)
     if spec.kind == "mlp":
-        return MLP(spec.widths, dropout=spec.dropout)
+        return MLP(spec.widths, dropout=spec.dropout, experts=spec.experts)
     return Transformer(
         vocab_size=spec.vocab_size,
         dim=spec.dim,
@@ -70,9 +71,15 @@ def build_model(spec: ModelSpec, seed: int, init: str = "eager", device: str | t
     if not spec.is_custom:
         model.init_weights(torch.Generator().manual_seed(seed))
     for name, p in model.named_parameters():
-        if any(name == f or name.startswith(f + ".") for f in spec.frozen):
+        if is_frozen(spec, name):
             p.requires_grad_(False)
     return model.to(device)
+
+
+def is_frozen(spec: ModelSpec, name: str) -> bool:
+    """Whether parameter `name` is one `spec.frozen` names (itself or a prefix of it): frozen
+    when built, trained from a case's `unfreeze_step` on."""
+    return any(name == f or name.startswith(f + ".") for f in spec.frozen)
 
 
 _MODULE_CLASSES_CACHE: dict[ModelSpec, dict[str, str]] = {}

@@ -24,22 +24,52 @@ class MLPBlock(nn.Module):
         return x
 
 
+class RoutedExperts(nn.Module):
+    """Top-1 routing of each sample to one of `n` experts (a residual Linear each, scaled by its
+    gate probability, so the gate trains too). An expert no sample of a micro-batch reaches on a
+    rank is skipped, as Mixtral's loop does (`if top_x.shape[0] == 0: continue`): it takes no
+    part in that backward and gets no gradient there."""
+
+    def __init__(self, dim: int, n: int):
+        super().__init__()
+        self.gate = Linear(dim, n)
+        self.experts = nn.ModuleList(Linear(dim, dim) for _ in range(n))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        probs = torch.softmax(self.gate(x).float(), dim=-1)
+        choice = probs.argmax(dim=-1)
+        out = x
+        for e, expert in enumerate(self.experts):
+            rows = (choice == e).nonzero(as_tuple=True)[0]
+            if rows.numel() == 0:
+                continue
+            out = out.index_add(0, rows, expert(x[rows]) * probs[rows, e : e + 1].to(x.dtype))
+        return out
+
+
 class MLP(nn.Module):
-    def __init__(self, widths: tuple[int, ...], dropout: float = 0.0):
+    def __init__(self, widths: tuple[int, ...], dropout: float = 0.0, experts: int = 0):
         super().__init__()
         n = len(widths) - 1
         self.layers = nn.ModuleList(
             MLPBlock(widths[i], widths[i + 1], activation=i < n - 1, dropout=dropout) for i in range(n)
         )
+        # After the first block (docs/optimizers-and-schedules.md); none by default.
+        self.moe = RoutedExperts(widths[1], experts) if experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
+        for i, layer in enumerate(self.layers):
             x = layer(x)
+            if i == 0 and self.moe is not None:
+                x = self.moe(x)
         return x
 
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
-        for layer in self.layers:
-            bound = 1.0 / math.sqrt(layer.linear.in_features)
-            layer.linear.weight.uniform_(-bound, bound, generator=generator)
-            layer.linear.bias.uniform_(-bound, bound, generator=generator)
+        linears = [layer.linear for layer in self.layers]
+        if self.moe is not None:  # after the blocks: a model without experts draws what it drew
+            linears += [self.moe.gate, *self.moe.experts]
+        for linear in linears:
+            bound = 1.0 / math.sqrt(linear.in_features)
+            linear.weight.uniform_(-bound, bound, generator=generator)
+            linear.bias.uniform_(-bound, bound, generator=generator)

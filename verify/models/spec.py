@@ -43,10 +43,12 @@ class ModelSpec:
     init_fn: str | None = None
     output_fn: str | None = None
     shrinkable: tuple[str, ...] = ()
+    # MLP: routed experts after the first block, each sample sent to one (docs/optimizers-and-schedules.md).
+    experts: int = 0
 
     # Fields of a custom model, left out of the JSON (and so of the Case hash) while at their
     # defaults: a built-in case keeps the hash and the file it had before they existed.
-    OPTIONAL_FIELDS = ("factory", "kwargs", "init_fn", "output_fn", "shrinkable")
+    OPTIONAL_FIELDS = ("factory", "kwargs", "init_fn", "output_fn", "shrinkable", "experts")
     BUILTIN_FIELDS = ("widths", "vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "tie_embeddings")
 
     def __hash__(self) -> int:  # kwargs is a dict: hash the canonical JSON of every field
@@ -74,6 +76,12 @@ class ModelSpec:
             )
         else:
             self._validate_custom(prefix)
+        check(
+            is_int(self.experts) and self.experts >= 0 and (self.experts == 0 or self.kind == "mlp"),
+            f"{prefix}.experts",
+            "0, or a positive number of experts for an MLP",
+            self.experts,
+        )
         if self.kind != "custom":
             check(self.factory is None, f"{prefix}.factory", "null unless kind is 'custom'", self.factory)
         check(

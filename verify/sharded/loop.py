@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.engines.view import EngineView, view_of
-from fsdp_verify.models import build_model
+from fsdp_verify.models import build_model, is_frozen
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
@@ -26,7 +26,7 @@ from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import make_optimizer, optimizer_state
+from fsdp_verify.training.optim import optimizer_state, step_scheduler
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
@@ -63,7 +63,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
     view = view_of(sharded)
     params = view.parameters()
-    optimizer = make_optimizer(case.optim, params.values())
+    optimizer = view.make_optimizer(case.optim, params)
+    scheduler = view.make_scheduler(optimizer, case.optim, case.steps)
     ctx.phase("probes after sharding")
     for probe in probes:
         probe.after_shard(sharded, view)
@@ -74,7 +75,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     _record_params_and_state(records, 0, view, {}, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     run_steps = _user_steps if case.step is not None else _toolkit_steps
-    dtypes, items = run_steps(case, ctx, sharded, view, optimizer, params, probes, records)
+    dtypes, items = run_steps(case, ctx, sharded, view, (optimizer, scheduler), params, probes, records)
     for probe in probes:
         probe.finish()
     ctx.phase("gather records")  # and what the probes kept
@@ -95,9 +96,11 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     return trace
 
 
-def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records):
+def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records):
     """The toolkit's own loop: micro-batches, the loss normalised by the global item count,
-    the engine's clip, the optimizer step; returns (dtypes seen, items per rank and micro-batch)."""
+    the engine's clip, the optimizer step and the schedule's; returns (dtypes seen, items per
+    rank and micro-batch)."""
+    optimizer, scheduler = optimizers
     loss_scale = getattr(sharded, "loss_scale", None) or _global_mean
     scaler = view.grad_scaler(case.loss_scaling, ctx.device) if case.loss_scaling is not None else None
     stepped = [0]  # optimizer steps this rank took: a step the scaler skipped adds none
@@ -105,6 +108,9 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records)
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
     for step in range(1, case.steps + 1):
+        if step == case.unfreeze_step:
+            ctx.phase(f"step {step} unfreeze")
+            view.unfreeze([n for n in params if is_frozen(case.model, n)])
         inputs, targets = global_batch(case, step)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
         slices = microbatch_slices(case, ctx.rank)
@@ -157,13 +163,16 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records)
                 break
         else:
             optimizer.step()
+        step_scheduler(scheduler)
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
     return dtypes, items
 
 
-def _user_steps(case, ctx, sharded, view, optimizer, params, probes, records):
-    """A user's own step (verify/training/user_step.py) on this rank's block of the global batch."""
+def _user_steps(case, ctx, sharded, view, optimizers, params, probes, records):
+    """A user's own step (verify/training/user_step.py) on this rank's block of the global batch
+    (no schedule and no unfreezing: the Case refuses them with a user's step)."""
+    optimizer, _ = optimizers
     step_fn = load_step(case.step)
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Mapping
 
 import torch
@@ -17,10 +18,50 @@ def make_optimizer(spec: OptimSpec, params: Iterable[torch.nn.Parameter]) -> tor
             params, lr=spec.lr, momentum=spec.momentum, weight_decay=spec.weight_decay, foreach=foreach
         )
     if spec.name == "adam":
-        return torch.optim.Adam(params, lr=spec.lr, betas=spec.betas, eps=spec.eps, foreach=foreach)
+        return torch.optim.Adam(
+            params, lr=spec.lr, betas=spec.betas, eps=spec.eps, amsgrad=spec.amsgrad, foreach=foreach
+        )
+    if spec.name == "adagrad":  # state: `sum` and a scalar `step`
+        return torch.optim.Adagrad(params, lr=spec.lr, eps=spec.eps, weight_decay=spec.weight_decay, foreach=foreach)
+    if spec.name == "rmsprop":  # state: `square_avg`, a scalar `step`, `momentum_buffer` with momentum
+        return torch.optim.RMSprop(
+            params, lr=spec.lr, eps=spec.eps, weight_decay=spec.weight_decay, momentum=spec.momentum, foreach=foreach
+        )
     return torch.optim.AdamW(
-        params, lr=spec.lr, betas=spec.betas, eps=spec.eps, weight_decay=spec.weight_decay, foreach=foreach
+        params,
+        lr=spec.lr,
+        betas=spec.betas,
+        eps=spec.eps,
+        weight_decay=spec.weight_decay,
+        amsgrad=spec.amsgrad,
+        foreach=foreach,
     )
+
+
+def make_scheduler(
+    spec: OptimSpec, optimizer: torch.optim.Optimizer, steps: int
+) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """The learning-rate schedule `spec.schedule` names, stepped once after each optimizer step
+    (a step the loss scaler skips included, as a loop calling `scheduler.step()` after
+    `scaler.step(optimizer)` does). The rate is a Python float computed the same way on both
+    sides, so every rank and the reference step with the same bits. None: a constant rate."""
+    if spec.schedule is None:
+        return None
+    if spec.schedule == "exponential":
+        return torch.optim.lr_scheduler.ExponentialLR(optimizer, gamma=spec.schedule_factor)
+    return torch.optim.lr_scheduler.LinearLR(
+        optimizer, start_factor=spec.schedule_factor, end_factor=1.0, total_iters=steps
+    )
+
+
+def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> None:
+    """`scheduler.step()`, without the warning torch gives when the loss scaler skipped the first
+    optimizer step (the order is right: the skip is the scaler's decision)."""
+    if scheduler is None:
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message=r"Detected call of `lr_scheduler.step\(\)`")
+        scheduler.step()
 
 
 def foreach_is_exact(params: list[torch.Tensor]) -> bool:

@@ -374,4 +374,53 @@ ZOO: list[ZooBug] = [
     ),
 ]
 
+# Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only
+# with its knob on (a schedule, an optimizer with state beyond Adam's, an unfreeze step).
+ZOO += [
+    ZooBug(
+        "lr_scheduler_stepped_twice",
+        _mutant("lr_scheduler_stepped_twice"),
+        "the learning-rate schedule stepped twice per optimizer step: it runs twice as fast",
+        "`scheduler.step()` inside the accumulation loop and again after `optimizer.step()`",
+        ("params",),
+        world_sizes=(1, 2, 3, 4),
+        # The rate of step 1 is the initial one: a second step is the first the schedule moves.
+        pins={"steps": st.integers(2, 3), "optim.schedule": st.sampled_from(("exponential", "linear_warmup"))},
+    ),
+    ZooBug(
+        "optimizer_state_known_keys_only",
+        _mutant("optimizer_state_known_keys_only"),
+        "optimizer state beyond SGD's and Adam's (Adagrad's sum, RMSprop's square average,"
+        " AMSGrad's running max) reset to zero after every step",
+        "an optimizer-state offload or resharding written for Adam (issue 28: state not shaped like Adam's)",
+        ("optim_state", "params"),
+        world_sizes=(1, 2, 3, 4),
+        pins={
+            **_CHEAP,
+            "optim.name": st.sampled_from(("adagrad", "rmsprop", "adam", "adamw")),
+            "optim.amsgrad": True,
+        },
+    ),
+    ZooBug(
+        "unfreeze_misses_sharded_params",
+        _mutant("unfreeze_misses_sharded_params"),
+        "parameters unfrozen through references taken before sharding: the sharded ones stay frozen, never train",
+        "a fine-tuning callback that collected `model.named_parameters()` before `fully_shard` replaced them",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        pins={"steps": st.integers(2, 3), "model.frozen": ("layers.0.linear.weight",), "unfreeze_step": 2},
+    ),
+    ZooBug(
+        "idle_expert_grads_dropped",
+        _mutant("idle_expert_grads_dropped"),
+        "a routed expert no sample of a micro-batch reached drops the gradient earlier micro-batches accumulated",
+        "issue 28: parameters that only some micro-batches use (MoE experts freeing idle gradients)",
+        # The memory contract may see it first: after a drop the rank held more gradient bytes than
+        # its shards allow (measured 64 B against 32 B at world size 2; FSDP2 allocates a new one).
+        ("grads", "memory"),
+        world_sizes=(1, 2, 3, 4),
+        pins={**_CHEAP, "model.experts": st.sampled_from((2, 3)), "microbatches": _MICROBATCHES},
+    ),
+]
+
 BY_NAME = {bug.name: bug for bug in ZOO}

@@ -5,6 +5,7 @@ Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import replace
 
 import torch
@@ -550,4 +551,107 @@ def replica_all_reduce_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec
     (within the tolerance); R - 1 all-reduces per unit too many on the wire."""
     fully_shard_engine(model, mesh, spec)
     model.verify_view = lambda: _ReplicaSyncView(model, never=False)
+    return model
+
+
+# ---- optimizers, schedules, what is trained (docs/optimizers-and-schedules.md) --------------------
+class _SchedulerTwiceView(EngineView):
+    def make_scheduler(self, optimizer, spec, steps):
+        scheduler = super().make_scheduler(optimizer, spec, steps)
+        if scheduler is not None:
+            once = scheduler.step
+
+            def twice(*args, **kwargs):
+                once(*args, **kwargs)
+                once(*args, **kwargs)
+
+            scheduler.step = twice
+        return scheduler
+
+
+def lr_scheduler_stepped_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`scheduler.step()` called twice per optimizer step (once inside the accumulation loop's
+    last micro-batch, once after `optimizer.step()`): the schedule runs twice as fast; a
+    constant rate hides it."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _SchedulerTwiceView(model)
+    return model
+
+
+# The state an optimizer-state round trip written for SGD and Adam knows.
+_KNOWN_STATE = ("step", "momentum_buffer", "exp_avg", "exp_avg_sq")
+
+
+def _reset_unknown_state(optimizer, _args, _kwargs) -> None:
+    with torch.no_grad():
+        for state in optimizer.state.values():
+            for key, value in state.items():
+                if key not in _KNOWN_STATE and isinstance(value, torch.Tensor):
+                    value.zero_()
+
+
+class _AdamStateOnlyView(EngineView):
+    def make_optimizer(self, spec, params):
+        optimizer = super().make_optimizer(spec, params)
+        optimizer.register_step_post_hook(_reset_unknown_state)
+        return optimizer
+
+
+def optimizer_state_known_keys_only(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The optimizer state re-created after every step by code that knows SGD's and Adam's
+    entries (`step`, `momentum_buffer`, `exp_avg`, `exp_avg_sq`), as a state offload or
+    resharding written for Adam does: every other entry starts over at zero, so Adagrad's `sum`,
+    RMSprop's `square_avg` and AMSGrad's `max_exp_avg_sq` are lost each step; SGD and Adam
+    cannot show it."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _AdamStateOnlyView(model)
+    return model
+
+
+class _StaleUnfreezeView(EngineView):
+    def __init__(self, module: nn.Module, before: dict[str, weakref.ref]):
+        super().__init__(module)
+        self.before = before
+
+    def unfreeze(self, names: list[str]) -> None:
+        for n in names:
+            stale = self.before[n]()
+            if stale is not None:
+                stale.requires_grad_(True)
+
+
+def unfreeze_misses_sharded_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Unfreezes the parameters it collected before sharding (a fine-tuning callback that took
+    `model.named_parameters()` before `fully_shard` replaced them with DTensors): the sharded
+    parameters the model computes with stay frozen, get no gradient and never train. Held by weak
+    reference here, so that only the unfreezing shows (strong ones would also keep the
+    unsharded weights alive, which the memory contract catches on its own, as for
+    `retains_full_params`)."""
+    before = {n: weakref.ref(p) for n, p in model.named_parameters()}
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _StaleUnfreezeView(model, before)
+    return model
+
+
+def idle_expert_grads_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A routed expert that no sample of a micro-batch reached on this rank has its gradient set
+    to None after that forward (an "idle experts free their gradients" optimisation): what earlier
+    micro-batches accumulated into its sharded gradient is dropped."""
+    moe = getattr(model, "moe", None)
+    fully_shard_engine(model, mesh, spec)
+    if moe is None:
+        return model
+    sharded = [list(expert.parameters()) for expert in moe.experts]  # the DTensors the optimizer steps
+    ran: set[int] = set()
+    for e, expert in enumerate(moe.experts):
+        expert.register_forward_hook(lambda _m, _a, _o, e=e: ran.add(e))
+
+    def drop_idle(_module, _args, _out) -> None:
+        for e, params in enumerate(sharded):
+            if e not in ran:
+                for p in params:
+                    p.grad = None
+        ran.clear()
+
+    moe.register_forward_hook(drop_idle)
     return model

@@ -105,18 +105,22 @@ class FlatView(EngineView):
     def full_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """State slices by "<param key>.<state key>". A rank that holds none of a parameter may
         have no state for it (FSDP1 leaves its grad None), so the keys are agreed first; scalar
-        state (Adam's `step`) is replicated and taken from the first rank that has it."""
+        state (Adam's `step`) is replicated over the ranks that hold some of the parameter and
+        taken from the first of them. A rank holding none keeps a `step` that never moves where
+        the optimizer creates state up front (Adagrad: `step` 0 on every parameter)."""
         keyed = self._keyed()
         local = sorted((k, v.ndim == 0) for k, v in state.items())
-        everyone: list[list[tuple[str, bool]]] = [[] for _ in range(dist.get_world_size(self.group))]
-        dist.all_gather_object(everyone, local, group=self.group)
-        keys = sorted({item for rank in everyone for item in rank})
+        holds = {k for k, v in state.items() if v.ndim == 0 and keyed[k.rsplit(".", 1)[0]].tensor.numel()}
+        everyone: list = [None] * dist.get_world_size(self.group)
+        dist.all_gather_object(everyone, (local, holds), group=self.group)
+        keys = sorted({item for rank, _ in everyone for item in rank})
         pieces = gather_pieces([state.get(k) for k, _ in keys], self.group)
         out: dict[str, torch.Tensor] = {}
         for (key, scalar), parts in zip(keys, pieces):
             present = [p for p in parts if p is not None]
             if scalar:
-                out[key] = present[0].reshape(())
+                held = [p for p, (_, rank_holds) in zip(parts, everyone) if p is not None and key in rank_holds]
+                out[key] = (held or present)[0].reshape(())
             else:
                 out[key] = _join(parts, keyed[key.rsplit(".", 1)[0]].shape)
         return out
