@@ -57,8 +57,12 @@ def _rank(rank: int, world: int, rendezvous: str, out: str) -> None:
             with open(out, "w") as f:
                 f.write(outcome)
         dist.barrier()
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # No teardown: gloo's (destroy_process_group, or the groups' destructors at exit) aborted a
+    # rank in loaded CI runs; the outcome is saved and every rank is past the barrier.
+    os._exit(0)
 
 
 @pytest.mark.xfail(

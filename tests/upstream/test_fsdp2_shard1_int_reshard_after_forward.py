@@ -46,8 +46,12 @@ def _rank(rank: int, world: int, rendezvous: str, out: str) -> None:
         if rank == 0:
             torch.save(errors, out)
         dist.barrier()  # every rank done with every group before any tears down
-    finally:
+    except BaseException:
         dist.destroy_process_group()
+        raise
+    # No teardown: gloo's (destroy_process_group, or the groups' destructors at exit) aborted a
+    # rank in loaded CI runs; the outcome is saved and every rank is past the barrier.
+    os._exit(0)
 
 
 @pytest.mark.xfail(
