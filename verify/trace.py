@@ -44,6 +44,7 @@ PHASES = (
     "params",
     "param_sums",
     "optim_state",
+    "resumed",
     "comm",
     "memory",
 )

@@ -26,6 +26,7 @@ PHASE_TITLES = {
     "params": "parameters after the step",
     "param_sums": "parameter sums",
     "optim_state": "optimizer state",
+    "resumed": "state right after the resume's load",
     "comm": "communication contract",
     "memory": "memory contract",
 }
@@ -98,9 +99,9 @@ class Verdict:
         cells: dict[tuple[int, str], list[Finding]] = {}
         for f in self.findings:
             cells.setdefault((f.step, f.phase), []).append(f)
-        # "build" is shown only when it has something to say (a user's model, or a failure), and
-        # "loss_scale" only in loss-scaled cases.
-        phases = [p for p in PHASES if p not in ("build", "loss_scale") or any(ph == p for _, ph in cells)]
+        # "build" is shown only when it has something to say (a user's model, or a failure),
+        # "loss_scale" only in loss-scaled cases, "resumed" only in resumed ones.
+        phases = [p for p in PHASES if p not in ("build", "loss_scale", "resumed") or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
             row = [str(step)]

@@ -1,0 +1,81 @@
+"""A resumed case's sharded side (docs/resume.md): the run up to the save on one pool, the run
+that resumes from its checkpoint on the pool of the resumed world size (the same pool when it is
+the same size: the process group is the pool's, so a new size is a new pool, not a new launcher),
+their traces put together, judged against the reference that never stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+
+from fsdp_verify.case import Case
+from fsdp_verify.checks import run_checks
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.engines import refuse_untakeable
+from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool, memory_dir
+from fsdp_verify.trace import Trace
+from fsdp_verify.validation import CaseError
+from fsdp_verify.verdict import Verdict
+
+
+def run_resumed(case: Case, pool: RankPool | None = None, timeout_s: float | None = None) -> tuple[Trace, Trace]:
+    """The two sharded runs' traces: up to the save, and from the load on."""
+    before, after = case.before_resume(), case.after_resume()
+    first = pool if pool is not None and pool.world_size == before.world_size else get_pool(before.world_size)
+    second = get_pool(after.world_size, first.timeout_s) if after.world_size != first.world_size else first
+    with tempfile.TemporaryDirectory(prefix="fsdp-verify-checkpoint-", dir=memory_dir()) as where:
+        saved = first.run(before, timeout_s, {"save": where})
+        resumed = second.run(after, timeout_s, {"load": where})
+    return saved, resumed
+
+
+def merged(saved: Trace, resumed: Trace) -> Trace:
+    """One sharded trace: the first run's records (steps 0 to the save), the second's (the
+    loaded state, then every later step); the second run's meta, with both runs' item counts."""
+    out = Trace("sharded", {**saved.records, **resumed.records}, dict(resumed.meta))
+    out.meta["items"] = {**saved.meta.get("items", {}), **resumed.meta.get("items", {})}
+    return out
+
+
+def steps_of(trace: Trace, keep) -> Trace:
+    """The records of the steps `keep(step)` accepts (the loaded state left out), same meta."""
+    records = {k: v for k, v in trace.records.items() if keep(k[0]) and k[1] != "resumed"}
+    return Trace(trace.side, records, trace.meta)
+
+
+def check_resumed_case(
+    case: Case, pool: RankPool | None = None, timeout_s: float | None = None, calibrate: bool = True
+) -> Verdict:
+    """`check_case` for a case with a resume: the sharded runs against the reference that never
+    stopped; every record compared as usual, the loaded state exactly; the checks (ownership,
+    precision, RNG, contracts) run on each run against its own case and steps."""
+    from fsdp_verify.runner import emulating_reference, judge, rank_like_threads
+
+    before, after = case.before_resume(), case.after_resume()
+    refuse_untakeable(before)
+    refuse_untakeable(after)
+    t0 = time.perf_counter()
+    try:
+        with rank_like_threads():
+            ref = emulating_reference(case)
+    except CaseError:
+        raise
+    t1 = time.perf_counter()
+    saved, resumed = run_resumed(case, pool, timeout_s)
+    t2 = time.perf_counter()
+    k = case.resume_after
+
+    def checks() -> list[Finding]:
+        early = run_checks(before, steps_of(ref, lambda s: s <= k), saved)
+        late = run_checks(after, steps_of(ref, lambda s: s > k), steps_of(resumed, lambda s: s > k))
+        # The resumed run's checks expect what its case would do from step 1 (the contracts);
+        # it ran from k + 1: steps 1 to k are the first run's, checked above.
+        return early + [f for f in late if not 1 <= f.step <= k]
+
+    verdict = judge(case, ref, merged(saved, resumed), calibrate, checks)
+    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    return verdict
+
+
+__all__ = ["RankFailure", "check_resumed_case", "merged", "run_resumed"]
