@@ -428,6 +428,7 @@ def cases(
     model_kinds: Iterable[str] = ("mlp", "transformer"),
     hsdp: bool = False,
     custom_model: ModelSpec | None = None,
+    resume: bool = False,
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
@@ -461,8 +462,43 @@ def cases(
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
-        return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
-    return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
+    else:
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+    if resume:  # docs/resume.md
+        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp))
+    return drawn
+
+
+@st.composite
+def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool = False) -> Case:
+    """`case` with a checkpoint and resume (docs/resume.md): saved after a drawn step (two steps
+    at least), resumed on a drawn world size and mesh, and from FSDP1 on FSDP2 or FSDP1. The
+    global batch becomes a multiple of both world sizes (times the micro-batches) where the drawn
+    one is not: one batch the same for both runs. A user's step takes no resume: not drawn."""
+    assume(case.step is None)
+    steps = max(case.steps, 2)
+    after = draw(st.integers(1, steps - 1))
+    world = draw(st.sampled_from(world_sizes))
+    mesh = draw(hsdp_meshes(world)) if hsdp else None
+    engine = draw(st.sampled_from((None, "fsdp2"))) if case.engine == "fsdp1" else None
+    batch = case.data.batch_size
+    if batch % (world * case.microbatches):
+        batch = math.lcm(case.world_size, world) * case.microbatches
+    try:
+        resumed = case.with_(
+            steps=steps,
+            resume_after=after,
+            resume_world_size=world,
+            resume_mesh_shape=mesh,
+            resume_engine=engine,
+            **{"data.batch_size": batch},
+        )
+    except CaseError:
+        assume(False)
+        raise
+    assume(resumed.after_resume().engine != "fsdp1" or fsdp1_modelled(resumed.after_resume()))
+    return resumed
 
 
 _MODEL_EXPECTED = (

@@ -52,8 +52,9 @@ class Checkpointer:
     def planner(self):
         return None  # DCP's default: every key must be in the checkpoint
 
-    def set(self, optimizer, model_sd: dict, optim_sd: dict) -> None:
-        set_state_dict(self.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd)
+    def set(self, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True) -> None:
+        options = StateDictOptions(strict=strict)
+        set_state_dict(self.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
     def after_load(self, optimizer, trainer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return trainer
