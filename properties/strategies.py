@@ -476,6 +476,8 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
     at least), resumed on a drawn world size and mesh, and from FSDP1 on FSDP2 or FSDP1. The
     global batch becomes a multiple of both world sizes (times the micro-batches) where the drawn
     one is not: one batch the same for both runs. A user's step takes no resume: not drawn."""
+    from fsdp_verify.engines import refuse_untakeable
+
     assume(case.step is None)
     steps = max(case.steps, 2)
     after = draw(st.integers(1, steps - 1))
@@ -497,7 +499,12 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
     except CaseError:
         assume(False)
         raise
-    assume(resumed.after_resume().engine != "fsdp1" or fsdp1_modelled(resumed.after_resume()))
+    resumed_run = resumed.after_resume()
+    assume(resumed_run.engine != "fsdp1" or fsdp1_modelled(resumed_run))
+    try:
+        refuse_untakeable(resumed_run)  # e.g. an int reshard_after_forward the new shard group does not divide
+    except CaseError:
+        assume(False)
     return resumed
 
 

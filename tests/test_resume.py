@@ -1,0 +1,165 @@
+"""Checkpoint and resume (docs/resume.md): a run saved with torch.distributed.checkpoint after
+step k, resumed on another world size, mesh or engine, against the same run never stopped; the
+loaded state compared exactly, every later step as usual; the zoo's resume mutants caught right
+after the load with a hint that names what was lost."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.commands.cli import main
+from fsdp_verify.properties.strategies import cases
+from fsdp_verify.reference import train_reference
+from fsdp_verify.runner import check_case
+from tests.conftest import lm_case, mlp_case
+
+BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
+MUTANTS = "fsdp_verify.zoo.mutants:"
+
+
+# ---- the case -------------------------------------------------------------------------------------
+def test_a_case_without_resume_keeps_its_json_and_hash():
+    plain = mlp_case(2, steps=3)
+    assert not any(k.startswith("resume") for k in plain.to_dict())
+    resumed = plain.with_(resume_after=1, resume_world_size=1)
+    again = Case.from_json(resumed.to_json())
+    assert again == resumed and again.hash == resumed.hash != plain.hash
+
+
+def test_before_and_after_the_resume():
+    case = mlp_case(4, steps=3, resume_after=2, resume_world_size=2, resume_engine="fsdp1")
+    before, after = case.before_resume(), case.after_resume()
+    assert (before.steps, before.world_size, before.engine, before.resume_after) == (2, 4, "fsdp2", None)
+    assert (after.steps, after.world_size, after.mesh_shape, after.engine) == (3, 2, None, "fsdp1")
+    hsdp = mlp_case(4, mesh_shape=(2, 2), steps=2, resume_after=1, resume_mesh_shape=(1, 4))
+    assert hsdp.after_resume().mesh == (1, 4) and hsdp.after_resume().world_size == 4
+
+
+@pytest.mark.parametrize(
+    "changes, field",
+    [
+        (dict(resume_after=2), "resume_after"),  # no step left after the save
+        (dict(resume_after=0), "resume_after"),
+        (dict(resume_world_size=2), "resume_world_size"),  # without resume_after
+        (dict(resume_after=1, resume_world_size=0), "resume_world_size"),
+        (dict(resume_after=1, resume_world_size=3), "data.batch_size"),  # 4 samples over 3 ranks
+        (dict(resume_after=1, resume_mesh_shape=(1, 1, 2)), "resume_mesh_shape"),  # three dimensions
+    ],
+)
+def test_a_bad_resume_names_its_field(changes, field):
+    with pytest.raises(CaseError) as e:
+        mlp_case(2, **changes)
+    assert e.value.field_path == field
+    assert "resumed run" in str(e.value) or field.startswith("resume")
+
+
+def test_check_refuses_a_bad_resume_with_exit_code_2(capsys):
+    assert main(["check", "--model", "mlp", "--steps", "2", "--resume-after", "2"]) == 2
+    assert "resume_after" in capsys.readouterr().err
+
+
+def test_hypothesis_draws_resumes():
+    seen = set()
+
+    @settings(max_examples=40, database=None, suppress_health_check=list(HealthCheck), deadline=None)
+    @given(cases(resume=True, hsdp=True))
+    def draw(case):
+        assert case.resume_after is not None and 1 <= case.resume_after < case.steps
+        after = case.after_resume()  # valid: it validates
+        seen.add((case.world_size != after.world_size, after.mesh_shape is not None))
+
+    draw()
+    assert (True, False) in seen and len(seen) >= 2
+
+
+# ---- the reference: a resume in memory is a copy ------------------------------------------------------
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
+    """On the same world size and engine the resumed reference gives the records of the run
+    without a resume, bit for bit: its hand-over (parameters, buffers, Adam's state with its
+    step, the generators, the loss scale) loses nothing. (A hand-over that rebuilt the optimizer
+    fresh fails this: its updates after step 1 differ.)"""
+    case = lm_case(
+        2,
+        steps=3,
+        engine=engine,
+        optim=OptimSpec(name="adam"),
+        precision=PrecisionSpec(param_dtype="fp16"),
+        loss_scaling=LossScaleSpec(growth_interval=1),
+    ).with_(**{"model.dropout": 0.1})
+    plain = train_reference(case)
+    resumed = train_reference(case.with_(resume_after=1))
+    records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
+    assert records.keys() == plain.records.keys()
+    for k, v in records.items():  # bit for bit; step 3's scaled gradients overflow (NaN) alike
+        torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
+    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position", "loss_scale.scale"}
+
+
+# ---- correct engines pass -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(lm_case(4, steps=3, resume_after=1, resume_world_size=2), id="fsdp2-4to2-lm-fp32"),
+        pytest.param(
+            lm_case(2, steps=3, resume_after=2, resume_world_size=3, precision=BF16, data=DataSpec(batch_size=6)),
+            id="fsdp2-2to3-lm-bf16",
+        ),
+        pytest.param(
+            mlp_case(2, steps=3, resume_after=1, resume_world_size=1, optim=OptimSpec(name="adam")), id="fsdp2-2to1"
+        ),
+        pytest.param(
+            lm_case(4, mesh_shape=(2, 2), steps=3, resume_after=1, resume_world_size=2, precision=BF16),
+            id="hsdp22-to-fsdp2-lm-bf16",
+        ),
+        pytest.param(
+            lm_case(2, engine="fsdp1", steps=3, resume_after=1, resume_engine="fsdp2", clip_norm=0.5),
+            id="fsdp1-to-fsdp2-lm-fp32",
+        ),
+        pytest.param(
+            mlp_case(
+                2,
+                steps=4,
+                resume_after=2,
+                microbatches=2,
+                precision=PrecisionSpec(param_dtype="fp16"),
+                loss_scaling=LossScaleSpec(growth_interval=1),
+            ).with_(**{"model.dropout": 0.1}),
+            id="fsdp2-fp16-scaled-dropout",
+        ),
+    ],
+)
+def test_a_correct_resume_passes(case, fsdp_pool):
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+    resumed = [f for f in verdict.findings if f.phase == "resumed"]
+    assert resumed and all(f.ok for f in resumed)
+    assert max(f.step for f in verdict.findings) == case.steps  # every step after the resume was compared
+
+
+# ---- the zoo's resume mutants are caught right after the load ---------------------------------------
+_DROPOUT = {"model.dropout": 0.1}
+_FP16 = dict(precision=PrecisionSpec(param_dtype="fp16"), loss_scaling=LossScaleSpec(growth_interval=1))
+
+
+@pytest.mark.parametrize(
+    "mutant, changes, name, words",
+    [
+        ("fresh_optimizer_after_resume", {}, "optim.", "fresh optimizer"),
+        ("adam_step_reset_on_resume", {}, ".step", "step count"),
+        ("prefixed_key_dropped_on_resume", {}, "params.", "non-strict load"),
+        ("rng_not_restored_on_resume", _DROPOUT, "rng", "RNG state was not restored"),
+        ("loss_scale_reset_on_resume", _FP16, "loss_scale.scale", "scaler was reset"),
+        ("data_position_reset_on_resume", {}, "data_position", "seen twice"),
+    ],
+)
+def test_each_resume_mutant_is_caught_with_a_hint(mutant, changes, name, words, fsdp_pool):
+    case = mlp_case(2, steps=3, resume_after=1, resume_world_size=4, optim=OptimSpec(name="adam")).with_(**changes)
+    assert check_case(case, pool=fsdp_pool(2)).ok  # the same case passes FSDP2
+    verdict = check_case(case.with_(engine=MUTANTS + mutant), pool=fsdp_pool(2))
+    first = verdict.first_divergence
+    assert not verdict.ok and first.phase == "resumed" and first.step == 1, verdict.table()
+    assert name in first.name and words in verdict.hint, (first, verdict.hint)
