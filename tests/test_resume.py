@@ -9,15 +9,16 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
-from tests.conftest import lm_case, mlp_case
+from tests.conftest import lm_case, mlp_case, require
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 MUTANTS = "fsdp_verify.zoo.mutants:"
+GPT2 = ModelSpec(kind="custom", factory="tests/user/gpt2.py:tiny_gpt2", seq_len=6)
 
 
 # ---- the case -------------------------------------------------------------------------------------
@@ -163,3 +164,54 @@ def test_each_resume_mutant_is_caught_with_a_hint(mutant, changes, name, words, 
     first = verdict.first_divergence
     assert not verdict.ok and first.phase == "resumed" and first.step == 1, verdict.table()
     assert name in first.name and words in verdict.hint, (first, verdict.hint)
+
+
+# ---- the full model exported as safetensors --------------------------------------------------------
+def _exported(case: Case, fsdp_pool, folder) -> tuple[dict, dict]:
+    """The file the sharded run exported after its last step, and its final parameters as the
+    run recorded them (gathered from the shards)."""
+    from safetensors.torch import load_file
+
+    got = fsdp_pool(case.world_size).run(case, resume={"export": str(folder)})
+    final = {k[2]: v for k, v in got.records.items() if k[:2] == (case.steps, "params")}
+    return load_file(str(folder / "model.safetensors")), final
+
+
+def _logits(model: torch.nn.Module, case: Case) -> torch.Tensor:
+    from fsdp_verify.models.custom import logits_of
+    from fsdp_verify.training.data import as_call, global_batch
+
+    args, kwargs = as_call(global_batch(case, 1)[0])
+    with torch.no_grad():
+        return logits_of(case.model, model.eval()(*args, **kwargs))
+
+
+def test_a_plain_module_loads_the_exported_model(fsdp_pool, tmp_path):
+    from fsdp_verify.models import build_model
+
+    case = lm_case(3, steps=2, precision=BF16, data=DataSpec(batch_size=6))
+    exported, final = _exported(case, fsdp_pool, tmp_path)
+    assert exported.keys() == final.keys() and all(exported[n].equal(final[n]) for n in final)
+    plain, trained = build_model(case.model, case.seed), build_model(case.model, case.seed)
+    plain.load_state_dict(exported, strict=True)
+    trained.load_state_dict(final, strict=True)
+    untrained = _logits(build_model(case.model, case.seed), case)
+    assert _logits(plain, case).equal(_logits(trained, case)) and not _logits(plain, case).equal(untrained)
+
+
+def test_transformers_from_pretrained_loads_the_exported_model(fsdp_pool, tmp_path):
+    """A tiny GPT-2 (tied embeddings, built from its config: nothing downloaded) trained on two
+    ranks; `GPT2LMHeadModel.from_pretrained(folder)` gives the logits of the trained weights."""
+    require("transformers")
+    from transformers import GPT2LMHeadModel
+
+    from fsdp_verify.models import build_model
+
+    case = Case(model=GPT2, world_size=2, steps=2, data=DataSpec(batch_size=4))
+    exported, final = _exported(case, fsdp_pool, tmp_path)
+    trained = build_model(case.model, case.seed)
+    missing, unexpected = trained.load_state_dict(final, strict=False)
+    assert not unexpected and missing == ["lm_head.weight"]  # tied to the embedding: recorded once
+    trained.config.save_pretrained(tmp_path)  # the config.json from_pretrained reads
+    loaded = GPT2LMHeadModel.from_pretrained(tmp_path, local_files_only=True)
+    assert _logits(loaded, case).equal(_logits(trained, case))

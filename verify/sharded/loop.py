@@ -27,6 +27,7 @@ from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, with
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
+from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, trainer_state
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
@@ -43,7 +44,8 @@ class RankContext:
     # (verify/sharded/collect.py); None: through the process group.
     spill_dir: str | None = None
     # A checkpoint and resume (verify/training/resume.py): {"save": DIR} saves after the last
-    # step; {"load": DIR} starts from that checkpoint (the step after its own). None: neither.
+    # step; {"load": DIR} starts from that checkpoint (the step after its own); {"export": DIR}
+    # writes the full model as DIR/model.safetensors after the last step (verify/training/export.py).
     resume: dict | None = None
 
 
@@ -167,6 +169,9 @@ def _toolkit_steps(case, ctx, sharded, view, optimizer, params, probes, records)
             optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
+    if ctx.resume is not None and "export" in ctx.resume:
+        ctx.phase(f"step {case.steps} export the full model")
+        export_safetensors(view.module, ctx.resume["export"])
     if ctx.resume is not None and "save" in ctx.resume:
         ctx.phase(f"step {case.steps} save checkpoint")
         trainer = trainer_state(case.steps, position, scaler, ctx.device)
