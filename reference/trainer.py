@@ -77,7 +77,9 @@ def train_reference(
         run.record_state(step)
         if step == case.resume_after:  # the run goes on where the resumed one does (docs/resume.md)
             after = case.after_resume()
-            run = run.resumed(after, engine_arithmetic(after.engine) if case.resume_engine else arithmetic, unit_input_node)
+            run = run.resumed(
+                after, engine_arithmetic(after.engine) if case.resume_engine else arithmetic, unit_input_node
+            )
             run.record_resumed(step)
     return run.finish()
 

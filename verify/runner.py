@@ -11,8 +11,8 @@ import torch
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
-from fsdp_verify.compare.finding import Finding
 from fsdp_verify.compare.comparators import compare_traces
+from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step

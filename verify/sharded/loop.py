@@ -25,9 +25,9 @@ from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
+from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
-from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, trainer_state
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step

@@ -8,6 +8,8 @@ from __future__ import annotations
 import contextlib
 import tempfile
 import time
+from collections.abc import Callable
+from typing import Any
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
@@ -19,15 +21,32 @@ from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
 
 
-def run_resumed(case: Case, pool: RankPool | None = None, timeout_s: float | None = None) -> tuple[Trace, Trace]:
-    """The two sharded runs' traces: up to the save, and from the load on."""
+def run_resumed(
+    case: Case,
+    pool: RankPool | None = None,
+    timeout_s: float | None = None,
+    meanwhile: Callable[[], Any] = lambda: None,
+) -> tuple[Trace, Trace, Any]:
+    """The two sharded runs' traces (up to the save, and from the load on) and what `meanwhile`
+    returned: it runs here while the first run's ranks work (the reference, as `check_case`
+    overlaps it)."""
     before, after = case.before_resume(), case.after_resume()
     first = pool if pool is not None and pool.world_size == before.world_size else get_pool(before.world_size)
     second = get_pool(after.world_size, first.timeout_s) if after.world_size != first.world_size else first
     with tempfile.TemporaryDirectory(prefix="fsdp-verify-checkpoint-", dir=memory_dir()) as where:
-        saved = first.run(before, timeout_s, {"save": where})
+        first.submit(before, {"save": where})
+        try:
+            done = meanwhile()
+        except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
+            with contextlib.suppress(RankFailure):
+                first.result(timeout_s)
+            raise
+        except BaseException:
+            first.result(timeout_s)  # keep the pool in step before propagating
+            raise
+        saved = first.result(timeout_s)
         resumed = second.run(after, timeout_s, {"load": where})
-    return saved, resumed
+    return saved, resumed, done
 
 
 def merged(saved: Trace, resumed: Trace) -> Trace:
@@ -56,14 +75,13 @@ def check_resumed_case(
     refuse_untakeable(before)
     refuse_untakeable(after)
     t0 = time.perf_counter()
-    try:
+
+    def reference() -> tuple[Trace, float]:
         with rank_like_threads():
-            ref = emulating_reference(case)
-    except CaseError:
-        raise
+            return emulating_reference(case), time.perf_counter()
+
+    saved, resumed, (ref, t_ref) = run_resumed(case, pool, timeout_s, reference)
     t1 = time.perf_counter()
-    saved, resumed = run_resumed(case, pool, timeout_s)
-    t2 = time.perf_counter()
     k = case.resume_after
 
     def checks() -> list[Finding]:
@@ -74,8 +92,8 @@ def check_resumed_case(
         return early + [f for f in late if not 1 <= f.step <= k]
 
     verdict = judge(case, ref, merged(saved, resumed), calibrate, checks)
-    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t1 - t_ref, **verdict.seconds}
     return verdict
 
 
-__all__ = ["RankFailure", "check_resumed_case", "merged", "run_resumed"]
+__all__ = ["check_resumed_case", "merged", "run_resumed"]
