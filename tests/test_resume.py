@@ -14,7 +14,7 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
-from tests.conftest import lm_case, mlp_case, require
+from tests.conftest import lm_case, mlp_case, regression, require
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 MUTANTS = "fsdp_verify.zoo.mutants:"
@@ -215,3 +215,15 @@ def test_transformers_from_pretrained_loads_the_exported_model(fsdp_pool, tmp_pa
     trained.config.save_pretrained(tmp_path)  # the config.json from_pretrained reads
     loaded = GPT2LMHeadModel.from_pretrained(tmp_path, local_files_only=True)
     assert _logits(loaded, case).equal(_logits(trained, case))
+
+
+@pytest.mark.parametrize("case_hash", ["83023c73cc82", "1d73f84d1ea3"])
+def test_a_checkpoint_before_the_first_optimizer_step_resumes_without_made_up_state(case_hash, fsdp_pool):
+    """fp16 cases whose steps before the save all overflowed (skipped): the optimizer never
+    stepped, yet `get_state_dict` gives it a zero-gradient step's state (Adam's step 1) on save
+    and on load. Without `forget_unstepped_state` the resumed Adam is a step ahead (sweep seed
+    20262901: 'optim...exp_avg: the reference has no such record', then every later step off)."""
+    case = regression(case_hash)
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+    assert verdict.loss_scales[0]["skipped"] == 1  # the premise: the first step was skipped

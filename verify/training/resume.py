@@ -32,6 +32,7 @@ class Checkpointer:
         self.module = module
 
     def save(self, path: str, optimizer: torch.optim.Optimizer, trainer: dict[str, torch.Tensor]) -> None:
+        trainer = {**trainer, **stepped_marks(self.module, optimizer)}  # before get_state_dict makes state
         model_sd, optim_sd = get_state_dict(self.module, optimizer)
         dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer}, checkpoint_id=path)
 
@@ -43,6 +44,7 @@ class Checkpointer:
         state = {"model": self.rename(model_sd), "optim": optim_sd, "trainer": trainer}
         dcp.load(state, checkpoint_id=path, planner=self.planner())
         self.set(optimizer, state["model"], state["optim"])
+        forget_unstepped_state(self.module, optimizer, trainer)
         return self.after_load(optimizer, trainer)
 
     # ---- the steps a mutant may change ----------------------------------------------------------
@@ -58,6 +60,34 @@ class Checkpointer:
 
     def after_load(self, optimizer, trainer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return trainer
+
+
+STEPPED = "stepped."
+
+
+def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`stepped.<fqn>`: 1 where the optimizer holds state for the parameter on any rank (it was
+    stepped), else 0; a collective (the same tensors on every rank, as DCP keeps one copy)."""
+    names, params = zip(*module.named_parameters())
+    marks = torch.tensor([int(bool(optimizer.state.get(p))) for p in params], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    return {STEPPED + n: marks[i : i + 1].clone() for i, n in enumerate(names)}
+
+
+def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict) -> None:
+    """Drop the optimizer state of every parameter the saving run had not stepped. `get_state_dict`
+    on an optimizer without state initialises it with a zero-gradient step (torch's
+    `_init_optim_state`: Adam's `step` 1, its moments zero), on the saving side (the checkpoint
+    then holds that made-up state) and on the loading side alike; a parameter never stepped
+    before the save (every step skipped by the loss scaler) resumes with it, and its first real
+    step is Adam's step 2: the bias correction off by one (sweep seed 20262901: fp16 cases whose
+    first steps all overflowed, 10 of 147). The run that never stopped holds no state there, so
+    neither may the resumed one."""
+    for name, p in module.named_parameters():
+        mark = trainer.get(STEPPED + name)
+        if mark is not None and int(mark[0]) == 0:
+            optimizer.state.pop(p, None)
 
 
 def trainer_template(path: str) -> dict[str, torch.Tensor]:
