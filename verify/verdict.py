@@ -67,7 +67,8 @@ class Verdict:
         c = self.case
         what = (
             f"{c.engine} vs the reference ({c.model.factory or c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
-            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps, case {c.hash})"
+            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps,"
+            f"{_resume_text(c)} case {c.hash})"
         )
         first = self.first_divergence
         if first is None:
@@ -180,3 +181,13 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, float):
         return str(o)
     return repr(o)
+
+
+def _resume_text(case: Case) -> str:
+    """` resumed after step K on N ranks (mesh, engine),` for a case with a resume (docs/resume.md)."""
+    if case.resume_after is None:
+        return ""
+    after = case.after_resume()
+    mesh = f" mesh {after.mesh_shape}" if after.mesh_shape is not None else ""
+    engine = f" with {after.engine}" if after.engine != case.engine else ""
+    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{engine},"
