@@ -15,6 +15,10 @@ starts from its own fresh seed (`dropout_seed`), as the reference's replay of it
 
 from __future__ import annotations
 
+import contextlib
+import warnings
+from collections.abc import Iterator
+
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -22,6 +26,23 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp_verify.training.rng import rng_fingerprint
+
+# What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
+# which torch deprecates): nothing about the run, and a screen of it a case.
+_FSDP1_NOISE = (
+    "Please use DTensor instead",
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered",
+    "When using ``NO_SHARD`` for ``ShardingStrategy``",
+)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in _FSDP1_NOISE:
+            warnings.filterwarnings("ignore", message=".*" + message.replace("`", "."))
+        yield
 
 
 class Checkpointer:
@@ -33,12 +54,17 @@ class Checkpointer:
 
     def save(self, path: str, optimizer: torch.optim.Optimizer, trainer: dict[str, torch.Tensor]) -> None:
         trainer = {**trainer, **stepped_marks(self.module, optimizer)}  # before get_state_dict makes state
-        model_sd, optim_sd = get_state_dict(self.module, optimizer)
-        dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer}, checkpoint_id=path)
+        with _quiet():
+            model_sd, optim_sd = get_state_dict(self.module, optimizer)
+            dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer}, checkpoint_id=path)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         """Model and optimizer loaded into this run's sharding (DCP reshards on read); returns
         the trainer's state."""
+        with _quiet():
+            return self._load(path, optimizer)
+
+    def _load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         model_sd, optim_sd = get_state_dict(self.module, optimizer)  # a fresh optimizer's state, initialised
         trainer = trainer_template(path)
         state = {"model": self.rename(model_sd), "optim": optim_sd, "trainer": trainer}
