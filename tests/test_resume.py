@@ -14,6 +14,7 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankFailure
 from tests.conftest import lm_case, mlp_case, regression, require
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
@@ -239,3 +240,18 @@ def test_the_loaded_state_is_held_to_what_was_saved_not_to_the_reference(fsdp_po
     assert verdict.ok, verdict.table()
     at_save = [f for f in verdict.findings if f.step == case.resume_after and f.phase == "optim_state"]
     assert any(f.kind == "deviation" and f.max_ulp > 0 for f in at_save)  # the premise: not bit-exact there
+
+
+def test_fsdp1_param_groups_saved_flat_load_at_world_size_3(fsdp_pool):
+    """FSDP1 -> FSDP1 at world size 3: with the optimizer's state dict nested, rank 2 missed the
+    key `optim.param_groups` on load (sweep seed 20262904); flattened (`OPTIONS`), it loads."""
+    case = regression("3c4190828ef8")
+    assert check_case(case, pool=fsdp_pool(case.world_size)).ok
+
+
+@pytest.mark.xfail(strict=True, raises=RankFailure, reason="open: FSDP1 at 3 ranks, SGD: DCP misses key 'optim.'")
+def test_fsdp1_sgd_at_world_size_3_loads(fsdp_pool):
+    """Open (sweep seed 20262904, 1 of 80): an FSDP1 Transformer at 3 ranks with momentum SGD,
+    resumed on FSDP1 at 3 ranks; rank 2's DCP load misses the key `optim.`. Not yet understood."""
+    case = regression("bc1e889bcc2f")
+    check_case(case, pool=fsdp_pool(case.world_size))

@@ -45,6 +45,12 @@ def _quiet() -> Iterator[None]:
         yield
 
 
+# The optimizer's state dict flat (`state.<fqn>.<key>`, `param_groups.<fqn>.<key>`): FSDP1 at
+# world size 3 saved its nested `param_groups` list as one value on some ranks and flattened on
+# others, and a load then missed the key `optim.param_groups` (sweep seed 20262904, 2 of 80).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
 class Checkpointer:
     """Saves and loads one engine's model and optimizer plus the trainer's state. Every method is
     a collective. The zoo's resume mutants (verify/zoo/mutants.py) override one step of `load`."""
@@ -55,7 +61,7 @@ class Checkpointer:
     def save(self, path: str, optimizer: torch.optim.Optimizer, trainer: dict[str, torch.Tensor]) -> None:
         trainer = {**trainer, **stepped_marks(self.module, optimizer)}  # before get_state_dict makes state
         with _quiet():
-            model_sd, optim_sd = get_state_dict(self.module, optimizer)
+            model_sd, optim_sd = get_state_dict(self.module, optimizer, options=OPTIONS)
             dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer}, checkpoint_id=path)
 
     def load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -65,11 +71,13 @@ class Checkpointer:
             return self._load(path, optimizer)
 
     def _load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-        model_sd, optim_sd = get_state_dict(self.module, optimizer)  # a fresh optimizer's state, initialised
+        model_sd, optim_sd = get_state_dict(self.module, optimizer, options=OPTIONS)  # a fresh optimizer's, initialised
         trainer = trainer_template(path)
-        state = {"model": self.rename(model_sd), "optim": optim_sd, "trainer": trainer}
+        state = {"model": self.rename(model_sd), "trainer": trainer}
+        if optim_sd:  # empty on an FSDP1 rank that holds no element of any parameter: nothing to read
+            state["optim"] = optim_sd
         dcp.load(state, checkpoint_id=path, planner=self.planner())
-        self.set(optimizer, state["model"], state["optim"])
+        self.set(optimizer, state["model"], optim_sd)
         forget_unstepped_state(self.module, optimizer, trainer)
         return self.after_load(optimizer, trainer)
 
@@ -81,7 +89,7 @@ class Checkpointer:
         return None  # DCP's default: every key must be in the checkpoint
 
     def set(self, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True) -> None:
-        options = StateDictOptions(strict=strict)
+        options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
         set_state_dict(self.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
 
     def after_load(self, optimizer, trainer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
