@@ -500,6 +500,7 @@ def cases(
     model_kinds: Iterable[str] = ("mlp", "transformer"),
     hsdp: bool = False,
     custom_model: ModelSpec | None = None,
+    resume: bool = False,
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
@@ -535,8 +536,51 @@ def cases(
     pins = _unfreeze_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
-        return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
-    return _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
+    else:
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+    if resume:  # docs/resume.md
+        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp))
+    return drawn
+
+
+@st.composite
+def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool = False) -> Case:
+    """`case` with a checkpoint and resume (docs/resume.md): saved after a drawn step (two steps
+    at least), resumed on a drawn world size and mesh, and from FSDP1 on FSDP2 or FSDP1. The
+    global batch becomes a multiple of both world sizes (times the micro-batches) where the drawn
+    one is not: one batch the same for both runs. A user's step takes no resume: not drawn."""
+    from fsdp_verify.engines import refuse_untakeable
+
+    assume(case.step is None)
+    steps = max(case.steps, 2)
+    after = draw(st.integers(1, steps - 1))
+    world = draw(st.sampled_from(world_sizes))
+    mesh = draw(hsdp_meshes(world)) if hsdp else None
+    engine = draw(st.sampled_from((None, "fsdp2"))) if case.engine == "fsdp1" else None
+    batch = case.data.batch_size
+    if batch % (world * case.microbatches):
+        batch = math.lcm(case.world_size, world) * case.microbatches
+    try:
+        resumed = case.with_(
+            steps=steps,
+            resume_after=after,
+            resume_world_size=world,
+            resume_mesh_shape=mesh,
+            resume_engine=engine,
+            unfreeze_step=None,  # not modelled across a resume yet (Case refuses both)
+            **{"data.batch_size": batch, "optim.schedule": None},
+        )
+    except CaseError:
+        assume(False)
+        raise
+    resumed_run = resumed.after_resume()
+    assume(resumed_run.engine != "fsdp1" or fsdp1_modelled(resumed_run))
+    try:
+        refuse_untakeable(resumed_run)  # e.g. an int reshard_after_forward the new shard group does not divide
+    except CaseError:
+        assume(False)
+    return resumed
 
 
 _MODEL_EXPECTED = (

@@ -24,6 +24,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
+from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen
@@ -77,6 +78,12 @@ def train_reference(
         run.clip(state)
         run.optimizer_step(skip)
         run.record_state(step)
+        if step == case.resume_after:  # the run goes on where the resumed one does (docs/resume.md)
+            after = case.after_resume()
+            run = run.resumed(
+                after, engine_arithmetic(after.engine) if case.resume_engine else arithmetic, unit_input_node
+            )
+            run.record_resumed(step)
     return run.finish()
 
 
@@ -191,6 +198,65 @@ class _Run:
         for n, p in self.params.items():
             if is_frozen(self.case.model, n):
                 p.requires_grad_(True)
+
+    # ---- a resume -------------------------------------------------------------------------------
+    def resumed(self, after: Case, arithmetic: Arithmetic, unit_input_node: bool | None) -> _Run:
+        """The run as the resumed one goes on: `after`'s world size, mesh and engine arithmetic
+        (its casts, layout and division), the parameters, buffers, optimizer state, loss scale
+        and trace carried over in memory (copies, exact: what a correct save and load give). A
+        rank the run had keeps its dropout generator; a new one starts from its fresh seed (as
+        verify/training/resume.py restores them)."""
+        model = reference_model(after, arithmetic, unit_input_node)
+        with torch.no_grad():
+            for (_, new), (_, old) in zip(model.named_parameters(), self.model.named_parameters()):
+                new.copy_(old)
+            for (_, new), (_, old) in zip(model.named_buffers(), self.model.named_buffers()):
+                new.copy_(old)
+        params = dict(model.named_parameters())
+        optimizer = make_optimizer(after.optim, params.values())
+        optimizer.load_state_dict(self.optimizer.state_dict())
+        fresh = dropout_states(after)
+        rng_states = [self.rng_states[r] if r < len(self.rng_states) else fresh[r] for r in range(after.world_size)]
+        jolt = None
+        if self.jolt is not None:  # the same moves, for the new number of ranks
+            jolt = Perturbation(0, after.world_size)
+            jolt.generator, jolt.moved = self.jolt.generator, self.jolt.moved
+        flat = self.order == "flat" or (self.order == "ring" and arithmetic.layout == "flat")
+        emulated = arithmetic if self.order == "ring" else Arithmetic(layout="flat")
+        layout = _FlatLayout(model, after, emulated) if flat else None
+        return _Run(
+            case=after,
+            emulate=self.emulate,
+            order=self.order,
+            model=model,
+            params=params,
+            optimizer=optimizer,
+            layout=layout,
+            param_dtype=self.param_dtype,
+            reduce_dtype=self.reduce_dtype,
+            divide=arithmetic.divide_factors(self.reduce_dtype, after.world_size),
+            jolt=jolt,
+            scaler=self.scaler,
+            share=None,
+            rng_states=rng_states,
+            trace=self.trace,
+        )
+
+    def record_resumed(self, step: int) -> None:
+        """The state a correct load gives, under phase "resumed" at the step saved after (the
+        sharded side records what it loaded: verify/sharded/loop.py `_resume`)."""
+        add = self.trace.add
+        for n, p in self.params.items():
+            add(step, "resumed", f"params.{n}", p)
+        for key, value in optimizer_state(self.optimizer, self.params).items():
+            add(step, "resumed", f"optim.{key}", value)
+        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
+        add(step, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+        add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in self.rng_states], dtype=torch.int64))
+        add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
+        if self.scaler is not None:
+            add(step, "resumed", "loss_scale.scale", self.scaler.scale.reshape(1).float())
+            add(step, "resumed", "loss_scale.growth_tracker", torch.tensor([self.scaler.good_steps], dtype=torch.int64))
 
     def begin_step(self, step: int) -> _Step:
         """The step's global batch cut into micro-batches and ranks, and the compute copies of

@@ -273,6 +273,15 @@ class Case:
     # recipe; a unit's first forward may run frozen). None: frozen throughout.
     unfreeze_step: int | None = None
 
+    # A checkpoint and resume (docs/resume.md): the sharded run saves after step `resume_after`
+    # (torch.distributed.checkpoint), stops, and a new run resumes from it on `resume_world_size`
+    # ranks (mesh `resume_mesh_shape`) with `resume_engine`; None: as before. The reference is the
+    # same run never stopped. None: no resume.
+    resume_after: int | None = None
+    resume_world_size: int | None = None
+    resume_mesh_shape: tuple[int, ...] | None = None
+    resume_engine: str | None = None
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -283,6 +292,10 @@ class Case:
         "replica_sync_last",
         "zoom",
         "unfreeze_step",
+        "resume_after",
+        "resume_world_size",
+        "resume_mesh_shape",
+        "resume_engine",
     )
 
     def __post_init__(self) -> None:
@@ -388,6 +401,7 @@ class Case:
             )
         self._validate_shard_knobs()
         self._validate_unfreeze()
+        self._validate_resume()
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
@@ -449,6 +463,72 @@ class Case:
         check(bool(self.model.frozen), "model.frozen", f"the parameters to unfreeze at step {self.unfreeze_step}", ())
         check(
             self.step is None, "unfreeze_step", "null with a user's step (it trains what it trains)", self.unfreeze_step
+        )
+
+    def _validate_resume(self) -> None:
+        """A resume needs a step to save after and a step after it; what it resumes on must be a
+        valid case of its own (the batch divisible by its ranks)."""
+        if self.resume_after is None:
+            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine"):
+                check(getattr(self, name) is None, name, "null without resume_after", getattr(self, name))
+            return
+        check(
+            is_int(self.resume_after) and 1 <= self.resume_after < self.steps,
+            "resume_after",
+            f"a step in [1, steps - 1] = [1, {self.steps - 1}] (a save after it and a step to resume)",
+            self.resume_after,
+        )
+        check(self.step is None, "resume_after", "null with a user's step (its resume is not modelled yet)", True)
+        # A schedule's state and an unfreeze step are not carried across a resume yet: the resumed
+        # run would restart the schedule and miss an unfreeze that came before the save.
+        check(
+            self.optim.schedule is None,
+            "optim.schedule",
+            "null with resume_after (a schedule's state across a resume is not modelled yet)",
+            self.optim.schedule,
+        )
+        check(
+            self.unfreeze_step is None,
+            "unfreeze_step",
+            "null with resume_after (unfreezing across a resume is not modelled yet)",
+            self.unfreeze_step,
+        )
+        rws = self.resume_world_size
+        check(rws is None or (is_int(rws) and rws >= 1), "resume_world_size", "null or a positive integer", rws)
+        check(
+            self.resume_engine is None or (isinstance(self.resume_engine, str) and bool(self.resume_engine)),
+            "resume_engine",
+            "null, 'fsdp2', 'fsdp1', 'pkg.module:NAME' or 'file.py:NAME'",
+            self.resume_engine,
+        )
+        try:
+            self.after_resume()
+        except CaseError as e:
+            field_name = {"world_size": "resume_world_size", "mesh_shape": "resume_mesh_shape"}.get(
+                e.field_path, e.field_path
+            )
+            raise CaseError(field_name, f"{e.expected} (for the resumed run)", e.got) from None
+
+    def before_resume(self) -> Case:
+        """The run up to the save: the first `resume_after` steps, as the case says."""
+        return replace(self, steps=self.resume_after, **_NO_RESUME)
+
+    def after_resume(self) -> Case:
+        """The run that resumes: the same case on the resumed world size, mesh and engine (it
+        trains steps resume_after + 1 to steps; the loop learns where it is from the checkpoint)."""
+        world = self.resume_world_size if self.resume_world_size is not None else self.world_size
+        if self.resume_mesh_shape is not None:
+            mesh = tuple(self.resume_mesh_shape)
+            if self.resume_world_size is None:
+                world = _product(mesh)
+        else:
+            mesh = None if self.resume_world_size is not None else self.mesh_shape
+        return replace(
+            self,
+            world_size=world,
+            mesh_shape=mesh,
+            engine=self.resume_engine or self.engine,
+            **_NO_RESUME,
         )
 
     def _validate_custom(self) -> None:
@@ -645,6 +725,8 @@ class Case:
         return replace(self, **flat)
 
 
+_NO_RESUME = {"resume_after": None, "resume_world_size": None, "resume_mesh_shape": None, "resume_engine": None}
+
 _SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
 
 
@@ -700,7 +782,7 @@ def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
     return best
 
 
-_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable"}
+_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable", "resume_mesh_shape"}
 
 
 def loss_scaling_from_dict(data: Any) -> LossScaleSpec:

@@ -40,11 +40,44 @@ def precision_hint(first: Finding, got: Trace) -> str:
     return template.format(got=" and ".join(seen) or "another dtype") if template else ""
 
 
+def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
+    """What a resume lost, named by the first record of the loaded state that is not the saved
+    one (verify/training/resume.py lists what a checkpoint carries)."""
+    name = first.name
+    where = f"right after the resume's load (after step {first.step})"
+    values = ""
+    if first.kind == "deviation" and first.key in ref.records and ref.records[first.key].numel() <= 4:
+        values = f": {got.records[first.key].tolist()}, saved {ref.records[first.key].tolist()}"
+    if name == "data_position":
+        return f"the data position is not the saved one {where}{values}: the data restarted, batches are seen twice"
+    if name.startswith("loss_scale."):
+        return f"the loss scaler's {name.split('.', 1)[1]} is not the saved one {where}{values}: the scaler was reset"
+    if name == "rng":
+        return f"the ranks' generators are not the saved ones {where}: the RNG state was not restored (dropout masks)"
+    if name == "lr":
+        return f"the learning rate is not the saved one {where}{values}: the lr schedule was not restored"
+    if name.startswith("optim.") and name.endswith(".step"):
+        return f"Adam's step count is not the saved one {where}{values}: reset on resume, its bias correction restarts"
+    if name.startswith("optim."):
+        return (
+            f"the optimizer state ({name.removeprefix('optim.')}) is not the saved one {where}: a fresh optimizer"
+            " after resume, its state never loaded"
+        )
+    if name.startswith("params."):
+        return (
+            f"parameter {name.removeprefix('params.')} is not the saved one {where}: its key was not loaded"
+            " (renamed, e.g. by a wrapper's prefix, and dropped by a non-strict load?)"
+        )
+    return ""
+
+
 def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
     if first is not None and first.phase == "precision" and first.kind == "contract":
         return precision_hint(first, got)
     if first is not None and first.phase == "build":
         return "build the model from the seed alone: every rank and the reference must construct the same model"
+    if first is not None and first.phase == "resumed":
+        return resume_hint(first, ref, got)
     if first is None or first.kind != "deviation":
         return ""
     if first.phase == "loss":

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
 from fsdp_verify.compare.comparators import compare_traces
+from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
@@ -78,7 +79,15 @@ def calibration_runs(case: Case) -> list[Trace]:
         ]
 
 
-def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict:
+def judge(
+    case: Case,
+    ref: Trace,
+    got: Trace,
+    calibrate: bool = True,
+    checks: Callable[[], list[Finding]] | None = None,
+) -> Verdict:
+    """`checks`: the checks' findings when they are not `run_checks` on the two traces (a resume
+    checks each run on its own: verify/sharded/resume.py)."""
     calibrated: list[float] = []
 
     def calibration() -> list[Trace]:
@@ -90,7 +99,7 @@ def judge(case: Case, ref: Trace, got: Trace, calibrate: bool = True) -> Verdict
     t = time.perf_counter()
     findings = compare_traces(ref, got, calibration if calibrate else None)
     t_checks = time.perf_counter()
-    findings += run_checks(case, ref, got)
+    findings += checks() if checks is not None else run_checks(case, ref, got)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
     verdict.seconds = {
         "compare": t_checks - t - sum(calibrated),
@@ -130,6 +139,10 @@ def check_case(
 ) -> Verdict:
     """Raises RankFailure when a rank crashes or hangs (the pool recovers on the next case), and
     CaseError before any rank starts for a case the engine declares it cannot take."""
+    if case.resume_after is not None:
+        from fsdp_verify.sharded.resume import check_resumed_case
+
+        return check_resumed_case(case, pool, timeout_s, calibrate)
     refuse_untakeable(case)
     pool = pool or get_pool(case.world_size)
     t0 = time.perf_counter()

@@ -50,6 +50,7 @@ PHASES = (
     "params",
     "param_sums",
     "optim_state",
+    "resumed",
     "comm",
     "memory",
 )

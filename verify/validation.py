@@ -11,6 +11,7 @@ class CaseError(ValueError):
 
     def __init__(self, field_path: str, expected: str, got: Any):
         self.field_path = field_path
+        self.expected, self.got = expected, got
         super().__init__(f"{field_path}: expected {expected}, got {got!r}")
 
 

@@ -30,6 +30,7 @@ PHASE_TITLES = {
     "params": "parameters after the step",
     "param_sums": "parameter sums",
     "optim_state": "optimizer state",
+    "resumed": "state right after the resume's load",
     "comm": "communication contract",
     "memory": "memory contract",
 }
@@ -72,7 +73,8 @@ class Verdict:
         c = self.case
         what = (
             f"{c.engine} vs the reference ({c.model.factory or c.model.kind}, world size {c.world_size}, {c.precision.describe()},"
-            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps, case {c.hash})"
+            f"{' ' + c.loss_scaling.describe() + ',' if c.loss_scaling is not None else ''} {c.steps} steps,"
+            f"{_resume_text(c)} case {c.hash})"
         )
         first = self.first_divergence
         if first is None:
@@ -104,9 +106,9 @@ class Verdict:
         cells: dict[tuple[int, str], list[Finding]] = {}
         for f in self.findings:
             cells.setdefault((f.step, f.phase), []).append(f)
-        # "build" is shown only when it has something to say (a user's model, or a failure), and
-        # "loss_scale" only in loss-scaled cases.
-        optional = ("build", "loss_scale", "modules", "module_grads", "ops", "op_inputs")
+        # "build" is shown only when it has something to say (a user's model, or a failure),
+        # "loss_scale" only in loss-scaled cases, "resumed" only in resumed ones.
+        optional = ("build", "loss_scale", "resumed", "modules", "module_grads", "ops", "op_inputs")
         phases = [p for p in PHASES if p not in optional or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):
@@ -187,3 +189,13 @@ def _json_default(o: Any) -> Any:
     if isinstance(o, float):
         return str(o)
     return repr(o)
+
+
+def _resume_text(case: Case) -> str:
+    """` resumed after step K on N ranks (mesh, engine),` for a case with a resume (docs/resume.md)."""
+    if case.resume_after is None:
+        return ""
+    after = case.after_resume()
+    mesh = f" mesh {after.mesh_shape}" if after.mesh_shape is not None else ""
+    engine = f" with {after.engine}" if after.engine != case.engine else ""
+    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{engine},"

@@ -174,6 +174,7 @@ LOOP = "training loop"
 DATA = "data"
 SCALE = "fp16 dynamic loss scaling"
 CODE = "engine and your code"
+RESUME = "checkpoint and resume (docs/resume.md)"
 
 FLAGS: tuple[Flag, ...] = (
     # model
@@ -518,6 +519,44 @@ FLAGS: tuple[Flag, ...] = (
         CODE,
         "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME",
         metavar="ENGINE",
+        draw=None,
+    ),
+    # checkpoint and resume: drawn together by fuzz/sweep --resume (their values depend on the
+    # steps, world size and engine drawn), so no draw option of their own
+    Flag(
+        "--resume-after",
+        "resume_after",
+        RESUME,
+        "save a checkpoint after step K and resume from it (torch.distributed.checkpoint); none = no resume",
+        or_none(integer),
+        "K",
+        draw=None,
+    ),
+    Flag(
+        "--resume-world-size",
+        "resume_world_size",
+        RESUME,
+        "ranks the run resumes on (default: as before)",
+        or_none(integer),
+        "N",
+        draw=None,
+    ),
+    Flag(
+        "--resume-mesh-shape",
+        "resume_mesh_shape",
+        RESUME,
+        "SHARD or REPLICATE,SHARD the run resumes on (default: 1-D, or as before)",
+        mesh,
+        "R,S",
+        draw=None,
+    ),
+    Flag(
+        "--resume-engine",
+        "resume_engine",
+        RESUME,
+        "the engine the run resumes with (e.g. fsdp2 after fsdp1; default: as before)",
+        or_none(str),
+        "ENGINE",
         draw=None,
     ),
     Flag(

@@ -306,6 +306,12 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
     add_model_arguments(p)
     case_flags.add_draw_flags(p)
     p.add_argument(
+        "--resume",
+        action="store_true",
+        help="draw a checkpoint and resume in every case: the step it saves after, the world size, mesh"
+        " and engine it resumes on (docs/resume.md)",
+    )
+    p.add_argument(
         "--pin",
         action="append",
         default=[],
@@ -377,6 +383,6 @@ def strategy_from_args(args: argparse.Namespace, **options):
         precisions=args.precisions,
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
         custom_model=custom,
-        **options,
+        **{"resume": getattr(args, "resume", False), **options},
         **pins,
     )

@@ -214,6 +214,19 @@ class ParamSumsComparator(Comparator):
         return self._finding(base, normwise <= limit, dev, tol)
 
 
+class ResumedComparator(Comparator):
+    """The state right after a checkpoint's load (docs/resume.md): parameters, optimizer state
+    (Adam's `step` too), lr, every rank's generator, the loss scaler's state and the data
+    position, against the run that never stopped. A load is a copy: bit-identical."""
+
+    phase = "resumed"
+
+    calibratable = False
+
+    def tolerance(self, key, ref, ctx):
+        return EXACT
+
+
 COMPARATORS: dict[str, Comparator] = {
     c.phase: c()
     for c in (
@@ -230,6 +243,7 @@ COMPARATORS: dict[str, Comparator] = {
         ParamsComparator,
         ParamSumsComparator,
         OptimStateComparator,
+        ResumedComparator,
     )
 }
 assert set(COMPARATORS) <= set(PHASES)

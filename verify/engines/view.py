@@ -101,6 +101,13 @@ class EngineView:
 
         return fsdp2_ownership(self.module)
 
+    def checkpointer(self):
+        """Saves and loads this engine's model and optimizer (verify/training/resume.py): DCP's
+        `get_state_dict` / `set_state_dict`, which FSDP2 and FSDP1 modules both take."""
+        from fsdp_verify.training.resume import Checkpointer
+
+        return Checkpointer(self.module)
+
     def set_requires_gradient_sync(self, sync: bool) -> None:
         if hasattr(self.module, "set_requires_gradient_sync"):
             self.module.set_requires_gradient_sync(sync)

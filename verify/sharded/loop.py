@@ -25,8 +25,10 @@ from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
+from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import optimizer_state, step_scheduler
+from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, trainer_state
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
@@ -41,6 +43,10 @@ class RankContext:
     # A directory all ranks share on one host, where the records' pieces may travel as files
     # (verify/sharded/collect.py); None: through the process group.
     spill_dir: str | None = None
+    # A checkpoint and resume (verify/training/resume.py): {"save": DIR} saves after the last
+    # step; {"load": DIR} starts from that checkpoint (the step after its own); {"export": DIR}
+    # writes the full model as DIR/model.safetensors after the last step (verify/training/export.py).
+    resume: dict | None = None
 
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
@@ -71,8 +77,10 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     for probe in probes:
         probe.after_optimizer(optimizer, view)
 
-    ctx.phase("step 0 record initial params")
-    _record_params_and_state(records, 0, view, {}, initial=True)
+    loading = ctx.resume is not None and "load" in ctx.resume
+    if not loading:  # a resumed run's state is the checkpoint's, recorded as it is loaded
+        ctx.phase("step 0 record initial params")
+        _record_params_and_state(records, 0, view, {}, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
     run_steps = _user_steps if case.step is not None else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, (optimizer, scheduler), params, probes, records)
@@ -107,11 +115,15 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
-    for step in range(1, case.steps + 1):
+    first, position = 1, 0  # the first step to run; global batches consumed before it
+    if ctx.resume is not None and "load" in ctx.resume:
+        first, position = _resume(ctx.resume["load"], case, ctx, view, optimizer, params, scaler, records)
+    for step in range(first, case.steps + 1):
         if step == case.unfreeze_step:
             ctx.phase(f"step {step} unfreeze")
             view.unfreeze([n for n in params if is_frozen(case.model, n)])
-        inputs, targets = global_batch(case, step)
+        position += 1
+        inputs, targets = global_batch(case, position)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
         slices = microbatch_slices(case, ctx.rank)
         counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(ctx.world_size)]
@@ -166,7 +178,42 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         step_scheduler(scheduler)
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
+    if ctx.resume is not None and "export" in ctx.resume:
+        ctx.phase(f"step {case.steps} export the full model")
+        export_safetensors(view.module, ctx.resume["export"])
+    if ctx.resume is not None and "save" in ctx.resume:
+        ctx.phase(f"step {case.steps} save checkpoint")
+        trainer = trainer_state(case.steps, position, scaler, ctx.device)
+        view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
     return dtypes, items
+
+
+def _resume(path, case, ctx, view, optimizer, params, scaler, records) -> tuple[int, int]:
+    """Load the checkpoint at `path` into this run's sharding and record the state as loaded
+    (phase "resumed", at the step it was saved after: compared exactly, a load is a copy).
+    Returns the first step to run and the data position."""
+    ctx.phase("load checkpoint")
+    trainer = view.checkpointer().load(path, optimizer)
+    restore_trainer(trainer, scaler, ctx.rank)
+    saved = int(trainer["step"][0])
+    position = int(trainer["data_position"][0])
+    ctx.phase(f"step {saved} record the loaded state")
+    state = optimizer_state(optimizer, params)
+    if _makes_own(view, "full_params", "param_sums", "full_optimizer_state"):
+        full, opt = view.full_params(), view.full_optimizer_state(state)
+    else:
+        full, opt = view.parameters(), state
+    records.tensors(saved, "resumed", {f"params.{n}": t for n, t in full.items()})
+    records.tensors(saved, "resumed", {f"optim.{n}": t for n, t in opt.items()})
+    lrs = [float(g["lr"]) for g in optimizer.param_groups]
+    records.full(saved, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+    records.full(saved, "resumed", "rng", rank_fingerprints(ctx.device))
+    records.full(saved, "resumed", "data_position", torch.tensor([position], dtype=torch.int64))
+    if scaler is not None:
+        records.full(saved, "resumed", "loss_scale.scale", torch.tensor([float(scaler.get_scale())]))
+        tracker = int(scaler._get_growth_tracker())
+        records.full(saved, "resumed", "loss_scale.growth_tracker", torch.tensor([tracker], dtype=torch.int64))
+    return saved + 1, position
 
 
 def _user_steps(case, ctx, sharded, view, optimizers, params, probes, records):

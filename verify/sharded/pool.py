@@ -135,16 +135,17 @@ class RankPool:
         return [p.pid for p in self._procs]
 
     # ---- running cases ------------------------------------------------------------------------
-    def submit(self, case: Case) -> None:
+    def submit(self, case: Case, resume: dict | None = None) -> None:
         """Send a case to every rank; collect the result with `result()`. The caller may compute
-        (e.g. the reference run) in between."""
+        (e.g. the reference run) in between. `resume`: save a checkpoint after the last step
+        ({"save": DIR}) or start from one ({"load": DIR}) (verify/sharded/loop.py)."""
         if case.world_size != self.world_size:
             raise ValueError(f"case world_size={case.world_size} but the pool has {self.world_size} ranks")
         if not self.alive:
             self.start()
         text = case.to_json()
         for conn in self._to:
-            conn.send(("run", text))
+            conn.send(("run", text, resume))
 
     def result(self, timeout_s: float | None = None) -> Trace:
         replies = self._collect("run", timeout_s or self.timeout_s)
@@ -155,8 +156,8 @@ class RankPool:
         self.last_trace_via = "arena" if "path" in header else "pipe"
         return trace
 
-    def run(self, case: Case, timeout_s: float | None = None) -> Trace:
-        self.submit(case)
+    def run(self, case: Case, timeout_s: float | None = None, resume: dict | None = None) -> Trace:
+        self.submit(case, resume)
         return self.result(timeout_s)
 
     # ---- internals ----------------------------------------------------------------------------

@@ -166,7 +166,14 @@ class PhaseClock:
 
 
 def run_case(
-    case_json: str, rank: int, world_size: int, device: torch.device, meshes: MeshCache, board, pool_dir: str
+    case_json: str,
+    rank: int,
+    world_size: int,
+    device: torch.device,
+    meshes: MeshCache,
+    board,
+    pool_dir: str,
+    resume: dict | None = None,
 ) -> tuple[tuple[dict, torch.Tensor | None] | None, dict[str, float]]:
     """Rank 0 returns its trace as a header and, unless it went into its arena in `pool_dir`
     that the pool reads (the header names it), its packed bytes for the pipe."""
@@ -175,7 +182,9 @@ def run_case(
     case = Case.from_json(case_json)
     clock.mark("mesh")
     mesh = meshes.get(case.mesh)
-    ctx = RankContext(rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir)
+    ctx = RankContext(
+        rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir, resume=resume
+    )
     with groups_released(clock):
         trace = run_sharded(case, ctx)
     clock("serialise trace", "serialise trace")
@@ -227,9 +236,9 @@ def worker_main(
             break
         if message[0] == "stop":
             break
-        _, case_json = message
+        case_json, resume = message[1], (message[2] if len(message) > 2 else None)
         try:
-            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board, pool_dir)
+            packed, seconds = run_case(case_json, rank, world_size, device, meshes, board, pool_dir, resume)
             board("idle")
             # The trace as a header, then (unless the header names its file) its bytes straight
             # from the packed tensor (no pickle, no copy on this side); the pool reads them into

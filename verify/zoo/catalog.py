@@ -60,6 +60,9 @@ _CHEAP = {"steps": st.integers(1, 2)}
 _FSDP1 = {"precision.output_dtype": None, "sync_every_microbatch": True}
 _PADDED = {"data.padded": True, "model.seq_len": st.integers(4, 8), "model.dropout": 0.0}
 
+# A checkpoint and resume drawn in every case (docs/resume.md): the bug is in the load.
+_RESUME = {**_CHEAP, "resume": True}
+
 ZOO: list[ZooBug] = [
     ZooBug(
         "grads_divided_twice",
@@ -420,6 +423,56 @@ ZOO += [
         ("grads", "memory"),
         world_sizes=(1, 2, 3, 4),
         pins={**_CHEAP, "model.experts": st.sampled_from((2, 3)), "microbatches": _MICROBATCHES},
+    ),
+    ZooBug(
+        "fresh_optimizer_after_resume",
+        _mutant("fresh_optimizer_after_resume"),
+        "resumes with the model loaded and a fresh optimizer (Adam's moments zero)",
+        "a resume that restores model.load_state_dict only (issue 29)",
+        ("resumed",),
+        pins={**_RESUME, "optim.name": st.sampled_from(("adam", "adamw"))},
+    ),
+    ZooBug(
+        "adam_step_reset_on_resume",
+        _mutant("adam_step_reset_on_resume"),
+        "resumes with Adam's step count reset to 0: its bias correction restarts",
+        "a per-parameter `step` re-created on resume (issue 29)",
+        ("resumed",),
+        pins={**_RESUME, "optim.name": st.sampled_from(("adam", "adamw"))},
+    ),
+    ZooBug(
+        "prefixed_key_dropped_on_resume",
+        _mutant("prefixed_key_dropped_on_resume"),
+        "a parameter named with a wrapper's prefix (`_orig_mod.`) on the loading side, dropped by a"
+        " non-strict load: it keeps its initial values",
+        "strict=False / allow_partial_load hiding a renamed key (issue 29)",
+        ("resumed",),
+        pins={**_RESUME, "model.frozen": ()},
+    ),
+    ZooBug(
+        "rng_not_restored_on_resume",
+        _mutant("rng_not_restored_on_resume"),
+        "resumes without the ranks' generators: dropout masks from a fresh seed",
+        "RNG state left out of the checkpoint (issue 29)",
+        ("resumed",),
+        pins={**_RESUME, "model.dropout": 0.1},
+    ),
+    ZooBug(
+        "loss_scale_reset_on_resume",
+        _mutant("loss_scale_reset_on_resume"),
+        "resumes with a new GradScaler: the scale back at init_scale",
+        "the scaler's state_dict left out of the checkpoint (issue 29)",
+        ("resumed",),
+        precisions=("fp16",),
+        pins={**_RESUME, "loss_scaling.growth_interval": 1},
+    ),
+    ZooBug(
+        "data_position_reset_on_resume",
+        _mutant("data_position_reset_on_resume"),
+        "resumes with the data from the beginning: step 1's batch seen twice",
+        "a data loader's position not restored (issue 29)",
+        ("resumed",),
+        pins=dict(_RESUME),
     ),
 ]
 

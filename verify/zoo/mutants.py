@@ -10,7 +10,10 @@ from dataclasses import replace
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as _DefaultAllGather
@@ -23,6 +26,7 @@ from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.training.checkpointing import checkpoint_units
+from fsdp_verify.training.resume import Checkpointer, trainer_template
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -655,3 +659,94 @@ def idle_expert_grads_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpe
 
     moe.register_forward_hook(drop_idle)
     return model
+
+
+# ---- a checkpoint's resume (verify/training/resume.py; docs/resume.md) -----------------------------
+def _resuming(checkpointer: type) -> callable:
+    """An FSDP2 engine whose checkpoints load through `checkpointer` (a Checkpointer with one
+    step mutated): the save and the training are FSDP2's own."""
+
+    class _View(EngineView):
+        def checkpointer(self):
+            return checkpointer(self.module)
+
+    def engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+        fully_shard_engine(model, mesh, spec)
+        model.verify_view = lambda: _View(model)
+        return model
+
+    engine.__doc__ = checkpointer.__doc__
+    return engine
+
+
+class _FreshOptimizer(Checkpointer):
+    """Loads the model only: the optimizer after resume is a fresh one (its moments zero), the
+    common slip of a resume that restores `model.load_state_dict` and builds a new optimizer."""
+
+    def load(self, path, optimizer):
+        model_sd = get_model_state_dict(self.module)
+        trainer = trainer_template(path)
+        state = {"model": model_sd, "trainer": trainer}
+        dcp.load(state, checkpoint_id=path)
+        set_model_state_dict(self.module, state["model"])
+        return trainer
+
+
+class _AdamStepReset(Checkpointer):
+    """Loads everything, then resets Adam's step count to 0 (a resume that re-creates the
+    per-parameter `step` or loads a checkpoint written before it was saved): the bias
+    correction restarts and the first updates after the resume are too large."""
+
+    def after_load(self, optimizer, trainer):
+        for state in optimizer.state.values():
+            if "step" in state:
+                state["step"] = torch.zeros_like(state["step"])
+        return trainer
+
+
+class _PrefixDroppedByNonStrictLoad(Checkpointer):
+    """The loading side names a parameter with a wrapper's prefix (`_orig_mod.`, as torch.compile
+    does), the checkpoint without it; the load is non-strict (`allow_partial_load`, `strict=False`),
+    so that parameter keeps its fresh initial values and nobody is told."""
+
+    def rename(self, model_sd):
+        first = next(iter(model_sd))
+        return {(f"_orig_mod.{k}" if k == first else k): v for k, v in model_sd.items()}
+
+    def planner(self):
+        return DefaultLoadPlanner(allow_partial_load=True)
+
+    def set(self, optimizer, model_sd, optim_sd, strict=True):
+        super().set(optimizer, model_sd, optim_sd, strict=False)
+
+
+class _RngNotRestored(Checkpointer):
+    """Loads model, optimizer and the trainer's counters, but not the generators: each rank's
+    dropout masks after the resume are those of a fresh seed, not the stream it was on."""
+
+    def after_load(self, optimizer, trainer):
+        return {k: v for k, v in trainer.items() if k != "rng"}
+
+
+class _LossScaleReset(Checkpointer):
+    """Loads everything but the loss scaler's state: the scale restarts at `init_scale` and the
+    good-step count at 0 (a `GradScaler` built anew on resume)."""
+
+    def after_load(self, optimizer, trainer):
+        return {k: v for k, v in trainer.items() if not k.startswith("loss_scale.")}
+
+
+class _DataPositionReset(Checkpointer):
+    """Loads everything but the data loader's position: the resumed run starts the data from
+    the beginning, so its first batch is one the run saw already (step 1's)."""
+
+    def after_load(self, optimizer, trainer):
+        return {**trainer, "data_position": torch.zeros_like(trainer["data_position"])}
+
+
+fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
+adam_step_reset_on_resume = _resuming(_AdamStepReset)
+prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
+rng_not_restored_on_resume = _resuming(_RngNotRestored)
+loss_scale_reset_on_resume = _resuming(_LossScaleReset)
+data_position_reset_on_resume = _resuming(_DataPositionReset)

@@ -1,0 +1,114 @@
+"""A resumed case's sharded side (docs/resume.md): the run up to the save on one pool, the run
+that resumes from its checkpoint on the pool of the resumed world size (the same pool when it is
+the same size: the process group is the pool's, so a new size is a new pool, not a new launcher),
+their traces put together, judged against the reference that never stopped."""
+
+from __future__ import annotations
+
+import contextlib
+import tempfile
+import time
+from collections.abc import Callable
+from typing import Any
+
+from fsdp_verify.case import Case
+from fsdp_verify.checks import run_checks
+from fsdp_verify.compare.finding import Finding
+from fsdp_verify.engines import refuse_untakeable
+from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool, memory_dir
+from fsdp_verify.trace import Trace
+from fsdp_verify.validation import CaseError
+from fsdp_verify.verdict import Verdict
+
+
+def run_resumed(
+    case: Case,
+    pool: RankPool | None = None,
+    timeout_s: float | None = None,
+    meanwhile: Callable[[], Any] = lambda: None,
+) -> tuple[Trace, Trace, Any]:
+    """The two sharded runs' traces (up to the save, and from the load on) and what `meanwhile`
+    returned: it runs here while the first run's ranks work (the reference, as `check_case`
+    overlaps it)."""
+    before, after = case.before_resume(), case.after_resume()
+    first = pool if pool is not None and pool.world_size == before.world_size else get_pool(before.world_size)
+    second = get_pool(after.world_size, first.timeout_s) if after.world_size != first.world_size else first
+    with tempfile.TemporaryDirectory(prefix="fsdp-verify-checkpoint-", dir=memory_dir()) as where:
+        first.submit(before, {"save": where})
+        try:
+            done = meanwhile()
+        except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
+            with contextlib.suppress(RankFailure):
+                first.result(timeout_s)
+            raise
+        except BaseException:
+            first.result(timeout_s)  # keep the pool in step before propagating
+            raise
+        saved = first.result(timeout_s)
+        resumed = second.run(after, timeout_s, {"load": where})
+    return saved, resumed, done
+
+
+def merged(saved: Trace, resumed: Trace) -> Trace:
+    """One sharded trace: the first run's records (steps 0 to the save), the second's (the
+    loaded state, then every later step); the second run's meta, with both runs' item counts."""
+    out = Trace("sharded", {**saved.records, **resumed.records}, dict(resumed.meta))
+    out.meta["items"] = {**saved.meta.get("items", {}), **resumed.meta.get("items", {})}
+    return out
+
+
+def steps_of(trace: Trace, keep) -> Trace:
+    """The records of the steps `keep(step)` accepts (the loaded state left out), same meta."""
+    records = {k: v for k, v in trace.records.items() if keep(k[0]) and k[1] != "resumed"}
+    return Trace(trace.side, records, trace.meta)
+
+
+def as_saved(ref: Trace, saved: Trace, step: int) -> Trace:
+    """The reference with the parameters and optimizer state it expects right after the load
+    replaced by those the sharded run saved (its own records after step `step`): a load is a copy
+    of what was saved, bit for bit, and what was saved is held to the reference by the usual
+    tolerances at that step (a correct engine may round otherwise: sweep seed 20262901 saved an
+    Adam moment 4 ulp from the reference's, within its tolerance, and loaded it exactly)."""
+    records = {
+        k: v for k, v in ref.records.items() if not (k[1] == "resumed" and k[2].startswith(("params.", "optim.")))
+    }
+    for (s, phase, name), value in saved.records.items():
+        if s == step and phase in ("params", "optim_state"):
+            records[(step, "resumed", f"{'params' if phase == 'params' else 'optim'}.{name}")] = value
+    return Trace(ref.side, records, ref.meta)
+
+
+def check_resumed_case(
+    case: Case, pool: RankPool | None = None, timeout_s: float | None = None, calibrate: bool = True
+) -> Verdict:
+    """`check_case` for a case with a resume: the sharded runs against the reference that never
+    stopped; every record compared as usual, the loaded state exactly; the checks (ownership,
+    precision, RNG, contracts) run on each run against its own case and steps."""
+    from fsdp_verify.runner import emulating_reference, judge, rank_like_threads
+
+    before, after = case.before_resume(), case.after_resume()
+    refuse_untakeable(before)
+    refuse_untakeable(after)
+    t0 = time.perf_counter()
+
+    def reference() -> tuple[Trace, float]:
+        with rank_like_threads():
+            return emulating_reference(case), time.perf_counter()
+
+    saved, resumed, (ref, t_ref) = run_resumed(case, pool, timeout_s, reference)
+    t1 = time.perf_counter()
+    k = case.resume_after
+
+    def checks() -> list[Finding]:
+        early = run_checks(before, steps_of(ref, lambda s: s <= k), saved)
+        late = run_checks(after, steps_of(ref, lambda s: s > k), steps_of(resumed, lambda s: s > k))
+        # The resumed run's checks expect what its case would do from step 1 (the contracts);
+        # it ran from k + 1: steps 1 to k are the first run's, checked above.
+        return early + [f for f in late if not 1 <= f.step <= k]
+
+    verdict = judge(case, as_saved(ref, saved, k), merged(saved, resumed), calibrate, checks)
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t1 - t_ref, **verdict.seconds}
+    return verdict
+
+
+__all__ = ["check_resumed_case", "merged", "run_resumed"]

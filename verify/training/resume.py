@@ -1,0 +1,183 @@
+"""A checkpoint and resume with the real APIs (docs/resume.md): `torch.distributed.checkpoint`
+(DCP) with `get_state_dict` / `set_state_dict`, resharded on load to whatever world size, mesh
+and engine the resumed run has.
+
+What a resume must carry beyond the model and the optimizer (Adam's moments and its scalar
+`step`, the lr in its param groups) is the trainer's state: the step it stopped after, the data
+position (how many global batches were consumed), every rank's dropout generator and the loss
+scaler's scale and good-step count. It travels in the same checkpoint as plain tensors under
+`trainer.*` (replicated: DCP keeps one copy).
+
+A resumed rank r takes the generator state saved by rank r; a rank the saving run did not have
+starts from its own fresh seed (`dropout_seed`), as the reference's replay of it does
+(reference/trainer.py `_Run.resumed`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+
+from fsdp_verify.training.rng import rng_fingerprint
+
+# What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
+# which torch deprecates): nothing about the run, and a screen of it a case.
+_FSDP1_NOISE = (
+    "Please use DTensor instead",
+    "`_get_pg_default_device` will be deprecated",
+    "Multiple backends are registered",
+    "When using ``NO_SHARD`` for ``ShardingStrategy``",
+)
+
+
+@contextlib.contextmanager
+def _quiet() -> Iterator[None]:
+    with warnings.catch_warnings():
+        for message in _FSDP1_NOISE:
+            warnings.filterwarnings("ignore", message=".*" + message.replace("`", "."))
+        yield
+
+
+# The optimizer's state dict flat (`state.<fqn>.<key>`, `param_groups.<fqn>.<key>`): FSDP1 at
+# world size 3 saved its nested `param_groups` list as one value on some ranks and flattened on
+# others, and a load then missed the key `optim.param_groups` (sweep seed 20262904, 2 of 80).
+OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+
+
+class Checkpointer:
+    """Saves and loads one engine's model and optimizer plus the trainer's state. Every method is
+    a collective. The zoo's resume mutants (verify/zoo/mutants.py) override one step of `load`."""
+
+    def __init__(self, module: nn.Module):
+        self.module = module
+
+    def save(self, path: str, optimizer: torch.optim.Optimizer, trainer: dict[str, torch.Tensor]) -> None:
+        trainer = {**trainer, **stepped_marks(self.module, optimizer)}  # before get_state_dict makes state
+        with _quiet():
+            model_sd, optim_sd = get_state_dict(self.module, optimizer, options=OPTIONS)
+            dcp.save({"model": model_sd, "optim": optim_sd, "trainer": trainer}, checkpoint_id=path)
+
+    def load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        """Model and optimizer loaded into this run's sharding (DCP reshards on read); returns
+        the trainer's state."""
+        with _quiet():
+            return self._load(path, optimizer)
+
+    def _load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+        model_sd, optim_sd = get_state_dict(self.module, optimizer, options=OPTIONS)  # a fresh optimizer's, initialised
+        trainer = trainer_template(path)
+        state = {"model": self.rename(model_sd), "trainer": trainer}
+        if optim_sd:  # empty on an FSDP1 rank that holds no element of any parameter: nothing to read
+            state["optim"] = optim_sd
+        dcp.load(state, checkpoint_id=path, planner=self.planner())
+        self.set(optimizer, state["model"], optim_sd)
+        forget_unstepped_state(self.module, optimizer, trainer)
+        return self.after_load(optimizer, trainer)
+
+    # ---- the steps a mutant may change ----------------------------------------------------------
+    def rename(self, model_sd: dict) -> dict:
+        return model_sd
+
+    def planner(self):
+        return None  # DCP's default: every key must be in the checkpoint
+
+    def set(self, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True) -> None:
+        options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
+        set_state_dict(self.module, optimizer, model_state_dict=model_sd, optim_state_dict=optim_sd, options=options)
+
+    def after_load(self, optimizer, trainer: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return trainer
+
+
+STEPPED = "stepped."
+
+
+def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`stepped.<fqn>`: 1 where the optimizer holds state for the parameter on any rank (it was
+    stepped), else 0; a collective (the same tensors on every rank, as DCP keeps one copy)."""
+    names, params = zip(*module.named_parameters())
+    marks = torch.tensor([int(bool(optimizer.state.get(p))) for p in params], dtype=torch.int64)
+    if dist.is_initialized():
+        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
+    return {STEPPED + n: marks[i : i + 1].clone() for i, n in enumerate(names)}
+
+
+def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict) -> None:
+    """Drop the optimizer state of every parameter the saving run had not stepped. `get_state_dict`
+    on an optimizer without state initialises it with a zero-gradient step (torch's
+    `_init_optim_state`: Adam's `step` 1, its moments zero), on the saving side (the checkpoint
+    then holds that made-up state) and on the loading side alike; a parameter never stepped
+    before the save (every step skipped by the loss scaler) resumes with it, and its first real
+    step is Adam's step 2: the bias correction off by one (sweep seed 20262901: fp16 cases whose
+    first steps all overflowed, 10 of 147). The run that never stopped holds no state there, so
+    neither may the resumed one."""
+    for name, p in module.named_parameters():
+        mark = trainer.get(STEPPED + name)
+        if mark is not None and int(mark[0]) == 0:
+            optimizer.state.pop(p, None)
+
+
+def trainer_template(path: str) -> dict[str, torch.Tensor]:
+    """Empty tensors of the saved trainer state's shapes and dtypes, read from the checkpoint's
+    metadata (the saving run's world size fixes the generators' shape)."""
+    metadata = dcp.FileSystemReader(path).read_metadata()
+    out = {}
+    for key, meta in metadata.state_dict_metadata.items():
+        if key.startswith("trainer."):
+            props = meta.properties
+            out[key.removeprefix("trainer.")] = torch.empty(tuple(meta.size), dtype=props.dtype)
+    return out
+
+
+def trainer_state(step: int, data_position: int, scaler, device: torch.device) -> dict[str, torch.Tensor]:
+    """What this run saves beside model and optimizer (a collective: the ranks' generators are
+    all-gathered, every rank saves the same tensors)."""
+    mine = torch.get_rng_state()
+    states = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(states, mine)  # gloo and the CPU generator: CPU tensors
+    out = {
+        "step": torch.tensor([step], dtype=torch.int64),
+        "data_position": torch.tensor([data_position], dtype=torch.int64),
+        "rng": torch.stack(states),
+    }
+    if scaler is not None:
+        out["loss_scale.scale"] = torch.tensor([float(scaler.get_scale())], dtype=torch.float32)
+        out["loss_scale.growth_tracker"] = torch.tensor([scaler._get_growth_tracker()], dtype=torch.int64)
+    return out
+
+
+def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int) -> None:
+    """This rank's generator (if the saving run had the rank; else its fresh seed stays) and the
+    loss scaler's state."""
+    if "rng" in trainer and rank < trainer["rng"].shape[0]:
+        torch.set_rng_state(trainer["rng"][rank].clone())
+    if scaler is not None and "loss_scale.scale" in trainer:
+        scaler.load_state_dict(
+            {
+                **scaler.state_dict(),
+                "scale": float(trainer["loss_scale.scale"][0]),
+                "_growth_tracker": int(trainer["loss_scale.growth_tracker"][0]),
+            }
+        )
+
+
+def rank_fingerprints(device: torch.device) -> torch.Tensor:
+    """Every rank's generator fingerprint (a collective), in rank order."""
+    mine = torch.tensor([rng_fingerprint(torch.get_rng_state())], dtype=torch.int64, device=device)
+    parts = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(parts, mine)
+    return torch.cat(parts).cpu()
+
+
+def full_state_dict(module: nn.Module, optimizer: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """The full (unsharded) model and optimizer state dicts on CPU, on rank 0 (empty elsewhere):
+    what a single-device load or an export reads. A collective."""
+    options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    return get_state_dict(module, optimizer, options=options)
