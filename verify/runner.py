@@ -18,6 +18,7 @@ from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
 from fsdp_verify.reference.trainer import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
+from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace
 from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
@@ -140,8 +141,6 @@ def check_case(
     """Raises RankFailure when a rank crashes or hangs (the pool recovers on the next case), and
     CaseError before any rank starts for a case the engine declares it cannot take."""
     if case.resume_after is not None:
-        from fsdp_verify.sharded.resume import check_resumed_case
-
         return check_resumed_case(case, pool, timeout_s, calibrate)
     refuse_untakeable(case)
     pool = pool or get_pool(case.world_size)
@@ -162,4 +161,35 @@ def check_case(
     t2 = time.perf_counter()
     verdict = judge(case, ref, got, calibrate)
     verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    return verdict
+
+
+def check_resumed_case(
+    case: Case, pool: RankPool | None = None, timeout_s: float | None = None, calibrate: bool = True
+) -> Verdict:
+    """`check_case` for a case with a resume: the sharded runs against the reference that never
+    stopped; every record compared as usual, the loaded state exactly; the checks (ownership,
+    precision, RNG, contracts) run on each run against its own case and steps."""
+    before, after = case.before_resume(), case.after_resume()
+    refuse_untakeable(before)
+    refuse_untakeable(after)
+    t0 = time.perf_counter()
+
+    def reference() -> tuple[Trace, float]:
+        with rank_like_threads():
+            return emulating_reference(case), time.perf_counter()
+
+    saved, resumed, (ref, t_ref) = run_resumed(case, pool, timeout_s, reference)
+    t1 = time.perf_counter()
+    k = case.resume_after
+
+    def checks() -> list[Finding]:
+        early = run_checks(before, steps_of(ref, lambda s: s <= k), saved)
+        late = run_checks(after, steps_of(ref, lambda s: s > k), steps_of(resumed, lambda s: s > k))
+        # The resumed run's checks expect what its case would do from step 1 (the contracts);
+        # it ran from k + 1: steps 1 to k are the first run's, checked above.
+        return early + [f for f in late if not 1 <= f.step <= k]
+
+    verdict = judge(case, as_saved(ref, saved, k), merged(saved, resumed), calibrate, checks)
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t1 - t_ref, **verdict.seconds}
     return verdict

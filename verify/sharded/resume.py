@@ -7,18 +7,13 @@ from __future__ import annotations
 
 import contextlib
 import tempfile
-import time
 from collections.abc import Callable
 from typing import Any
 
 from fsdp_verify.case import Case
-from fsdp_verify.checks import run_checks
-from fsdp_verify.compare.finding import Finding
-from fsdp_verify.engines import refuse_untakeable
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool, memory_dir
 from fsdp_verify.trace import Trace
 from fsdp_verify.validation import CaseError
-from fsdp_verify.verdict import Verdict
 
 
 def run_resumed(
@@ -78,37 +73,4 @@ def as_saved(ref: Trace, saved: Trace, step: int) -> Trace:
     return Trace(ref.side, records, ref.meta)
 
 
-def check_resumed_case(
-    case: Case, pool: RankPool | None = None, timeout_s: float | None = None, calibrate: bool = True
-) -> Verdict:
-    """`check_case` for a case with a resume: the sharded runs against the reference that never
-    stopped; every record compared as usual, the loaded state exactly; the checks (ownership,
-    precision, RNG, contracts) run on each run against its own case and steps."""
-    from fsdp_verify.runner import emulating_reference, judge, rank_like_threads
-
-    before, after = case.before_resume(), case.after_resume()
-    refuse_untakeable(before)
-    refuse_untakeable(after)
-    t0 = time.perf_counter()
-
-    def reference() -> tuple[Trace, float]:
-        with rank_like_threads():
-            return emulating_reference(case), time.perf_counter()
-
-    saved, resumed, (ref, t_ref) = run_resumed(case, pool, timeout_s, reference)
-    t1 = time.perf_counter()
-    k = case.resume_after
-
-    def checks() -> list[Finding]:
-        early = run_checks(before, steps_of(ref, lambda s: s <= k), saved)
-        late = run_checks(after, steps_of(ref, lambda s: s > k), steps_of(resumed, lambda s: s > k))
-        # The resumed run's checks expect what its case would do from step 1 (the contracts);
-        # it ran from k + 1: steps 1 to k are the first run's, checked above.
-        return early + [f for f in late if not 1 <= f.step <= k]
-
-    verdict = judge(case, as_saved(ref, saved, k), merged(saved, resumed), calibrate, checks)
-    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t1 - t_ref, **verdict.seconds}
-    return verdict
-
-
-__all__ = ["check_resumed_case", "merged", "run_resumed"]
+__all__ = ["as_saved", "merged", "run_resumed", "steps_of"]
