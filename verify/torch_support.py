@@ -3,8 +3,10 @@ reaches for, each feature-tested with a fallback, so a release that lacks one de
 refused as bad input (exit 2, naming the release and what it lacks), never a rank failure.
 
 Measured on CPU/gloo (docs/torch-versions.md): 2.6 cannot run FSDP2 on the CPU at all ('Stream'
-has no `record_event`, every rank fails in the first forward); 2.9.1 through 2.14.1 run the default
-check, a sweep and the zoo. CUDA builds have not been tried (no GPU here)."""
+has no `record_event`, every rank fails in the first forward); 2.8's FSDP2 over gloo sums the
+ranks' gradients instead of averaging them (pytorch/pytorch#162338, fixed in 2.9; the repro is
+tests/upstream/test_fsdp2_gloo_averages_gradients.py); 2.9.1 through 2.14.1 run the default check
+(and the gate's sweep and zoo). CUDA builds have not been tried (no GPU here)."""
 
 from __future__ import annotations
 
@@ -27,8 +29,9 @@ def unsupported_torch(version: str | None = None) -> str | None:
     if _release(version) < MINIMUM:
         return (
             f"torch {version} is older than the oldest release fsdp-verify supports"
-            f" ({MINIMUM[0]}.{MINIMUM[1]}): its FSDP2 cannot run on every device this toolkit uses"
-            " (2.6: no Stream.record_event on the CPU); install torch>="
+            f" ({MINIMUM[0]}.{MINIMUM[1]}): before it, FSDP2 over gloo sums the ranks' gradients instead"
+            " of averaging them (2.8, pytorch/pytorch#162338) or cannot run on the CPU at all (2.6);"
+            " install torch>="
             f"{MINIMUM[0]}.{MINIMUM[1]}"
         )
     return None
