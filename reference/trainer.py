@@ -231,6 +231,7 @@ class _Run:
             model=model,
             params=params,
             optimizer=optimizer,
+            scheduler=None,  # a resume refuses a schedule (Case._validate_resume): none to carry
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,

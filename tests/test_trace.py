@@ -66,3 +66,25 @@ def test_generator_fingerprints_sort_in_the_order_they_are_taken():
         (1, "grads", "w"),
         (2, "rng", "before_forward.0"),
     ]
+
+
+def _sums(total: float) -> Trace:
+    t = Trace("x")
+    t.add(0, "init", "w", torch.tensor([float("inf"), -float("inf")]))
+    t.add(0, "param_sums", "__total__", torch.tensor(total, dtype=torch.float64))
+    return t
+
+
+def test_parameter_sums_that_are_nan_on_both_sides_agree_and_on_one_side_part():
+    """A run that overflowed the same way on both sides (a parameter holding inf and -inf, as
+    cancellation data at scale 100 through a routed expert gave) sums to NaN on both: the same
+    sum, not a divergence (it was one, found by a drawn FSDP1 case). NaN on one side only parts."""
+    from fsdp_verify.compare.comparators import compare_traces
+
+    def total_ok(ref: float, got: float) -> bool:
+        findings = compare_traces(_sums(ref), _sums(got))
+        return next(f for f in findings if f.phase == "param_sums").ok
+
+    assert total_ok(float("nan"), float("nan"))
+    assert not total_ok(float("nan"), 1.0)
+    assert not total_ok(1.0, float("nan"))
