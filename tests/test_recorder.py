@@ -181,7 +181,7 @@ def test_a_plain_reference_against_a_bf16_run_is_left_unjudged_with_a_note(runs,
     assert "no fully_shard, no mixed precision policy (plain)" in out and "one-rank mesh" in out, out
     report = json.loads((tmp_path / "report.json").read_text())
     judged = {r["rule"] for r in report["compare"]["records"] if r["rule"] != "unjudged"}
-    assert judged == {"exact"} and code == 0, out
+    assert judged == {"check", "exact"} and code == 0, out
     code, out = compare(
         bf16_runs / "ref", bf16_runs / "sharded", "--calibration", runs / "ref-perturbed", capsys=capsys
     )
