@@ -20,7 +20,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.commands.cli import main
-from fsdp_verify.recorder import Recorder
+from fsdp_verify.recorder import Recorder, rules
 from fsdp_verify.recorder.datacheck import check as data_check
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
@@ -124,6 +124,68 @@ def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path
     first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
     assert (first["step"], first["phase"], first["rule"]) == (1, "grads", "bound"), first
     assert "First divergence at step 1, gradients" in out
+
+
+@pytest.fixture(scope="module")
+def bf16_runs(tmp_path_factory) -> Path:
+    """The example pair with --bf16: the reference under fully_shard on a one-rank mesh with the
+    sharded twin's MixedPrecisionPolicy (bf16 parameters, fp32 reduce), its perturbed rerun, the
+    correct twin and the grad-noise bug (rank 1's gradient shards scaled by 1 + 2e-2)."""
+    d = tmp_path_factory.mktemp("bf16")
+    single(d / "ref", "--bf16")
+    single(d / "ref-perturbed", "--bf16", env={"FSDP_VERIFY_PERTURB": "1"})
+    sharded(d / "sharded", "--bf16")
+    sharded(d / "grad-noise", "--bf16", "--bug", "grad-noise")
+    return d
+
+
+def test_a_bf16_pair_under_the_same_policy_is_judged_equivalent(bf16_runs, tmp_path, capsys):
+    """Judged by the mixed precision bound (one bf16 ulp: each side rounds its own partial gradient
+    to bf16) and calibrated limits, nothing left unjudged; under the fp32 bound (1.07e-6) the
+    step-1 gradients, off by up to 5.6e-3, would fail."""
+    d = bf16_runs
+    code, out = compare(
+        d / "ref", d / "sharded", "--calibration", d / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 0 and "EQUIVALENT" in out, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    records = report["compare"]["records"]
+    assert report["compare"]["unjudged"] == 0 and {r["rule"] for r in records} == {
+        "check",
+        "exact",
+        "bound",
+        "calibrated",
+    }
+    grads = [r for r in records if r["step"] == 1 and r["phase"] == "grads"]
+    assert all(r["rule"] == "bound" and "one bfloat16 ulp" in r["why"] for r in grads)
+    assert max(r["deviation"] for r in grads) > rules.bound(torch.float32, 2).limit  # the bf16 rounding is real
+    meta = Run(d / "ref", "ref").meta[0]["settings"]["precision"]
+    assert meta["fully_shard"] and meta["policies"][0]["param_dtype"] == "bfloat16"
+
+
+def test_the_bf16_grad_noise_bug_is_caught_at_step_1(bf16_runs, tmp_path, capsys):
+    d = bf16_runs
+    code, out = compare(
+        d / "ref", d / "grad-noise", "--calibration", d / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 1, out
+    first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
+    assert (first["step"], first["phase"], first["rule"]) == (1, "grads", "bound"), first
+
+
+def test_a_plain_reference_against_a_bf16_run_is_left_unjudged_with_a_note(runs, bf16_runs, tmp_path, capsys):
+    """A plain fp32 reference rounds elsewhere than the bf16 sharded run (off by 2e-2 at step 2,
+    beyond even the bf16 bound): no rule can hold that pair, so only step 0 and the data are judged."""
+    code, out = compare(runs / "ref", bf16_runs / "sharded", "--out", tmp_path, capsys=capsys)
+    assert "the runs round at different places" in out and "param_dtype=bfloat16" in out, out
+    assert "no fully_shard, no mixed precision policy (plain)" in out and "one-rank mesh" in out, out
+    report = json.loads((tmp_path / "report.json").read_text())
+    judged = {r["rule"] for r in report["compare"]["records"] if r["rule"] != "unjudged"}
+    assert judged == {"check", "exact"} and code == 0, out
+    code, out = compare(
+        bf16_runs / "ref", bf16_runs / "sharded", "--calibration", runs / "ref-perturbed", capsys=capsys
+    )
+    assert code == 2 and "--calibration" in out and "settings.precision" in out, out
 
 
 def test_runs_record_per_rank_with_placements_and_meta(runs):

@@ -33,3 +33,20 @@ def add_common_arguments(p) -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--full-steps", type=int, nargs="*", default=[], help="steps whose tensors are stored whole")
     p.add_argument("--no-record", action="store_true", help="train without the recorder")
+    p.add_argument(
+        "--bf16",
+        action="store_true",
+        help="FSDP2 mixed precision (bf16 parameters in forward and backward, gradients reduced in fp32)",
+    )
+
+
+def shard(model: torch.nn.Module, mesh, bf16: bool) -> None:
+    """fully_shard per block, then the root; with --bf16 under BF16_POLICY. The single-process
+    script calls it too (on a one-rank mesh) when --bf16: then it rounds where the sharded run does."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if bf16 else None
+    kwargs = {"mesh": mesh, **({"mp_policy": policy} if policy else {})}
+    for block in model.layers:
+        fully_shard(block, **kwargs)
+    fully_shard(model, **kwargs)

@@ -2,11 +2,14 @@
 its share of every global batch through DistributedSampler, with the recorder.
 
     torchrun --nproc-per-node 2 examples/loop/train_fsdp.py --out runs/sharded
+    (--bf16 on both scripts: FSDP2 mixed precision; the reference then runs fully_shard on one rank)
     fsdp-verify compare runs/ref runs/sharded --calibration runs/ref-perturbed
 
 Planted bugs (`--bug`), each one a classic of hand-written sharded loops:
   unsharded-sampler  every rank reads the same samples (the sampler is not given the rank)
   grad-noise         rank 1 scales its gradient shards by 1 + 2e-6 before the optimizer step
+                     (with --bf16, by 1 + 2e-2: 2e-6 is far below a bf16 ulp, 7.8e-3, so no
+                     comparison of bf16 runs can see it)
   optimizer-before-shard  the optimizer built before fully_shard: it holds (and steps) the old,
                      unsharded parameters; the Recorder refuses it at once
 """
@@ -17,9 +20,8 @@ import argparse
 
 import torch
 import torch.distributed as dist
-from common import add_common_arguments, loss_fn, make_dataset, make_model
+from common import add_common_arguments, loss_fn, make_dataset, make_model, shard
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import fully_shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fsdp_verify.recorder import Recorder
@@ -37,9 +39,7 @@ def main() -> None:
     model = make_model()
     if args.bug == "optimizer-before-shard":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    for block in model.layers:
-        fully_shard(block, mesh=mesh)
-    fully_shard(model, mesh=mesh)
+    shard(model, mesh, args.bf16)
     if args.bug != "optimizer-before-shard":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = make_dataset()
@@ -56,7 +56,7 @@ def main() -> None:
         if args.bug == "grad-noise" and rank == 1:
             with torch.no_grad():
                 for param in model.parameters():
-                    param.grad.to_local().mul_(1 + 2e-6)
+                    param.grad.to_local().mul_(1 + (2e-2 if args.bf16 else 2e-6))
         optimizer.step()
         optimizer.zero_grad()
         if rec:

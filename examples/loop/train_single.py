@@ -5,6 +5,10 @@
 
 The sampler is DistributedSampler with one replica: the same shuffle as the sharded twin's
 samplers, so step i's batch here is the union of the ranks' batches there.
+
+With --bf16 the script runs under FSDP2's `fully_shard` on a one-rank mesh with the sharded twin's
+MixedPrecisionPolicy (one process, a gloo group of one): it casts and reduces where the sharded run
+does, so `compare` can judge the pair; only the reduction order and the world size differ.
 """
 
 from __future__ import annotations
@@ -12,7 +16,8 @@ from __future__ import annotations
 import argparse
 
 import torch
-from common import add_common_arguments, loss_fn, make_dataset, make_model
+import torch.distributed as dist
+from common import add_common_arguments, loss_fn, make_dataset, make_model, shard
 from torch.utils.data import DataLoader, DistributedSampler
 
 from fsdp_verify.recorder import Recorder
@@ -24,6 +29,11 @@ def main() -> None:
     args = p.parse_args()
     torch.set_num_threads(1)
     model = make_model()
+    if args.bf16:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+        shard(model, init_device_mesh("cpu", (1,)), bf16=True)
     optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = make_dataset()
     sampler = DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0)
@@ -42,6 +52,8 @@ def main() -> None:
             break
     if rec:
         rec.close()
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

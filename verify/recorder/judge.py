@@ -118,6 +118,48 @@ def _dtype(run: Run, kind: str) -> torch.dtype:
     return max(seen or [torch.float32], key=rules.unit_roundoff)
 
 
+def precision(run: Run) -> dict:
+    """What the Recorder saw of the run's rounding (recorder.precision_of); runs recorded before
+    it was stored count as plain (no fully_shard policy known)."""
+    return run.meta[0]["settings"].get("precision") or {"fully_shard": False, "policies": []}
+
+
+def _coarse(prec: dict) -> bool:
+    u32 = rules.unit_roundoff(torch.float32)
+    return any(
+        rules.unit_roundoff(DTYPES.get(p.get(k) or "float32", torch.float32)) > u32
+        for p in prec["policies"]
+        for k in ("param_dtype", "reduce_dtype")
+    )
+
+
+def _describe(prec: dict) -> str:
+    if not prec["fully_shard"]:
+        return "no fully_shard, no mixed precision policy (plain)"
+    return "fully_shard with " + "; ".join(
+        ", ".join(f"{k}={v}" for k, v in p.items() if k != "cast_forward_inputs") for p in prec["policies"]
+    )
+
+
+def mixed_pairing(ref: Run, got: Run) -> tuple[torch.dtype, torch.dtype] | str | None:
+    """None: neither run has a coarse policy (the fp32 rules). (param_dtype, reduce_dtype): both ran
+    fully_shard with the same policies, so they round at the same places (rules.bound). A string:
+    why the pair cannot be judged (one side rounds where the other does not)."""
+    rp, gp = precision(ref), precision(got)
+    if not (_coarse(rp) or _coarse(gp)):
+        return None
+    if rp["fully_shard"] and gp["fully_shard"] and rp["policies"] == gp["policies"]:
+        params = [DTYPES[p["param_dtype"]] for p in rp["policies"] if p["param_dtype"]] or [torch.float32]
+        reduces = [DTYPES[p["reduce_dtype"] or p["param_dtype"] or "float32"] for p in rp["policies"]]
+        return max(params, key=rules.unit_roundoff), max(reduces, key=rules.unit_roundoff)
+    return (
+        f"the runs round at different places, so only the initial parameters and the data were judged:"
+        f" {got.path} ran {_describe(gp)}; {ref.path} ran {_describe(rp)}. A plain reference rounds"
+        " differently from a mixed precision sharded run by far more than reordering. Record the reference"
+        " under fully_shard on a one-rank mesh with the same MixedPrecisionPolicy (docs/recorder.md)"
+    )
+
+
 def _check_pair(ref: Run, other: Run, what: str) -> None:
     a, b = {p[0]: p[1] for p in ref.meta[0]["params"]}, {p[0]: p[1] for p in other.meta[0]["params"]}
     if a.keys() != b.keys():
@@ -141,7 +183,16 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             raise RunError(
                 f"--calibration: {cal.path}: settings.perturb: not a perturbed run (set FSDP_VERIFY_PERTURB=1)"
             )
+    pairing = mixed_pairing(ref, got)
+    if cal is not None and precision(cal) != precision(ref):
+        raise RunError(
+            f"--calibration: {cal.path}: settings.precision: expected the reference's ({_describe(precision(ref))}),"
+            f" got {_describe(precision(cal))}"
+        )
     result = Comparison(ref, got, cal)
+    if isinstance(pairing, str):
+        result.notes.append(pairing)
+    param_dtype, reduce_dtype = pairing if isinstance(pairing, tuple) else (torch.float32, torch.float32)
     common = sorted(set(ref.calls[0]) & set(got.calls[0]))
     result.steps = len([c for c in common if c > 0])
     if set(ref.calls[0]) != set(got.calls[0]):
@@ -152,7 +203,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         )
     cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
     world = got.world_size
-    unjudged = one_sided = 0
+    unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
             continue
@@ -185,18 +236,22 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                 result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
                 continue
             dtype = _dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
+            dtype = max(dtype, param_dtype, key=rules.unit_roundoff)  # under a policy: rounded in param_dtype
             before_update = phase == "init" or (phase in ("modules", "logits", "loss") and r_step.opt_before == 0)
             before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps
             if phase == "init":
                 tol = rules.exact_fp64(a.row_len if isinstance(a, Rows) else 1)
                 if not isinstance(a, Rows):
                     tol = rules.Tolerance("exact", 0.0, "the same values: sharding moves bits, nothing rounds")
+            elif isinstance(pairing, str):
+                tol = rules.unjudged(dtype, world, why="the runs ran different precision policies (see the note)")
+                mismatched += 1
             elif before_update:
-                tol = rules.bound(dtype, world)
+                tol = rules.bound(dtype, world, reduce_dtype)
             elif key in cal_rec:
-                tol = rules.calibrated(dtype, world, deviation(a, cal_rec[key]))
+                tol = rules.calibrated(dtype, world, deviation(a, cal_rec[key]), reduce_dtype)
             else:
-                tol = rules.unjudged(dtype, world)
+                tol = rules.unjudged(dtype, world, reduce_dtype)
                 unjudged += 1
             dev = deviation(a, b)
             ok = dev <= tol.limit or tol.mode == "unjudged"
@@ -218,6 +273,8 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                     **base,
                 )
             )
+    if mismatched:
+        result.notes.append(f"{mismatched} records were not judged: the runs ran different precision policies")
     if one_sided:
         result.notes.append(
             f"{one_sided} tensors were stored whole by one run only (full_steps/full_params differ): compared by fingerprint"

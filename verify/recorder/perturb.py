@@ -42,8 +42,11 @@ def seed_from_env() -> int | None:
 
 
 class GradientPerturbation:
-    def __init__(self, seed: int):
+    def __init__(self, seed: int, rounded_to: torch.dtype | None = None):
+        """rounded_to: the dtype the gradients were computed in before the reduce (a mixed
+        precision policy's param_dtype), whose roundoff sets the move; None: the gradient's own."""
         self.seed = seed
+        self.rounded_to = rounded_to
         self.generator = torch.Generator().manual_seed(seed)
 
     @torch.no_grad()
@@ -52,5 +55,6 @@ class GradientPerturbation:
         if grad.numel() == 0:
             return
         signs = torch.randint(0, 2, grad.shape, generator=self.generator).to(grad.device, grad.dtype) * 2 - 1
-        move = signs * (grad.abs().max() * MOVE_ULPS * unit_roundoff(grad.dtype))
+        u = max(unit_roundoff(grad.dtype), unit_roundoff(self.rounded_to) if self.rounded_to else 0.0)
+        move = signs * (grad.abs().max() * MOVE_ULPS * u)
         grad.add_(torch.where(grad != 0, move, torch.zeros_like(move)))

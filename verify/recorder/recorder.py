@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from fsdp_verify.compare.tolerance import unit_roundoff
 from fsdp_verify.recorder.fingerprints import local_view, row_stats, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
@@ -43,6 +44,32 @@ def _dist() -> tuple[int, int]:
 
 def _dtype(t: torch.Tensor) -> str:
     return str(t.dtype).replace("torch.", "")
+
+
+def precision_of(model: nn.Module) -> dict:
+    """Where the run rounds: whether the model is under FSDP2's `fully_shard` and the distinct
+    MixedPrecisionPolicy its units run (dtypes as strings, None: the parameter's own). `compare`
+    judges a bf16 pair only when both runs rounded at the same places, i.e. ran the same policies
+    (a one-rank `fully_shard` reference against its sharded twin), see rules.py."""
+    policies = []
+    for module in model.modules():
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if get_state is None:
+            continue
+        mp = get_state()._mp_policy
+        policy = {
+            "param_dtype": _name(mp.param_dtype),
+            "reduce_dtype": _name(mp.reduce_dtype),
+            "output_dtype": _name(mp.output_dtype),
+            "cast_forward_inputs": bool(mp.cast_forward_inputs),
+        }
+        if policy not in policies:
+            policies.append(policy)
+    return {"fully_shard": bool(policies), "policies": policies}
+
+
+def _name(dtype: torch.dtype | None) -> str | None:
+    return None if dtype is None else str(dtype).replace("torch.", "")
 
 
 def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -106,8 +133,13 @@ class Recorder:
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).
         self.placement = {n: (getattr(p, "placements", None), p.shape, *local_view(p)[1:]) for n, p in self.params}
+        self.precision = precision_of(model)
         seed = perturb if perturb is not None else seed_from_env()
-        self.perturbation = GradientPerturbation(seed) if seed is not None else None
+        # Under a policy the gradients were rounded to its param_dtype (the unsharded gradient,
+        # before the reduce): the perturbation moves them by that dtype's roundoff, not fp32's.
+        coarse = [p["param_dtype"] for p in self.precision["policies"] if p["param_dtype"]]
+        rounded = max((getattr(torch, d) for d in coarse), key=unit_roundoff, default=None)
+        self.perturbation = GradientPerturbation(seed, rounded) if seed is not None else None
         self.call = 0  # rec.step calls so far
         self.opt_step = 0  # optimizer steps so far
         self.dtypes: dict[str, set[str]] = {}
@@ -287,6 +319,7 @@ class Recorder:
                     "full_params": self.full_params,
                     "perturb": self.perturbation.seed if self.perturbation else None,
                     "modules": self.module_patterns,
+                    "precision": self.precision,
                 },
                 "torch": torch.__version__,
                 "fsdp_verify": __version__,

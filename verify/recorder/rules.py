@@ -11,6 +11,17 @@ loop is the user's). Four rules; every record says which one held it.
   differ by a few units of roundoff u of its magnitude; tolerance.py's floor, FLOOR_ULPS fp32
   units (9.5e-7 of the largest element; one more ulp of a coarser record dtype), plus 2 u for each
   halving of the terms the reduction adds (2 ceil(log2 W) u: a data-parallel average of W ranks).
+* bound under a mixed precision policy (both runs under FSDP2 with the same MixedPrecisionPolicy:
+  the reference `fully_shard` on a one-rank mesh). Both sides cast the same fp32 parameters to
+  param_dtype before each forward (the same bits), compute each sample the same way, and reduce in
+  reduce_dtype; what differs is where the gradient is rounded to param_dtype: the sharded run rounds
+  each rank's partial gradient (its share of the batch), the reference the whole batch's once. Two
+  different values rounded once each: up to u_p of their magnitude each way, 2 u_p (u_p: param
+  dtype's unit roundoff; the partial sums' magnitude standing for the result's, as above), which is
+  tolerance.py's "one ulp of a coarser dtype" (a bf16 logit flipped once is the same 2 u_p); then the
+  average over W ranks costs 2 u_r per halving in the reduce dtype. So bound(param_dtype, W,
+  reduce_dtype): 9.5e-7 + 7.8e-3 + 2 ceil(log2 W) u_r for bf16 parameters; an fp32 noise of 2e-6
+  cannot be seen through bf16, and a bug must move a record by more than a bf16 ulp.
 * calibrated (with `--calibration RUN`, the reference script rerun with FSDP_VERIFY_PERTURB=seed):
   later records, where rounding differences compound through the optimizer (Adam divides by
   sqrt(v): an ulp in a small gradient is not small in the update). Limit: NOISE_MULTIPLE times the
@@ -37,18 +48,23 @@ def exact_fp64(row_len: int) -> Tolerance:
     )
 
 
-def bound(dtype: torch.dtype, world_size: int) -> Tolerance:
+def bound(dtype: torch.dtype, world_size: int, reduce_dtype: torch.dtype = torch.float32) -> Tolerance:
+    """dtype: the coarsest dtype the record passed through (its own, or a policy's param_dtype);
+    reduce_dtype: the dtype of the data-parallel average."""
     base = bound_tolerance(dtype)
     halvings = math.ceil(math.log2(max(world_size, 1)))
-    extra = 2 * halvings * unit_roundoff(torch.float32)
+    extra = 2 * halvings * unit_roundoff(reduce_dtype)
+    r = str(reduce_dtype).replace("torch.", "")
     why = base.why + (
-        f" + 2u x {halvings} halving(s) of a data-parallel average over {world_size} ranks" if halvings else ""
+        f" + 2u({r}) x {halvings} halving(s) of a data-parallel average over {world_size} ranks" if halvings else ""
     )
     return Tolerance("bound", base.limit + extra, why)
 
 
-def calibrated(dtype: torch.dtype, world_size: int, noise: float) -> Tolerance:
-    floor = bound(dtype, world_size)
+def calibrated(
+    dtype: torch.dtype, world_size: int, noise: float, reduce_dtype: torch.dtype = torch.float32
+) -> Tolerance:
+    floor = bound(dtype, world_size, reduce_dtype)
     if NOISE_MULTIPLE * noise <= floor.limit:
         return Tolerance(
             "calibrated",
@@ -63,11 +79,14 @@ def calibrated(dtype: torch.dtype, world_size: int, noise: float) -> Tolerance:
     )
 
 
-def unjudged(dtype: torch.dtype, world_size: int) -> Tolerance:
-    b = bound(dtype, world_size)
+def unjudged(
+    dtype: torch.dtype, world_size: int, reduce_dtype: torch.dtype = torch.float32, why: str | None = None
+) -> Tolerance:
+    b = bound(dtype, world_size, reduce_dtype)
     return Tolerance(
         "unjudged",
         b.limit,
-        "after an optimizer step rounding compounds beyond any a-priori bound; shown against the bound"
+        why
+        or "after an optimizer step rounding compounds beyond any a-priori bound; shown against the bound"
         " for information only (record the reference again with FSDP_VERIFY_PERTURB=1 and pass --calibration)",
     )
