@@ -135,6 +135,11 @@ def twice():
     return unguarded, [c.hash for c in draw.draw_cases(strategy, 12, 7)]
 u1, g1 = twice()
 import fsdp_verify.runner, fsdp_verify.commands.sweep, fsdp_verify.reports.trend, fsdp_verify.zoo.mutants
+# What loading a module with small constants does (the imports above once did it; now `cases`
+# imports most of them already): Hypothesis adds them to its pool of local constants.
+from hypothesis.internal.conjecture import providers
+for c in [*range(-8, 65), *(i / 8 for i in range(1, 64))]:
+    providers._local_constants.add(c)
 u2, g2 = twice()
 print(g1 == g2, u1 == u2)
 """
