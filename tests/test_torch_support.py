@@ -10,12 +10,12 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.torch_support import MINIMUM, clear_dtensor_caches, unsupported_torch
 
 
-@pytest.mark.parametrize("version", ["2.9.1", "2.9.0+cu128", "2.13.0+cpu", "2.14.1", "3.0.0"])
+@pytest.mark.parametrize("version", ["2.11.0", "2.11.0+cu130", "2.13.0+cpu", "2.14.1", "3.0.0"])
 def test_supported_releases(version):
     assert unsupported_torch(version) is None
 
 
-@pytest.mark.parametrize("version", ["2.6.0", "2.8.0+cu126", "1.13.1"])
+@pytest.mark.parametrize("version", ["2.6.0", "2.8.0+cu126", "2.9.1", "2.10.0", "1.13.1"])
 def test_an_older_release_is_named_with_the_minimum(version):
     why = unsupported_torch(version)
     assert why is not None and f"torch {version}" in why and f"{MINIMUM[0]}.{MINIMUM[1]}" in why

@@ -1,8 +1,8 @@
 """PyTorch's own bug, reproduced with plain torch (no fsdp-verify code): FSDP2 over gloo (the CPU)
 in torch 2.8 sums the ranks' gradients where it should average them (pytorch/pytorch#162338,
 "Incorrect AVG reduction for GLOO": FSDP2 asked gloo for ReduceOp.AVG, which its reduce-scatter
-did not do). Fixed in 2.9, which is why fsdp-verify's oldest supported torch is 2.9
-(verify/torch_support.py). Under a fixed torch this passes; it xfails (strictly) on an older one,
+did not do). Fixed in 2.9 (fsdp-verify supports 2.11 on; verify/torch_support.py says why).
+Under a fixed torch this passes; it xfails (strictly) on an older one,
 and fails outright if a later release breaks it again."""
 
 import os
