@@ -78,8 +78,8 @@ def test_hypothesis_draws_resumes():
 
 
 # ---- the reference: a resume in memory is a copy ------------------------------------------------------
-@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
-def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
+@pytest.mark.parametrize("engine, schedule", [("fsdp2", None), ("fsdp1", None), ("fsdp2", "linear_warmup")])
+def test_the_reference_through_a_resume_is_the_run_never_stopped(engine, schedule):
     """On the same world size and engine the resumed reference gives the records of the run
     without a resume, bit for bit: its hand-over (parameters, buffers, Adam's state with its
     step, the generators, the loss scale) loses nothing. (A hand-over that rebuilt the optimizer
@@ -91,7 +91,7 @@ def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
         optim=OptimSpec(name="adam"),
         precision=PrecisionSpec(param_dtype="fp16"),
         loss_scaling=LossScaleSpec(growth_interval=1),
-    ).with_(**{"model.dropout": 0.1})
+    ).with_(**{"model.dropout": 0.1, "optim.schedule": schedule})
     plain = train_reference(case)
     resumed = train_reference(case.with_(resume_after=1))
     records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
@@ -99,6 +99,7 @@ def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
     for k, v in records.items():  # bit for bit; step 3's scaled gradients overflow (NaN) alike
         torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
     assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position", "loss_scale.scale"}
+    assert ((1, "resumed", "schedule.last_epoch") in resumed.records) == (schedule is not None)
 
 
 # ---- correct engines pass -------------------------------------------------------------------------
@@ -144,6 +145,7 @@ def test_a_correct_resume_passes(case, fsdp_pool):
 
 # ---- the zoo's resume mutants are caught right after the load ---------------------------------------
 _DROPOUT = {"model.dropout": 0.1}
+_WARMUP = {"optim.schedule": "linear_warmup"}
 _FP16 = dict(precision=PrecisionSpec(param_dtype="fp16"), loss_scaling=LossScaleSpec(growth_interval=1))
 
 
@@ -156,6 +158,7 @@ _FP16 = dict(precision=PrecisionSpec(param_dtype="fp16"), loss_scaling=LossScale
         ("rng_not_restored_on_resume", _DROPOUT, "rng", "RNG state was not restored"),
         ("loss_scale_reset_on_resume", _FP16, "loss_scale.scale", "scaler was reset"),
         ("data_position_reset_on_resume", {}, "data_position", "seen twice"),
+        ("scheduler_not_restored_on_resume", _WARMUP, "schedule.", "scheduler was not restored"),
     ],
 )
 def test_each_resume_mutant_is_caught_with_a_hint(mutant, changes, name, words, fsdp_pool):

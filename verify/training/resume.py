@@ -25,6 +25,7 @@ import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp_verify.training.optim import schedule_state
 from fsdp_verify.training.rng import rng_fingerprint
 
 # What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
@@ -136,9 +137,13 @@ def trainer_template(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def trainer_state(step: int, data_position: int, scaler, device: torch.device) -> dict[str, torch.Tensor]:
+def trainer_state(
+    step: int, data_position: int, scaler, device: torch.device, scheduler=None
+) -> dict[str, torch.Tensor]:
     """What this run saves beside model and optimizer (a collective: the ranks' generators are
-    all-gathered, every rank saves the same tensors)."""
+    all-gathered, every rank saves the same tensors). A schedule saves its position
+    (`last_epoch`, `_step_count`): the rate itself is in the optimizer's param groups, but a
+    fresh scheduler would compute the next one from step 0 (LinearLR's warmup restarts)."""
     mine = torch.get_rng_state()
     states = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(states, mine)  # gloo and the CPU generator: CPU tensors
@@ -150,12 +155,15 @@ def trainer_state(step: int, data_position: int, scaler, device: torch.device) -
     if scaler is not None:
         out["loss_scale.scale"] = torch.tensor([float(scaler.get_scale())], dtype=torch.float32)
         out["loss_scale.growth_tracker"] = torch.tensor([scaler._get_growth_tracker()], dtype=torch.int64)
+    if scheduler is not None:
+        out.update(schedule_state(scheduler))
     return out
 
 
-def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int) -> None:
-    """This rank's generator (if the saving run had the rank; else its fresh seed stays) and the
-    loss scaler's state."""
+def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int, scheduler=None) -> None:
+    """This rank's generator (if the saving run had the rank; else its fresh seed stays), the
+    loss scaler's state and the schedule's position (after the optimizer's load: its last rate
+    is the loaded param groups' `lr`)."""
     if "rng" in trainer and rank < trainer["rng"].shape[0]:
         torch.set_rng_state(trainer["rng"][rank].clone())
     if scaler is not None and "loss_scale.scale" in trainer:
@@ -164,6 +172,15 @@ def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int) -> None
                 **scaler.state_dict(),
                 "scale": float(trainer["loss_scale.scale"][0]),
                 "_growth_tracker": int(trainer["loss_scale.growth_tracker"][0]),
+            }
+        )
+    if scheduler is not None and "schedule.last_epoch" in trainer:
+        scheduler.load_state_dict(
+            {
+                **scheduler.state_dict(),
+                "last_epoch": int(trainer["schedule.last_epoch"][0]),
+                "_step_count": int(trainer["schedule.step_count"][0]),
+                "_last_lr": [float(g["lr"]) for g in scheduler.optimizer.param_groups],
             }
         )
 
