@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp_verify.training.optim import schedule_state
@@ -87,7 +88,16 @@ class Checkpointer:
         return model_sd
 
     def planner(self):
-        return None  # DCP's default: every key must be in the checkpoint
+        """DCP's default (every key must be in the checkpoint) without `flatten_sharded_tensors`
+        (for nested 2-D ShardedTensors; FSDP1's are 1-D). With it, an FSDP1 rank that holds no
+        shard of a parameter (3 ranks, a 12-element embedding) drops that key from its flattened
+        state; the checkpoint has it, so DCP (torch 2.13 `DefaultLoadPlanner.create_local_plan`)
+        takes the checkpoint for a pre-2.4 one and re-flattens the rank's state the old way, where
+        a dict of no tensors is one key: with SGD without momentum the whole optimizer state dict
+        (param groups only) became the key `optim`, "Missing key in checkpoint state_dict: optim."
+        (tests/regressions/bc1e889bcc2f.json; likely also the nested `param_groups` of
+        3c4190828ef8). Kept, the key holds an empty ShardedTensor and reads nothing."""
+        return DefaultLoadPlanner(flatten_sharded_tensors=False)
 
     def set(self, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True) -> None:
         options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
