@@ -57,6 +57,13 @@ def test_a_bad_resume_names_its_field(changes, field):
     assert "resumed run" in str(e.value) or field.startswith("resume")
 
 
+def test_a_schedule_resumes_and_an_unfreeze_step_is_refused():
+    assert mlp_case(2, steps=3, resume_after=1).with_(**{"optim.schedule": "exponential"}).resume_after == 1
+    with pytest.raises(CaseError) as e:
+        mlp_case(2, steps=3, resume_after=1, unfreeze_step=2).with_(**{"model.frozen": ("layers.0.linear.weight",)})
+    assert e.value.field_path in ("unfreeze_step", "model.frozen")
+
+
 def test_check_refuses_a_bad_resume_with_exit_code_2(capsys):
     assert main(["check", "--model", "mlp", "--steps", "2", "--resume-after", "2"]) == 2
     assert "resume_after" in capsys.readouterr().err
@@ -77,8 +84,8 @@ def test_hypothesis_draws_resumes():
 
 
 # ---- the reference: a resume in memory is a copy ------------------------------------------------------
-@pytest.mark.parametrize("engine, schedule", [("fsdp2", None), ("fsdp1", None), ("fsdp2", "linear_warmup")])
-def test_the_reference_through_a_resume_is_the_run_never_stopped(engine, schedule):
+@pytest.mark.parametrize("engine", ["fsdp2", "fsdp1"])
+def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
     """On the same world size and engine the resumed reference gives the records of the run
     without a resume, bit for bit: its hand-over (parameters, buffers, Adam's state with its
     step, the generators, the loss scale) loses nothing. (A hand-over that rebuilt the optimizer
@@ -90,7 +97,7 @@ def test_the_reference_through_a_resume_is_the_run_never_stopped(engine, schedul
         optim=OptimSpec(name="adam"),
         precision=PrecisionSpec(param_dtype="fp16"),
         loss_scaling=LossScaleSpec(growth_interval=1),
-    ).with_(**{"model.dropout": 0.1, "optim.schedule": schedule})
+    ).with_(**{"model.dropout": 0.1})
     plain = train_reference(case)
     resumed = train_reference(case.with_(resume_after=1))
     records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
@@ -98,7 +105,18 @@ def test_the_reference_through_a_resume_is_the_run_never_stopped(engine, schedul
     for k, v in records.items():  # bit for bit; step 3's scaled gradients overflow (NaN) alike
         torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
     assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position", "loss_scale.scale"}
-    assert ((1, "resumed", "schedule.last_epoch") in resumed.records) == (schedule is not None)
+
+
+def test_the_reference_carries_its_lr_schedule_through_a_resume():
+    """LinearLR's warmup goes on where it was: a scheduler built anew at the resume (its
+    `last_epoch` 0) gives step 3 another rate and other parameters."""
+    case = mlp_case(2, steps=3, optim=OptimSpec(name="adam")).with_(**{"optim.schedule": "linear_warmup"})
+    plain, resumed = train_reference(case), train_reference(case.with_(resume_after=1))
+    records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
+    assert records.keys() == plain.records.keys()
+    for k, v in records.items():
+        torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, msg=str(k))
+    assert resumed.records[(1, "resumed", "schedule.last_epoch")].tolist() == [1]
 
 
 # ---- correct engines pass -------------------------------------------------------------------------
