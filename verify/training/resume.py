@@ -4,9 +4,9 @@ and engine the resumed run has.
 
 What a resume must carry beyond the model and the optimizer (Adam's moments and its scalar
 `step`, the lr in its param groups) is the trainer's state: the step it stopped after, the data
-position (how many global batches were consumed), every rank's dropout generator and the loss
-scaler's scale and good-step count. It travels in the same checkpoint as plain tensors under
-`trainer.*` (replicated: DCP keeps one copy).
+position (how many global batches were consumed), every rank's dropout generator, the loss
+scaler's scale and good-step count, and the lr schedule's position. It travels in the same
+checkpoint as plain tensors under `trainer.*` (replicated: DCP keeps one copy).
 
 A resumed rank r takes the generator state saved by rank r; a rank the saving run did not have
 starts from its own fresh seed (`dropout_seed`), as the reference's replay of it does
