@@ -36,7 +36,13 @@ from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import make_optimizer, make_scheduler, optimizer_state, step_scheduler
+from fsdp_verify.training.optim import (
+    make_optimizer,
+    make_scheduler,
+    optimizer_state,
+    schedule_state,
+    step_scheduler,
+)
 from fsdp_verify.training.rng import dropout_states, rng_fingerprint
 from fsdp_verify.zoom.watch import ModuleWatch
 
@@ -214,7 +220,10 @@ class _Run:
                 new.copy_(old)
         params = dict(model.named_parameters())
         optimizer = make_optimizer(after.optim, params.values())
+        scheduler = make_scheduler(after.optim, optimizer, after.steps)  # before the load, as a loop builds it
         optimizer.load_state_dict(self.optimizer.state_dict())
+        if scheduler is not None:
+            scheduler.load_state_dict(self.scheduler.state_dict())
         fresh = dropout_states(after)
         rng_states = [self.rng_states[r] if r < len(self.rng_states) else fresh[r] for r in range(after.world_size)]
         jolt = None
@@ -231,7 +240,7 @@ class _Run:
             model=model,
             params=params,
             optimizer=optimizer,
-            scheduler=None,  # a resume refuses a schedule (Case._validate_resume): none to carry
+            scheduler=scheduler,
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
@@ -253,6 +262,9 @@ class _Run:
             add(step, "resumed", f"optim.{key}", value)
         lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
         add(step, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+        if self.scheduler is not None:
+            for key, value in schedule_state(self.scheduler).items():
+                add(step, "resumed", key, value)
         add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in self.rng_states], dtype=torch.int64))
         add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
         if self.scaler is not None:

@@ -54,6 +54,11 @@ def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
         return f"the loss scaler's {name.split('.', 1)[1]} is not the saved one {where}{values}: the scaler was reset"
     if name == "rng":
         return f"the ranks' generators are not the saved ones {where}: the RNG state was not restored (dropout masks)"
+    if name.startswith("schedule."):
+        return (
+            f"the lr schedule's position ({name.removeprefix('schedule.')}) is not the saved one {where}{values}:"
+            " the scheduler was not restored (a fresh one restarts the schedule)"
+        )
     if name == "lr":
         return f"the learning rate is not the saved one {where}{values}: the lr schedule was not restored"
     if name.startswith("optim.") and name.endswith(".step"):

@@ -27,7 +27,7 @@ from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, with
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import optimizer_state, step_scheduler
+from fsdp_verify.training.optim import optimizer_state, schedule_state, step_scheduler
 from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, trainer_state
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
@@ -44,7 +44,7 @@ class RankContext:
     # (verify/sharded/collect.py); None: through the process group.
     spill_dir: str | None = None
     # A checkpoint and resume (verify/training/resume.py): {"save": DIR} saves after the last
-    # step; {"load": DIR} starts from that checkpoint (the step after its own); {"export": DIR}
+    # step ({"steps": N}: the whole run's steps, which a schedule spans); {"load": DIR} starts from that checkpoint (the step after its own); {"export": DIR}
     # writes the full model as DIR/model.safetensors after the last step (verify/training/export.py).
     resume: dict | None = None
 
@@ -70,7 +70,10 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     view = view_of(sharded)
     params = view.parameters()
     optimizer = view.make_optimizer(case.optim, params)
-    scheduler = view.make_scheduler(optimizer, case.optim, case.steps)
+    # The schedule spans the whole run: the run up to a save has fewer steps than the case
+    # (`{"save": DIR, "steps": N}`), and LinearLR's warmup is over the case's N.
+    schedule_steps = (ctx.resume or {}).get("steps", case.steps)
+    scheduler = view.make_scheduler(optimizer, case.optim, schedule_steps)
     ctx.phase("probes after sharding")
     for probe in probes:
         probe.after_shard(sharded, view)
@@ -117,7 +120,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     items: dict[str, list[list[int]]] = {}
     first, position = 1, 0  # the first step to run; global batches consumed before it
     if ctx.resume is not None and "load" in ctx.resume:
-        first, position = _resume(ctx.resume["load"], case, ctx, view, optimizer, params, scaler, records)
+        first, position = _resume(ctx.resume["load"], ctx, view, (optimizer, scheduler), params, scaler, records)
     for step in range(first, case.steps + 1):
         if step == case.unfreeze_step:
             ctx.phase(f"step {step} unfreeze")
@@ -183,18 +186,19 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         export_safetensors(view.module, ctx.resume["export"])
     if ctx.resume is not None and "save" in ctx.resume:
         ctx.phase(f"step {case.steps} save checkpoint")
-        trainer = trainer_state(case.steps, position, scaler, ctx.device)
+        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler)
         view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
     return dtypes, items
 
 
-def _resume(path, case, ctx, view, optimizer, params, scaler, records) -> tuple[int, int]:
+def _resume(path, ctx, view, optimizers, params, scaler, records) -> tuple[int, int]:
     """Load the checkpoint at `path` into this run's sharding and record the state as loaded
     (phase "resumed", at the step it was saved after: compared exactly, a load is a copy).
     Returns the first step to run and the data position."""
+    optimizer, scheduler = optimizers
     ctx.phase("load checkpoint")
     trainer = view.checkpointer().load(path, optimizer)
-    restore_trainer(trainer, scaler, ctx.rank)
+    restore_trainer(trainer, scaler, ctx.rank, scheduler)
     saved = int(trainer["step"][0])
     position = int(trainer["data_position"][0])
     ctx.phase(f"step {saved} record the loaded state")
@@ -207,6 +211,9 @@ def _resume(path, case, ctx, view, optimizer, params, scaler, records) -> tuple[
     records.tensors(saved, "resumed", {f"optim.{n}": t for n, t in opt.items()})
     lrs = [float(g["lr"]) for g in optimizer.param_groups]
     records.full(saved, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+    if scheduler is not None:
+        for key, value in schedule_state(scheduler).items():
+            records.full(saved, "resumed", key, value)
     records.full(saved, "resumed", "rng", rank_fingerprints(ctx.device))
     records.full(saved, "resumed", "data_position", torch.tensor([position], dtype=torch.int64))
     if scaler is not None:

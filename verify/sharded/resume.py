@@ -29,7 +29,7 @@ def run_resumed(
     first = pool if pool is not None and pool.world_size == before.world_size else get_pool(before.world_size)
     second = get_pool(after.world_size, first.timeout_s) if after.world_size != first.world_size else first
     with tempfile.TemporaryDirectory(prefix="fsdp-verify-checkpoint-", dir=memory_dir()) as where:
-        first.submit(before, {"save": where})
+        first.submit(before, {"save": where, "steps": case.steps})  # the schedule spans them all
         try:
             done = meanwhile()
         except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did

@@ -64,6 +64,14 @@ def step_scheduler(scheduler: torch.optim.lr_scheduler.LRScheduler | None) -> No
         scheduler.step()
 
 
+def schedule_state(scheduler) -> dict[str, torch.Tensor]:
+    """The schedule's position as the checkpoint holds it and the "resumed" record shows it."""
+    return {
+        "schedule.last_epoch": torch.tensor([scheduler.last_epoch], dtype=torch.int64),
+        "schedule.step_count": torch.tensor([scheduler._step_count], dtype=torch.int64),
+    }
+
+
 def foreach_is_exact(params: list[torch.Tensor]) -> bool:
     """Whether the multi-tensor ("foreach") update may run instead of the single-tensor one.
 

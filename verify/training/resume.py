@@ -4,9 +4,9 @@ and engine the resumed run has.
 
 What a resume must carry beyond the model and the optimizer (Adam's moments and its scalar
 `step`, the lr in its param groups) is the trainer's state: the step it stopped after, the data
-position (how many global batches were consumed), every rank's dropout generator and the loss
-scaler's scale and good-step count. It travels in the same checkpoint as plain tensors under
-`trainer.*` (replicated: DCP keeps one copy).
+position (how many global batches were consumed), every rank's dropout generator, the loss
+scaler's scale and good-step count, and the lr schedule's position. It travels in the same
+checkpoint as plain tensors under `trainer.*` (replicated: DCP keeps one copy).
 
 A resumed rank r takes the generator state saved by rank r; a rank the saving run did not have
 starts from its own fresh seed (`dropout_seed`), as the reference's replay of it does
@@ -23,8 +23,10 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
+from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp_verify.training.optim import schedule_state
 from fsdp_verify.training.rng import rng_fingerprint
 
 # What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
@@ -86,7 +88,16 @@ class Checkpointer:
         return model_sd
 
     def planner(self):
-        return None  # DCP's default: every key must be in the checkpoint
+        """DCP's default (every key must be in the checkpoint) without `flatten_sharded_tensors`
+        (for nested 2-D ShardedTensors; FSDP1's are 1-D). With it, an FSDP1 rank that holds no
+        shard of a parameter (3 ranks, a 12-element embedding) drops that key from its flattened
+        state; the checkpoint has it, so DCP (torch 2.13 `DefaultLoadPlanner.create_local_plan`)
+        takes the checkpoint for a pre-2.4 one and re-flattens the rank's state the old way, where
+        a dict of no tensors is one key: with SGD without momentum the whole optimizer state dict
+        (param groups only) became the key `optim`, "Missing key in checkpoint state_dict: optim."
+        (tests/regressions/bc1e889bcc2f.json; likely also the nested `param_groups` of
+        3c4190828ef8). Kept, the key holds an empty ShardedTensor and reads nothing."""
+        return DefaultLoadPlanner(flatten_sharded_tensors=False)
 
     def set(self, optimizer, model_sd: dict, optim_sd: dict, strict: bool = True) -> None:
         options = StateDictOptions(strict=strict, flatten_optimizer_state_dict=True)
@@ -136,9 +147,13 @@ def trainer_template(path: str) -> dict[str, torch.Tensor]:
     return out
 
 
-def trainer_state(step: int, data_position: int, scaler, device: torch.device) -> dict[str, torch.Tensor]:
+def trainer_state(
+    step: int, data_position: int, scaler, device: torch.device, scheduler=None
+) -> dict[str, torch.Tensor]:
     """What this run saves beside model and optimizer (a collective: the ranks' generators are
-    all-gathered, every rank saves the same tensors)."""
+    all-gathered, every rank saves the same tensors). A schedule saves its position
+    (`last_epoch`, `_step_count`): the rate itself is in the optimizer's param groups, but a
+    fresh scheduler would compute the next one from step 0 (LinearLR's warmup restarts)."""
     mine = torch.get_rng_state()
     states = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(states, mine)  # gloo and the CPU generator: CPU tensors
@@ -150,12 +165,15 @@ def trainer_state(step: int, data_position: int, scaler, device: torch.device) -
     if scaler is not None:
         out["loss_scale.scale"] = torch.tensor([float(scaler.get_scale())], dtype=torch.float32)
         out["loss_scale.growth_tracker"] = torch.tensor([scaler._get_growth_tracker()], dtype=torch.int64)
+    if scheduler is not None:
+        out.update(schedule_state(scheduler))
     return out
 
 
-def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int) -> None:
-    """This rank's generator (if the saving run had the rank; else its fresh seed stays) and the
-    loss scaler's state."""
+def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int, scheduler=None) -> None:
+    """This rank's generator (if the saving run had the rank; else its fresh seed stays), the
+    loss scaler's state and the schedule's position (after the optimizer's load: its last rate
+    is the loaded param groups' `lr`)."""
     if "rng" in trainer and rank < trainer["rng"].shape[0]:
         torch.set_rng_state(trainer["rng"][rank].clone())
     if scaler is not None and "loss_scale.scale" in trainer:
@@ -164,6 +182,15 @@ def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int) -> None
                 **scaler.state_dict(),
                 "scale": float(trainer["loss_scale.scale"][0]),
                 "_growth_tracker": int(trainer["loss_scale.growth_tracker"][0]),
+            }
+        )
+    if scheduler is not None and "schedule.last_epoch" in trainer:
+        scheduler.load_state_dict(
+            {
+                **scheduler.state_dict(),
+                "last_epoch": int(trainer["schedule.last_epoch"][0]),
+                "_step_count": int(trainer["schedule.step_count"][0]),
+                "_last_lr": [float(g["lr"]) for g in scheduler.optimizer.param_groups],
             }
         )
 

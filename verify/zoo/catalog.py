@@ -474,6 +474,14 @@ ZOO += [
         ("resumed",),
         pins=dict(_RESUME),
     ),
+    ZooBug(
+        "scheduler_not_restored_on_resume",
+        _mutant("scheduler_not_restored_on_resume"),
+        "resumes with a fresh lr scheduler: the schedule restarts from step 0",
+        "scheduler.state_dict() left out of the checkpoint (issue 29)",
+        ("resumed",),
+        pins={**_RESUME, "optim.schedule": st.sampled_from(("exponential", "linear_warmup"))},
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

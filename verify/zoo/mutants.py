@@ -744,9 +744,20 @@ class _DataPositionReset(Checkpointer):
         return {**trainer, "data_position": torch.zeros_like(trainer["data_position"])}
 
 
+class _SchedulerNotRestored(Checkpointer):
+    """Loads everything but the learning-rate schedule's position: the resumed scheduler is a
+    fresh one at step 0 (the loop saved `optimizer.state_dict()` but not
+    `scheduler.state_dict()`). The loaded lr is right; the next ones are the schedule's from
+    the start (LinearLR's warmup restarts)."""
+
+    def after_load(self, optimizer, trainer):
+        return {k: v for k, v in trainer.items() if not k.startswith("schedule.")}
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
 rng_not_restored_on_resume = _resuming(_RngNotRestored)
 loss_scale_reset_on_resume = _resuming(_LossScaleReset)
 data_position_reset_on_resume = _resuming(_DataPositionReset)
+scheduler_not_restored_on_resume = _resuming(_SchedulerNotRestored)
