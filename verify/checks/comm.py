@@ -133,15 +133,20 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) 
     return set(units) - unreached
 
 
-def held_after_backward(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
-    """Under `reshard_after_backward_last`, the units a non-last micro-batch's backward leaves
-    unsharded (see the module docstring): every unit if none is resharded after forward, else
-    each unit no backward skips (without the memory record: every unit)."""
+def held_after_backward(
+    case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace, step: int = 1
+) -> set[str]:
+    """Under `reshard_after_backward_last`, the units a non-last micro-batch's backward of `step`
+    leaves unsharded (see the module docstring): every unit if none is resharded after forward,
+    else each unit no backward skips (without the memory record: every unit). From
+    `unfreeze_step` on, the frozen units train, so backward runs through every unit (a fresh-seed
+    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there)."""
     from fsdp_verify.probes.memory import forward_facts
 
     rsf = case.reshard_after_forward
     facts = forward_facts(got)
-    if rsf is False or (rsf is not True and rsf == 1) or facts is None:  # True == 1 in Python
+    unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
+    if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen:  # True == 1 in Python
         return set(units)
     return set(units) - facts[1]
 
@@ -172,7 +177,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             replicas_synced = synced and (last or not getattr(case, "replica_sync_last", False))
             # reshard_after_backward_last: the units the previous micro-batch's backward left unsharded
             kept = m > 0 and getattr(case, "reshard_after_backward_last", False)
-            held = held_after_backward(case, units, got) if kept else set()
+            held = held_after_backward(case, units, got, step) if kept else set()
             for unit, params in units.items():
                 name = unit or "<root>"
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)

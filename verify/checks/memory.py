@@ -77,6 +77,7 @@ class Budget:
     unsharded_grads: int  # the full gradients of the parameters with one
     shard: int
     held_between: frozenset[str] = frozenset()  # reshard_after_backward_last: held into micro-batch m > 0
+    held_unfrozen: frozenset[str] = frozenset()  # the same from `unfreeze_step` on
 
     @property
     def per_rank(self) -> int:
@@ -94,12 +95,13 @@ class Budget:
             return 0
         return sum(self.unsharded_by_unit.get(u, 0) // rsf for u in set(rec.get("no_backward", [])))
 
-    def allowed_after(self, case: Case, unit: str, done: list[str], microbatch: int = 0) -> int:
+    def allowed_after(self, case: Case, unit: str, done: list[str], microbatch: int = 0, step: int = 1) -> int:
         """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
         finished before it in this micro-batch."""
         live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
         if microbatch > 0:  # still unsharded from the previous backward, their forward to come
-            live |= self.held_between - set(done) - {unit}
+            unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
+            live |= (self.held_unfrozen if unfrozen else self.held_between) - set(done) - {unit}
         rsf = case.reshard_after_forward
         if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
             live |= set(done) | {unit}
@@ -127,10 +129,11 @@ def budget(case: Case, got: Trace) -> Budget:
     # Adagrad creates its state for every parameter when it is built, frozen ones included;
     # the others on a parameter's first gradient.
     optim = optimizer_states(case.optim) * (sharded if case.optim.name == "adagrad" else grads)
-    held: frozenset[str] = frozenset()
+    held = unfrozen = frozenset()
     if getattr(case, "reshard_after_backward_last", False):
         held = frozenset(held_after_backward(case, units, got))
-    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held)
+        unfrozen = frozenset(units)  # backward runs through every unit once nothing is frozen
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen)
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -231,7 +234,7 @@ def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, 
         if where.startswith(prefix):
             unit = where.removeprefix(prefix)
             unit = "" if unit == "<root>" else unit
-            allowed = b.allowed_after(case, unit, done, m)
+            allowed = b.allowed_after(case, unit, done, m, step)
             done.append(unit)
             out.append((step, m, where, held, shapes, allowed, unit or "<root>"))
         else:
