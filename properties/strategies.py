@@ -482,6 +482,10 @@ def _cases(
         "unfreeze_step": field(
             "unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None)
         ),
+        # Drawn after the rest, so a seed's earlier draws stay what they were.
+        "reshard_after_backward_last": field(
+            "reshard_after_backward_last", st.booleans() if pins.get("step") is None else st.just(False)
+        ),
     }
     try:
         return Case(**values)
@@ -644,13 +648,18 @@ def _shard1_takes(rsf: bool | int, shard: int) -> bool:
 
 
 def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
-    """fully_shard's knobs (offload, shard_placement) pinned off for an engine that cannot take
+    """fully_shard's knobs (offload, shard_placement, ...) pinned off for an engine that cannot take
     them; a pin that asks one for them is refused now, naming the field."""
     from fsdp_verify.engines import engine_capabilities
 
     if engine_capabilities(engine).shard_knobs:
         return pins
-    off = {"offload": False, "shard_placement": "dim0", "replica_sync_last": False}
+    off = {
+        "offload": False,
+        "shard_placement": "dim0",
+        "replica_sync_last": False,
+        "reshard_after_backward_last": False,
+    }
     for name, value in off.items():
         given = pins.get(name, value)
         if not isinstance(given, SearchStrategy) and given != value:

@@ -13,7 +13,7 @@ from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
-from tests.conftest import lm_case, mlp_case
+from tests.conftest import lm_case, mlp_case, regression
 
 MESHES = [(1, None), (2, None), (3, None), (4, None), (4, (2, 2))]
 ADAM = OptimSpec(name="adam")
@@ -64,7 +64,9 @@ def test_the_knobs_mutant_is_caught_only_with_the_knob(fsdp_check, mutant, on, o
 
 
 @pytest.mark.parametrize("engine", ["fsdp1", "flat", "fsdp_verify.zoo.mutants:fsdp1_hybrid_replicas_not_reduced"])
-@pytest.mark.parametrize(("field", "value"), [("offload", True), ("shard_placement", "dim1")])
+@pytest.mark.parametrize(
+    ("field", "value"), [("offload", True), ("shard_placement", "dim1"), ("reshard_after_backward_last", True)]
+)
 def test_engines_without_the_knobs_refuse_them(engine, field, value):
     with pytest.raises(CaseError, match=rf"^{field}: expected .*engine '{engine}' has no fully_shard {field}"):
         refuse_untakeable(mlp_case(2, engine=engine, **{field: value}))
@@ -109,7 +111,7 @@ def test_offload_contract_names_sharded_state_off_the_cpu():
 @settings(max_examples=25, deadline=None, database=None)
 @given(cases(engine="fsdp1", world_sizes=(2,)))
 def test_an_engine_without_the_knobs_is_never_drawn_them(case):
-    assert (case.offload, case.shard_placement) == (False, "dim0")
+    assert (case.offload, case.shard_placement, case.reshard_after_backward_last) == (False, "dim0", False)
 
 
 def test_fsdp2_draws_the_knobs():
@@ -163,3 +165,63 @@ def test_drawn_cases_never_combine_shard1_with_an_int_reshard(case):
     rsf = case.reshard_after_forward
     if case.shard_placement != "dim0" and not isinstance(rsf, bool):
         assert not 1 < rsf < case.mesh[-1]
+
+
+# ---- reshard_after_backward_last (issue 28, item 3): unsharded parameters kept between micro-batches ----
+@pytest.mark.parametrize(("world", "mesh"), MESHES)
+def test_keeping_parameters_unsharded_between_microbatches_is_bit_exact(fsdp_check, world, mesh):
+    """`set_reshard_after_backward(False)` before all but the last micro-batch: the numbers are
+    the reference's unchanged; the comm contract expects no forward all-gather after the first
+    micro-batch and the memory contract allows the units the previous backward left unsharded
+    (without the model of either, both flag it)."""
+    verdict = fsdp_check(_knob_case(world, mesh, reshard_after_backward_last=True, microbatches=3), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    assert {"comm", "memory"} <= {f.phase for f in verdict.findings}
+
+
+@pytest.mark.parametrize("rsf", [True, False, 2])
+def test_kept_unsharded_beside_a_frozen_embedding_no_backward_reaches(fsdp_check, rsf):
+    """A frozen embedding fed token ids (tests/regressions/8608cf484d42.json, 4 ranks): its own
+    backward never runs, so the next micro-batch's forward all-gathers it again (True: though
+    the implicit prefetch gathered it in backward; 2: over the 2 ranks of its post-forward
+    shards), and under reshard_after_forward False every unit stays unsharded. Without
+    `held_after_backward` the comm contract flagged the first two (an all-gather of 32 B)."""
+    case = regression("8608cf484d42").with_(
+        microbatches=3,
+        sync_every_microbatch=True,
+        reshard_after_forward=rsf,
+        reshard_after_backward_last=True,
+        **{"data.batch_size": 12},
+    )
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
+def test_kept_unsharded_once_a_frozen_embedding_is_unfrozen(fsdp_check):
+    """A sweep's false alarm (tests/regressions/1f5d560296b7.json): unfrozen at step 2, the
+    embedding's own backward runs, so it is held between micro-batches from then on."""
+    verdict = fsdp_check(regression("1f5d560296b7"), calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize(
+    ("mutant", "phase"),
+    [("unsharded_kept_after_the_last_backward", "grads"), ("reshard_after_backward_ignored", "comm")],
+)
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
+def test_reshard_after_backward_mutants_are_caught(fsdp_check, mutant, phase, world, mesh):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    caught = fsdp_check(_knob_case(world, mesh, reshard_after_backward_last=True, microbatches=3, engine=engine))
+    assert not caught.ok
+    assert caught.first_divergence.phase == phase, caught.summary()
+    assert fsdp_check(_knob_case(world, mesh, microbatches=3, engine=engine)).ok  # the knob off: the correct engine
+
+
+def test_reshard_after_backward_last_is_a_flag_and_drawn():
+    with pytest.raises(CaseError, match=r"^reshard_after_backward_last: expected true or false"):
+        mlp_case(2, reshard_after_backward_last="yes")
+    assert "reshard_after_backward_last" not in Case().to_dict()
+    assert Case(reshard_after_backward_last=True).hash != Case().hash
+    found = find(cases(world_sizes=(2,)), lambda c: c.reshard_after_backward_last and c.microbatches > 1)
+    assert found.reshard_after_backward_last

@@ -267,6 +267,11 @@ class Case:
     # so each replica reduce-scatters every micro-batch and the replicas all-reduce once, on the
     # last (FSDP2 keeps the partial sums in reduce_dtype meanwhile). A 1-D mesh has no replicas.
     replica_sync_last: bool = False
+    # Accumulation that keeps parameters unsharded: `set_reshard_after_backward(False)` before
+    # every micro-batch but the last, so a unit's backward leaves it unsharded and the next
+    # micro-batch's forward all-gathers nothing for it (True again on the last, so the optimizer
+    # steps sharded parameters). Numbers unchanged; traffic and what is held between change.
+    reshard_after_backward_last: bool = False
 
     # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
     # names are frozen for the steps before this one and trained from it on (a fine-tuning
@@ -290,6 +295,7 @@ class Case:
         "offload",
         "shard_placement",
         "replica_sync_last",
+        "reshard_after_backward_last",
         "zoom",
         "unfreeze_step",
         "resume_after",
@@ -441,6 +447,19 @@ class Case:
                 self.step is None,
                 "replica_sync_last",
                 "false with a user's step (--step calls set_requires_all_reduce itself, if it does)",
+                True,
+            )
+        check(
+            isinstance(self.reshard_after_backward_last, bool),
+            "reshard_after_backward_last",
+            "true or false",
+            self.reshard_after_backward_last,
+        )
+        if self.reshard_after_backward_last:
+            check(
+                self.step is None,
+                "reshard_after_backward_last",
+                "false with a user's step (--step calls set_reshard_after_backward itself, if it does)",
                 True,
             )
 

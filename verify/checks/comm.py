@@ -17,7 +17,15 @@ parameters at once. The backward all-gather is absent for a unit kept unsharded 
 the reduce-scatter (and HSDP all-reduce) happens on every micro-batch when syncing every
 micro-batch, else on the last only; under `replica_sync_last` (HSDP's `set_requires_all_reduce(False)`
 before all but the last micro-batch) the all-reduce on the last only. Under `shard_placement`
-a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by construction).
+a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by construction). Under
+`reshard_after_backward_last` (`set_reshard_after_backward(False)` before all but the last
+micro-batch) a unit unsharded when a non-last micro-batch's backward ends stays so, and the next
+micro-batch's forward all-gathers nothing for it (`FSDPParamGroup.unshard` returns on
+`is_unsharded`): the units whose own pre-backward hook unsharded them, or, kept unsharded after
+forward (reshard_after_forward False or 1), every unit (`held_after_backward`). A unit no
+backward runs through is all-gathered again, even when the implicit prefetch gathered it in
+backward (never copied out); under an int k it is still in its post-forward shards, so over k
+ranks, not S (measured, torch 2.13: tests/test_fsdp2_knobs.py, the frozen embedding).
 
 Degenerate meshes, as torch 2.13 issues them (measured with the probe; `FSDPParamGroup.unshard`
 and `foreach_reduce`): at S = 1 ((W, 1), world size 1) no all-gather or reduce-scatter: both
@@ -125,6 +133,24 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) 
     return set(units) - unreached
 
 
+def held_after_backward(
+    case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace, step: int = 1
+) -> set[str]:
+    """Under `reshard_after_backward_last`, the units a non-last micro-batch's backward of `step`
+    leaves unsharded (see the module docstring): every unit if none is resharded after forward,
+    else each unit no backward skips (without the memory record: every unit). From
+    `unfreeze_step` on, the frozen units train, so backward runs through every unit (a fresh-seed
+    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there)."""
+    from fsdp_verify.probes.memory import forward_facts
+
+    rsf = case.reshard_after_forward
+    facts = forward_facts(got)
+    unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
+    if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen:  # True == 1 in Python
+        return set(units)
+    return set(units) - facts[1]
+
+
 def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     """What FSDP2 issues for this case on every rank (see the table above)."""
     replicas, shard = (case.mesh[0], case.mesh[1]) if len(case.mesh) == 2 else (1, case.mesh[0])
@@ -149,13 +175,19 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             synced = case.sync_every_microbatch or last
             # replica_sync_last: the replicas' all-reduce only on the last micro-batch
             replicas_synced = synced and (last or not getattr(case, "replica_sync_last", False))
+            # reshard_after_backward_last: the units the previous micro-batch's backward left unsharded
+            kept = m > 0 and getattr(case, "reshard_after_backward_last", False)
+            held = held_after_backward(case, units, got, step) if kept else set()
             for unit, params in units.items():
                 name = unit or "<root>"
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
                 grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
                 if shard > 1 and shards:
                     gathered = shard * shards * _size(param_dtype)
-                    out.append(Collective(step, m, "forward", "all_gather", param_dtype, shard, gathered, name))
+                    if unit not in held:
+                        # a unit left in its post-forward shards (int k) is gathered over k
+                        group = backward_group if kept and backward_group else shard
+                        out.append(Collective(step, m, "forward", "all_gather", param_dtype, group, gathered, name))
                     if backward_group is not None and unit in reached:
                         out.append(
                             Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)

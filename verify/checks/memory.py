@@ -27,7 +27,11 @@ construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `o
 state must be found on the CPU (`offload_findings`; the probe records their device types).
 Under `replica_sync_last` FSDP2 keeps each unit's reduce-scattered partial sum between
 micro-batches (reduce_dtype, the unit's shards with gradients), freed on the last micro-batch:
-nothing more at the judged boundaries.
+nothing more at the judged boundaries. Under `reshard_after_backward_last` the units a non-last
+micro-batch's backward left unsharded (verify/checks/comm.py `held_after_backward`: those whose
+own backward ran, or every unit when kept unsharded after forward) stay unsharded into the next micro-batch until their own
+forward reshards them: after unit u's forward there, every such unit whose forward has not run
+yet is allowed too; after the optimizer step nothing (the last backward reshards).
 
 S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
 (fp32 master weights). A finding names the boundary and the unit when more is held: an engine
@@ -45,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_verify.case import Case, OptimSpec
-from fsdp_verify.checks.comm import _size, params_by_unit, placement_dims
+from fsdp_verify.checks.comm import _size, held_after_backward, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
@@ -72,6 +76,8 @@ class Budget:
     unsharded_total: int  # the whole model unsharded, in its own dtype (what one device would hold)
     unsharded_grads: int  # the full gradients of the parameters with one
     shard: int
+    held_between: frozenset[str] = frozenset()  # reshard_after_backward_last: held into micro-batch m > 0
+    held_unfrozen: frozenset[str] = frozenset()  # the same from `unfreeze_step` on
 
     @property
     def per_rank(self) -> int:
@@ -89,10 +95,13 @@ class Budget:
             return 0
         return sum(self.unsharded_by_unit.get(u, 0) // rsf for u in set(rec.get("no_backward", [])))
 
-    def allowed_after(self, case: Case, unit: str, done: list[str]) -> int:
+    def allowed_after(self, case: Case, unit: str, done: list[str], microbatch: int = 0, step: int = 1) -> int:
         """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
         finished before it in this micro-batch."""
         live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
+        if microbatch > 0:  # still unsharded from the previous backward, their forward to come
+            unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
+            live |= (self.held_unfrozen if unfrozen else self.held_between) - set(done) - {unit}
         rsf = case.reshard_after_forward
         if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
             live |= set(done) | {unit}
@@ -120,7 +129,11 @@ def budget(case: Case, got: Trace) -> Budget:
     # Adagrad creates its state for every parameter when it is built, frozen ones included;
     # the others on a parameter's first gradient.
     optim = optimizer_states(case.optim) * (sharded if case.optim.name == "adagrad" else grads)
-    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard)
+    held = unfrozen = frozenset()
+    if getattr(case, "reshard_after_backward_last", False):
+        held = frozenset(held_after_backward(case, units, got))
+        unfrozen = frozenset(units)  # backward runs through every unit once nothing is frozen
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen)
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -221,7 +234,7 @@ def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, 
         if where.startswith(prefix):
             unit = where.removeprefix(prefix)
             unit = "" if unit == "<root>" else unit
-            allowed = b.allowed_after(case, unit, done)
+            allowed = b.allowed_after(case, unit, done, m, step)
             done.append(unit)
             out.append((step, m, where, held, shapes, allowed, unit or "<root>"))
         else:

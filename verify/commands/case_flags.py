@@ -408,6 +408,16 @@ FLAGS: tuple[Flag, ...] = (
         const=True,
     ),
     Flag(
+        "--reshard-after-backward-last",
+        "reshard_after_backward_last",
+        LOOP,
+        "FSDP2 set_reshard_after_backward(False) before every micro-batch but the last (parameters kept"
+        " unsharded between micro-batches: no forward all-gather after the first)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
         "--activation-checkpointing",
         "activation_checkpointing",
         LOOP,

@@ -27,7 +27,8 @@ class Capabilities:
     # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
-    # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`): FSDP1 and the flat
+    # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`,
+    # `reshard_after_backward_last`): FSDP1 and the flat
     # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
     shard_knobs: bool = True
     # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
@@ -52,7 +53,12 @@ class Capabilities:
                 "precision.output_dtype", f"null: engine {engine!r} has no output_dtype", case.precision.output_dtype
             )
         if not self.shard_knobs:
-            for name, off in (("offload", False), ("shard_placement", "dim0"), ("replica_sync_last", False)):
+            for name, off in (
+                ("offload", False),
+                ("shard_placement", "dim0"),
+                ("replica_sync_last", False),
+                ("reshard_after_backward_last", False),
+            ):
                 if getattr(case, name) != off:
                     raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))
         if not self.unfreezes and case.unfreeze_step is not None:

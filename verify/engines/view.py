@@ -116,6 +116,10 @@ class EngineView:
         """HSDP's replica all-reduce on or off for the next backward (`replica_sync_last`)."""
         self.module.set_requires_all_reduce(all_reduce)
 
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        """Whether the next backward reshards each unit (`reshard_after_backward_last`)."""
+        self.module.set_reshard_after_backward(reshard)
+
 
 DTensorView = EngineView
 

@@ -136,6 +136,8 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
                 view.set_requires_gradient_sync(m == len(slices) - 1)
             if case.replica_sync_last:
                 view.set_requires_all_reduce(m == len(slices) - 1)
+            if case.reshard_after_backward_last:
+                view.set_reshard_after_backward(m == len(slices) - 1)
             ctx.phase(f"step {step} forward (micro-batch {m})")
             for probe in probes:
                 probe.before_forward(step, m)

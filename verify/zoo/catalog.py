@@ -375,6 +375,24 @@ ZOO: list[ZooBug] = [
             "replica_sync_last": True,
         },
     ),
+    ZooBug(
+        "unsharded_kept_after_the_last_backward",
+        _mutant("unsharded_kept_after_the_last_backward"),
+        "accumulation that stops resharding after backward and never starts again: every unit unsharded"
+        " after the optimizer step, stale in the next step's forward",
+        "issue 28: set_reshard_after_backward(False) for accumulation, never turned back on",
+        ("grads", "memory"),
+        pins={**_CHEAP, "microbatches": _MICROBATCHES, "reshard_after_backward_last": True},
+    ),
+    ZooBug(
+        "reshard_after_backward_ignored",
+        _mutant("reshard_after_backward_ignored"),
+        "parameters kept unsharded between micro-batches asked for, but every backward reshards and every"
+        " forward all-gathers again",
+        "issue 28: set_reshard_after_backward never called; the same numbers, the saved all-gathers on the wire",
+        ("comm",),
+        pins={**_CHEAP, "microbatches": _MICROBATCHES, "reshard_after_backward_last": True},
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only

@@ -558,6 +558,38 @@ def replica_all_reduce_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec
     return model
 
 
+class _ReshardAfterBackwardView(EngineView):
+    """`set_reshard_after_backward` as a faulty loop calls it: `never` leaves it off on the last
+    micro-batch too, else it is ignored (every backward reshards)."""
+
+    def __init__(self, module: nn.Module, never: bool):
+        super().__init__(module)
+        self.never = never
+
+    def set_reshard_after_backward(self, reshard: bool) -> None:
+        if self.never:
+            self.module.set_reshard_after_backward(False)
+
+
+def unsharded_kept_after_the_last_backward(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Accumulation that turns resharding after backward off and never back on
+    (`set_reshard_after_backward(False)` outside the loop): every unit is still unsharded after
+    the optimizer step, a full copy per rank, and stale: the next step's forward, which gathers
+    nothing, computes with the parameters before the step."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReshardAfterBackwardView(model, never=True)
+    return model
+
+
+def reshard_after_backward_ignored(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Parameters kept unsharded between micro-batches asked for (`reshard_after_backward_last`)
+    but `set_reshard_after_backward` never called: every backward reshards and every forward
+    all-gathers again. The same numbers; the all-gathers the knob exists to save, on the wire."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _ReshardAfterBackwardView(model, never=False)
+    return model
+
+
 # ---- optimizers, schedules, what is trained (docs/optimizers-and-schedules.md) --------------------
 class _SchedulerTwiceView(EngineView):
     def make_scheduler(self, optimizer, spec, steps):
