@@ -45,3 +45,20 @@ def test_dtensor_caches_cleared_without_the_planner_cache(monkeypatch):
     monkeypatch.setattr(debug, "_clear_sharding_prop_cache", lambda: cleared.append("sharding"))
     clear_dtensor_caches()
     assert cleared == ["sharding"]
+
+
+def test_every_private_name_is_there_in_this_torch():
+    from fsdp_verify.torch_support import missing_private_names
+
+    assert missing_private_names() == []
+
+
+def test_a_torch_without_a_private_name_is_refused_naming_it(monkeypatch, capsys):
+    """A release that renamed one of them: exit 2 before any rank starts, the name and its use said."""
+    import torch.distributed.tensor._utils as utils
+
+    monkeypatch.delattr(utils, "compute_local_shape_and_global_offset")
+    assert main(["check", "--steps", "1"]) == 2
+    err = capsys.readouterr().err
+    assert "lacks what fsdp-verify reaches for" in err
+    assert "torch.distributed.tensor._utils.compute_local_shape_and_global_offset (the Recorder's" in err

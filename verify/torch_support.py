@@ -23,12 +23,49 @@ def _release(version: str) -> tuple[int, int]:
     return (int(m.group(1)), int(m.group(2))) if m else (0, 0)
 
 
+# The private torch names the toolkit needs, feature-tested before any rank starts: (module,
+# attribute, what needs it). A name missing from a release is bad input naming the release and
+# the name, not an ImportError on every rank. Private names with a fallback (the DTensor caches
+# below, FSDP2's `_fsdp_param_groups` read with getattr, the zoom's dispatch mode) are not listed.
+PRIVATE_NAMES: tuple[tuple[str, str, str], ...] = (
+    ("torch.utils._pytree", "tree_flatten", "the reference's and the flat engine's argument handling"),
+    ("torch.utils._pytree", "tree_leaves", "the memory probe"),
+    ("torch.distributed._functional_collectives", "all_reduce", "the communication probe"),
+    ("torch.distributed.tensor._dtensor_spec", "DTensorSpec", "the memory probe"),
+    ("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset", "the Recorder's shard offsets"),
+    ("torch.distributed.fsdp._common_utils", "clean_tensor_name", "the fsdp1 engine's parameter names"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultReduceScatter", "the bug zoo's comm mutants"),
+    ("torch.distributed.fsdp._fully_shard._fsdp_collectives", "DefaultAllGather", "the bug zoo's comm mutants"),
+    ("torch.distributed.fsdp", "FSDPModule._get_fsdp_state", "FSDP2's units (ownership, contracts)"),
+    ("torch.autograd", "_unsafe_preserve_version_counter", "the flat engine's parameter views"),
+    ("torch._C", "_current_graph_task_id", "the flat engine's backward hooks"),
+)
+
+
+def missing_private_names() -> list[str]:
+    """The PRIVATE_NAMES this torch lacks, each as 'module.attribute (what needs it)'."""
+    import importlib
+
+    missing = []
+    for module, attribute, user in PRIVATE_NAMES:
+        try:
+            found = importlib.import_module(module)
+            for part in attribute.split("."):
+                found = getattr(found, part)
+        except (ImportError, AttributeError):
+            missing.append(f"{module}.{attribute} ({user})")
+    return missing
+
+
 def unsupported_torch(version: str | None = None) -> str | None:
     """Why this torch cannot run fsdp-verify, or None when it can."""
     if version is None:
         import torch
 
         version = torch.__version__
+        missing = missing_private_names()
+        if missing:
+            return f"torch {version} lacks what fsdp-verify reaches for: {'; '.join(missing)}"
     if _release(version) < MINIMUM:
         return (
             f"torch {version} is older than the oldest release fsdp-verify supports"
