@@ -14,6 +14,7 @@ import re
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
@@ -21,7 +22,7 @@ from pathlib import Path
 VERSION = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+]*)?$")
 
 
-class EnvironmentError_(Exception):
+class EnvironmentFailed(Exception):
     """An environment that could not be made or does not import fsdp-verify and torch."""
 
 
@@ -58,16 +59,16 @@ def project_requirement() -> list[str]:
 
 
 def probe(python: Path) -> str:
-    """The torch version inside `python`, or an EnvironmentError_ saying what is missing."""
+    """The torch version inside `python`, or an EnvironmentFailed saying what is missing."""
     code = "import torch, fsdp_verify; print(torch.__version__)"
     done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
-        raise EnvironmentError_(f"{python}: cannot import torch and fsdp_verify ({last})")
+        raise EnvironmentFailed(f"{python}: cannot import torch and fsdp_verify ({last})")
     return done.stdout.strip()
 
 
-def ensure(version: str, cache: Path, project: list[str], pip_args: list[str] = (), log=print) -> TorchEnv:
+def ensure(version: str, cache: Path, project: Sequence[str], pip_args: Sequence[str] = (), log=print) -> TorchEnv:
     """The cached environment for torch `version`, made on first use. `pip_args` go to pip as
     they are (`--index-url https://download.pytorch.org/whl/cpu` for CPU builds on a CPU runner)."""
     if not VERSION.match(version):
@@ -77,7 +78,7 @@ def ensure(version: str, cache: Path, project: list[str], pip_args: list[str] = 
     if python.exists():
         try:
             return TorchEnv(version, python, probe(python), root)
-        except EnvironmentError_:  # torch there but not this project (or a half-made venv): pip completes it
+        except EnvironmentFailed:  # torch there but not this project (or a half-made venv): pip completes it
             pass
     start = time.monotonic()
     log(f"gate: making {root} (torch=={version}; a CUDA build is several GB on first use)")
@@ -90,7 +91,7 @@ def ensure(version: str, cache: Path, project: list[str], pip_args: list[str] = 
         done = subprocess.run(cmd, capture_output=True, text=True)
         if done.returncode != 0:
             tail = "\n".join(done.stderr.strip().splitlines()[-5:])  # the venv stays: the next run completes it
-            raise EnvironmentError_(f"torch=={version}: `{' '.join(cmd[2:])}` failed:\n{tail}")
+            raise EnvironmentFailed(f"torch=={version}: `{' '.join(cmd[2:])}` failed:\n{tail}")
     return TorchEnv(version, python, probe(python), root, made_seconds=time.monotonic() - start)
 
 

@@ -127,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         shlex.split(args.sweep_args)  # a quoting error is bad input, before anything is made
         envs = _environments(args)
-    except (ValueError, torch_envs.EnvironmentError_) as e:
+    except (ValueError, torch_envs.EnvironmentFailed) as e:
         return _bad(f"gate: {e}")
     names = [e.name for e in envs]
     if len(set(names)) != len(names):
