@@ -139,6 +139,9 @@ class _Run:
     rng_states: list[torch.Tensor]
     trace: Trace
     watch: ModuleWatch | None = None  # a zoom's probes (verify/zoom/watch.py), on `model`
+    # Where the engine computes on views of each unit's flat buffer, that buffer's layout
+    # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
+    views: _FlatLayout | None = None
 
     @classmethod
     def build(
@@ -193,6 +196,7 @@ class _Run:
             rng_states=rng_states,
             trace=trace,
             watch=watch,
+            views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -250,6 +254,7 @@ class _Run:
             share=None,
             rng_states=rng_states,
             trace=self.trace,
+            views=_FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
         )
 
     def record_resumed(self, step: int) -> None:
@@ -282,14 +287,13 @@ class _Run:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
         # The loss is the mean over the step's real tokens: each (virtual) rank scales its sum.
         loss_factor = global_mean_scale(len(groups[0]), item_count(case, targets))
-        compute = {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
         return _Step(
             step=step,
             inputs=inputs,
             targets=targets,
             groups=groups,
             loss_factor=loss_factor,
-            compute=compute,
+            compute=(compute := self.compute_copies()),
             trainable=[n for n in compute if compute[n].requires_grad],
             logits={},
             rank_loss=[torch.zeros((), dtype=torch.float32) for _ in groups[0]],
@@ -297,6 +301,22 @@ class _Run:
             local_grads=[{} for _ in groups[0]],
             fingerprints={},
         )
+
+    def compute_copies(self) -> dict[str, torch.Tensor]:
+        """The parameters as the forward computes with them, in `param_dtype`: fresh tensors, or,
+        where the engine computes on views of a unit's flat buffer, views of such a buffer at the
+        engine's offsets (a matmul's rounding depends on where its weight starts)."""
+        if self.views is None:
+            return {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
+        compute = {}
+        for slots, padded in self.views.units:
+            buffer = torch.zeros(padded, dtype=self.param_dtype)
+            for n, offset, numel in slots:
+                p = self.params[n]
+                view = buffer[offset : offset + numel].view(p.shape)
+                view.copy_(p.detach())
+                compute[n] = view.detach().requires_grad_(p.requires_grad)
+        return {n: compute[n] for n in self.params}  # in the parameters' order, as above
 
     # ---- forward and backward ---------------------------------------------------------------------
     def rank_passes(self, state: _Step, group: list, m: int = 0) -> dict[int, RankPass]:

@@ -52,6 +52,13 @@ class Arithmetic:
     # and it reduces that running sum again (`_reduce_grad_no_shard`) instead of reducing each
     # micro-batch's gradient alone and adding the results (`reference.trainer._FlatLayout.carry`).
     no_shard_reduces_running_sum: bool = False
+    # "flat" only: the engine computes on views of each unit's unsharded flat buffer, at the
+    # layout's offsets. A matmul's rounding depends on where its operands start (CPU BLAS takes
+    # another kernel path when a row starts off a 16-byte boundary: `x @ W.t()` with W at element
+    # offset 1, 2 or 3 of an fp32 buffer rounds 4 to 10 of 24 outputs otherwise, measured), so the
+    # reference keeps its parameters at the same offsets (`reference.trainer._on_flat_views`).
+    # FSDP1 aligns every start to 16 bytes and computes as on standalone tensors.
+    computes_on_flat_views: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("rows", "flat") or self.unit_order not in ("plan", "preorder"):

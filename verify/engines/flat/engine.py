@@ -36,7 +36,9 @@ def flat_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, collect: Co
 # Units in creation order (the plan's), every trainable parameter's (maybe empty) shard view has
 # a gradient, and, like FSDP2, an identity node on unit inputs (verify/engines/flat/unit.py).
 # It sums the gradients in reduce_dtype and divides the sum by the world size (no pre-divide).
-flat_engine.arithmetic = Arithmetic(layout="flat", unit_order="plan", empty_pieces_in_norm=True, predivide="never")
+flat_engine.arithmetic = Arithmetic(
+    layout="flat", unit_order="plan", empty_pieces_in_norm=True, predivide="never", computes_on_flat_views=True
+)
 flat_engine.contracts = Contracts(
     comm=False, memory=False, why="the flat engine gathers one padded FlatParameter per unit: not FSDP2's model"
 )
