@@ -26,6 +26,7 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
+    GRAD_REDUCTIONS,
     OPTIMIZERS,
     SCHEDULES,
     Case,
@@ -486,6 +487,10 @@ def _cases(
         "reshard_after_backward_last": field(
             "reshard_after_backward_last", st.booleans() if pins.get("step") is None else st.just(False)
         ),
+        # A SUM reduction with each rank's loss divided by the world size (a user's step scales its own).
+        "grad_reduction": field(
+            "grad_reduction", st.sampled_from(GRAD_REDUCTIONS) if pins.get("step") is None else st.just("avg")
+        ),
     }
     try:
         return Case(**values)
@@ -659,6 +664,7 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         "shard_placement": "dim0",
         "replica_sync_last": False,
         "reshard_after_backward_last": False,
+        "grad_reduction": "avg",
     }
     for name, value in off.items():
         given = pins.get(name, value)

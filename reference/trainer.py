@@ -171,7 +171,7 @@ class _Run:
         param_dtype = to_torch(case.precision.param_dtype) or torch.float32
         reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
         # The engine's own division of the average (every order: a division, not a summation order).
-        divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
+        divide = _divide_factors(case, arithmetic, reduce_dtype, case.world_size)
         # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
         rng_states = dropout_states(case)
         scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -244,7 +244,7 @@ class _Run:
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
-            divide=arithmetic.divide_factors(self.reduce_dtype, after.world_size),
+            divide=_divide_factors(after, arithmetic, self.reduce_dtype, after.world_size),
             jolt=jolt,
             scaler=self.scaler,
             share=None,
@@ -330,7 +330,11 @@ class _Run:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
-        backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
+        if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
+            summed = loss / len(state.groups[0])
+        else:
+            summed = loss
+        backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
         grads = torch.autograd.grad(
@@ -595,7 +599,9 @@ def _hsdp_average(
     partial_reduce_output`), then all-reduces the sum."""
     replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
     pre, post = divide
-    staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
+    # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
+    # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
+    staged = pre == 1 and post != 1
     units: dict[str, list[str]] = {}
     for n in rank_grads[0]:
         units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
@@ -636,6 +642,16 @@ def _hsdp_average(
             out[n] = block[:rows].reshape(shape)
             offset += chunk * width
     return out
+
+
+def _divide_factors(case: Case, arithmetic: Arithmetic, reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
+    """(pre, post) of the engine's reduction (`Arithmetic.divide_factors`); `grad_reduction: sum`
+    divides nothing: FSDP2 with `set_gradient_divide_factor(1.0)` (and gloo's forced SUM) sums
+    in both collectives, its pre and post factors 1 in every dtype (`_get_gradient_divide_factors`
+    of torch 2.13), and `_div_if_needed` skips a factor of 1."""
+    if case.grad_reduction == "sum":
+        return 1.0, 1.0
+    return arithmetic.divide_factors(reduce_dtype, world)
 
 
 def _placement_dim(case: Case, name: str, shape) -> int:

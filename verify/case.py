@@ -26,6 +26,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 # Learning-rate schedules (torch.optim.lr_scheduler), stepped once after every optimizer step.
 SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
+GRAD_REDUCTIONS = ("avg", "sum")  # Case.grad_reduction
 INIT_MODES = ("eager", "meta")
 
 
@@ -272,6 +273,11 @@ class Case:
     # micro-batch's forward all-gathers nothing for it (True again on the last, so the optimizer
     # steps sharded parameters). Numbers unchanged; traffic and what is held between change.
     reshard_after_backward_last: bool = False
+    # How the data-parallel ranks' gradients are combined: "avg" (FSDP2's default ReduceOp.AVG)
+    # or "sum" (`set_gradient_divide_factor(1.0)` on every unit, the legitimate use: FSDP2 sums
+    # over the shard group and the replicas, and the loop divides each rank's loss by the
+    # data-parallel world size, so the update is the average's). Changes the rounding only.
+    grad_reduction: str = "avg"
 
     # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
     # names are frozen for the steps before this one and trained from it on (a fine-tuning
@@ -296,6 +302,7 @@ class Case:
         "shard_placement",
         "replica_sync_last",
         "reshard_after_backward_last",
+        "grad_reduction",
         "zoom",
         "unfreeze_step",
         "resume_after",
@@ -461,6 +468,16 @@ class Case:
                 "reshard_after_backward_last",
                 "false with a user's step (--step calls set_reshard_after_backward itself, if it does)",
                 True,
+            )
+        check(
+            self.grad_reduction in GRAD_REDUCTIONS, "grad_reduction", f"one of {GRAD_REDUCTIONS}", self.grad_reduction
+        )
+        if self.grad_reduction != "avg":
+            check(
+                self.step is None,
+                "grad_reduction",
+                "'avg' with a user's step (--step scales its own loss; the toolkit cannot divide it by the world size)",
+                self.grad_reduction,
             )
 
     def _validate_unfreeze(self) -> None:

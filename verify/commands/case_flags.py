@@ -418,6 +418,15 @@ FLAGS: tuple[Flag, ...] = (
         const=True,
     ),
     Flag(
+        "--grad-reduction",
+        "grad_reduction",
+        LOOP,
+        "avg (FSDP2's ReduceOp.AVG, default) | sum (set_gradient_divide_factor(1.0) on every unit, each rank's"
+        " loss divided by the data-parallel world size)",
+        str,
+        "OP",
+    ),
+    Flag(
         "--activation-checkpointing",
         "activation_checkpointing",
         LOOP,

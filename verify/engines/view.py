@@ -120,6 +120,11 @@ class EngineView:
         """Whether the next backward reshards each unit (`reshard_after_backward_last`)."""
         self.module.set_reshard_after_backward(reshard)
 
+    def sum_loss_divisor(self, world_size: int) -> int:
+        """What each rank's loss is divided by before backward under `grad_reduction: sum` (the
+        engine sums the gradients over the ranks): the data-parallel world size."""
+        return world_size
+
 
 DTensorView = EngineView
 

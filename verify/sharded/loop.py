@@ -147,8 +147,11 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
                 probe.after_forward(step, m, out)
             scale = loss_scale(counts[ctx.rank][m], sum(counts[ctx.rank]), sum(map(sum, counts)), ctx.world_size)
             loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
+            # grad_reduction sum: the engine sums over the ranks, so each rank's loss is divided
+            # by the world size for backward (the loss recorded is the loss itself).
+            summed = loss / view.sum_loss_divisor(ctx.world_size) if case.grad_reduction == "sum" else loss
             ctx.phase(f"step {step} backward (micro-batch {m})")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            (scaler.scale(summed) if scaler is not None else summed).backward()
             for probe in probes:
                 probe.after_backward(step, m)
             logits.append(out.detach())

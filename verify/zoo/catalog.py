@@ -393,6 +393,24 @@ ZOO: list[ZooBug] = [
         ("comm",),
         pins={**_CHEAP, "microbatches": _MICROBATCHES, "reshard_after_backward_last": True},
     ),
+    ZooBug(
+        "sum_reduction_loss_not_divided",
+        _mutant("sum_reduction_loss_not_divided"),
+        "gradients summed over ranks (set_gradient_divide_factor(1.0)) but the loss not divided by the"
+        " world size: every gradient W times the average",
+        "issue 28: the legitimate use of set_gradient_divide_factor, half done",
+        ("grads",),
+        pins={**_CHEAP, "grad_reduction": "sum"},
+    ),
+    ZooBug(
+        "sum_reduction_factor_left_at_avg",
+        _mutant("sum_reduction_factor_left_at_avg"),
+        "each rank's loss divided by the world size for a SUM reduction, but the divide factor left at"
+        " FSDP2's AVG: every gradient 1/W of the average",
+        "issue 28: the legitimate use of set_gradient_divide_factor, the engine's half forgotten",
+        ("grads",),
+        pins={**_CHEAP, "grad_reduction": "sum"},
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only
