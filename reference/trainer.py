@@ -27,7 +27,7 @@ from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
 from fsdp_verify.engines.placement import shard_dim
-from fsdp_verify.models import build_model, is_frozen
+from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
@@ -114,6 +114,9 @@ class _Step:
     # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
     # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
     partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # `ignored`: each rank's gradients of the parameters FSDP2 leaves alone, accumulated in fp32
+    # over the micro-batches until the loop all-reduces them.
+    ignored_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -295,6 +298,7 @@ class _Run:
             rank_loss=[torch.zeros((), dtype=torch.float32) for _ in groups[0]],
             master_grads={},
             local_grads=[{} for _ in groups[0]],
+            ignored_grads=[{} for _ in groups[0]],
             fingerprints={},
         )
 
@@ -363,7 +367,10 @@ class _Run:
     # ---- the reduction ----------------------------------------------------------------------------
     def reduce(self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]) -> None:
         """Micro-batch m's gradients averaged over the ranks into the fp32 master gradients: at
-        once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch."""
+        once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch;
+        the `ignored` parameters' as the loop reduces them (`reduce_ignored`)."""
+        if self.case.ignored:
+            rank_grads = self.reduce_ignored(state, m, rank_grads)
         if not self.case.sync_every_microbatch:
             # Unsharded accumulation without communication. FSDP2 (FSDPParam.
             # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
@@ -388,6 +395,33 @@ class _Run:
         for n, avg in self.average(rank_grads, state.step).items():
             reduced = avg.to(torch.float32)
             state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+
+    def reduce_ignored(
+        self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]
+    ) -> list[dict[str, torch.Tensor]]:
+        """`ignored` parameters (fully_shard's `ignored_params`): FSDP2 neither shards nor
+        reduces them, so each rank's gradient accumulates in fp32 over the micro-batches
+        (autograd's `.grad` sum), and after the last backward the loop all-reduces it over every
+        rank, in gloo's order (`gloo_allreduce_sum`), then divides by W under avg
+        (`EngineView.reduce_ignored`). Returns the other gradients, for FSDP2's reduction."""
+        names = [n for n in rank_grads[0] if is_ignored(self.case.ignored, n)]
+        if not names:
+            return rank_grads
+        for acc, grads in zip(state.ignored_grads, rank_grads):
+            for n in names:
+                acc[n] = acc[n] + grads[n] if n in acc else grads[n]
+        if m == len(state.groups) - 1:
+            world = len(state.ignored_grads)
+            for n in names:
+                terms = [acc[n] for acc in state.ignored_grads]
+                total = terms[0]
+                if world > 1:
+                    total = gloo_allreduce_sum([t.reshape(-1) for t in terms]).view_as(terms[0])
+                    total = total if self.case.grad_reduction == "sum" else total / world
+                if self.jolt is not None:
+                    total = self.jolt.reduction(total, terms, f"{state.step}/grads")
+                state.master_grads[n] = total.to(torch.float32)
+        return [{n: g for n, g in grads.items() if n not in names} for grads in rank_grads]
 
     def defers_replica_reduce(self) -> bool:
         """`replica_sync_last` on a 2-D mesh (FSDP2's HSDP: `set_requires_all_reduce(False)` before
@@ -895,7 +929,10 @@ def _install_precision_hooks(
     on units holding parameters of their own: `cast_units_without_params=False`)."""
     policy = case.precision
     param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
-    units_with_params = {_owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters()}
+    # FSDP2 has no param group, so no post-backward node, for a unit whose parameters are all ignored
+    units_with_params = {
+        _owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters() if not is_ignored(case.ignored, name)
+    }
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)
         casts = cast_units_without_params or fqn == "" or fqn in units_with_params

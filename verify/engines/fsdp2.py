@@ -9,6 +9,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, 
 
 from fsdp_verify.engines.placement import placement_fn
 from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.models import is_ignored
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
@@ -16,6 +17,8 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
     offload = CPUOffloadPolicy(pin_memory=False) if case is not None and case.offload else OffloadPolicy()
     rule = case.shard_placement if case is not None else "dim0"
     placements = placement_fn(rule, model, mesh.size(mesh.ndim - 1))  # before any unit replaces its params
+    names = case.ignored if case is not None else ()
+    ignored = {p for n, p in model.named_parameters() if is_ignored(names, n)} or None
     for fqn in spec.wrap:
         fully_shard(
             model.get_submodule(fqn),
@@ -24,6 +27,7 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
             reshard_after_forward=spec.reshard_after_forward,
             offload_policy=offload,
             shard_placement_fn=placements,
+            ignored_params=ignored,
         )
     if case is not None and case.grad_reduction == "sum":
         sum_reduction(model)

@@ -411,6 +411,22 @@ ZOO: list[ZooBug] = [
         ("grads",),
         pins={**_CHEAP, "grad_reduction": "sum"},
     ),
+    ZooBug(
+        "ignored_grads_not_reduced",
+        _mutant("ignored_grads_not_reduced"),
+        "parameters kept out of FSDP (ignored_params) whose gradients the loop never all-reduces: each rank"
+        " steps its own, the ranks drift apart",
+        "issue 28: fully_shard's ignored_params, a replicated module left unsynchronised",
+        ("grads",),
+        precisions=("fp32",),
+        pins={
+            **_CHEAP,
+            "ignored": ("layers.1",),
+            "clip_norm": None,
+            "model.widths": (16, 33, 17, 8),
+            "model.experts": 0,
+        },
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only

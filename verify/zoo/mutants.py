@@ -606,6 +606,22 @@ def sum_reduction_loss_not_divided(model: nn.Module, mesh: DeviceMesh, spec: Sha
     return model
 
 
+class _IgnoredUnreducedView(EngineView):
+    """A loop that keeps a module out of FSDP but forgets its gradients' all-reduce."""
+
+    def reduce_ignored(self, names: list[str], divide: int) -> None:
+        return None
+
+
+def ignored_grads_not_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`fully_shard(..., ignored_params=...)` as asked, but the loop never all-reduces the
+    ignored parameters' gradients: each rank steps them with its own micro-batches' gradient and
+    the replicas drift apart (FSDP2 says it will not reduce them). Correct without `ignored`."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _IgnoredUnreducedView(model)
+    return model
+
+
 def sum_reduction_factor_left_at_avg(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """`grad_reduction: sum` half done the other way: each rank's loss divided by the world
     size, but `set_gradient_divide_factor` never called, so FSDP2 still averages: every gradient
