@@ -113,7 +113,8 @@ def test_offload_contract_names_sharded_state_off_the_cpu():
 @settings(max_examples=25, deadline=None, database=None)
 @given(cases(engine="fsdp1", world_sizes=(2,)))
 def test_an_engine_without_the_knobs_is_never_drawn_them(case):
-    assert (case.offload, case.shard_placement, case.reshard_after_backward_last) == (False, "dim0", False)
+    knobs = (case.offload, case.shard_placement, case.reshard_after_backward_last, case.grad_reduction, case.ignored)
+    assert knobs == (False, "dim0", False, "avg", ())
 
 
 def test_fsdp2_draws_the_knobs():
