@@ -26,6 +26,7 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
+    GRAD_REDUCTIONS,
     OPTIMIZERS,
     SCHEDULES,
     Case,
@@ -396,6 +397,17 @@ def data_specs(batch_multiple: int = 1, model_kind: str = "mlp", **pins: Any) ->
     )
 
 
+def ignored_draws(model: ModelSpec) -> SearchStrategy[tuple[str, ...]]:
+    """None ignored (shrinks there), one parameter, or one module's parameters (a whole unit,
+    or part of one) for `ignored`; never all of them (Case refuses that)."""
+    from fsdp_verify.models import is_ignored, parameter_names
+
+    names = parameter_names(model)
+    modules = sorted({n.rsplit(".", 1)[0] for n in names if "." in n})
+    choices = [(p,) for p in [*names, *modules] if not all(is_ignored((p,), n) for n in names)]
+    return st.one_of(st.just(()), st.sampled_from(choices)) if choices else st.just(())
+
+
 def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
     """True, False, or an int FSDP2 accepts: a non-trivial divisor of the shard dimension (FSDP2's
     `_get_post_forward_mesh_info` rejects non-divisors and turns 1 and the full size into
@@ -486,7 +498,16 @@ def _cases(
         "reshard_after_backward_last": field(
             "reshard_after_backward_last", st.booleans() if pins.get("step") is None else st.just(False)
         ),
+        # A SUM reduction with each rank's loss divided by the world size (a user's step scales its own).
+        "grad_reduction": field(
+            "grad_reduction", st.sampled_from(GRAD_REDUCTIONS) if pins.get("step") is None else st.just("avg")
+        ),
     }
+    # fully_shard's ignored_params: drawn last, where FSDP2 and the loop can take them (Case
+    # refuses the rest: a user's step, low-precision parameters, a clip, routed experts).
+    takes = pins.get("step") is None and precision.param_dtype in (None, "fp32")
+    takes = takes and values["clip_norm"] is None and not model.experts
+    values["ignored"] = field("ignored", ignored_draws(model) if takes else st.just(()))
     try:
         return Case(**values)
     except CaseError:
@@ -573,6 +594,7 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_mesh_shape=mesh,
             resume_engine=engine,
             unfreeze_step=None,  # not modelled across a resume yet (Case refuses it)
+            ignored=(),  # neither is an ignored parameter (Case refuses it)
             **{"data.batch_size": batch},
         )
     except CaseError:
@@ -659,6 +681,8 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         "shard_placement": "dim0",
         "replica_sync_last": False,
         "reshard_after_backward_last": False,
+        "grad_reduction": "avg",
+        "ignored": (),
     }
     for name, value in off.items():
         given = pins.get(name, value)

@@ -27,7 +27,7 @@ from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
 from fsdp_verify.engines.placement import shard_dim
-from fsdp_verify.models import build_model, is_frozen
+from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
@@ -114,6 +114,9 @@ class _Step:
     # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
     # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
     partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # `ignored`: each rank's gradients of the parameters FSDP2 leaves alone, accumulated in fp32
+    # over the micro-batches until the loop all-reduces them.
+    ignored_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
 @dataclass
@@ -174,7 +177,7 @@ class _Run:
         param_dtype = to_torch(case.precision.param_dtype) or torch.float32
         reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
         # The engine's own division of the average (every order: a division, not a summation order).
-        divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
+        divide = _divide_factors(case, arithmetic, reduce_dtype, case.world_size)
         # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
         rng_states = dropout_states(case)
         scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -248,7 +251,7 @@ class _Run:
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
-            divide=arithmetic.divide_factors(self.reduce_dtype, after.world_size),
+            divide=_divide_factors(after, arithmetic, self.reduce_dtype, after.world_size),
             jolt=jolt,
             scaler=self.scaler,
             share=None,
@@ -299,6 +302,7 @@ class _Run:
             rank_loss=[torch.zeros((), dtype=torch.float32) for _ in groups[0]],
             master_grads={},
             local_grads=[{} for _ in groups[0]],
+            ignored_grads=[{} for _ in groups[0]],
             fingerprints={},
         )
 
@@ -350,7 +354,11 @@ class _Run:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
-        backpropagated = self.scaler.scaled(loss) if self.scaler is not None else loss
+        if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
+            summed = loss / len(state.groups[0])
+        else:
+            summed = loss
+        backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
         grads = torch.autograd.grad(
@@ -379,7 +387,10 @@ class _Run:
     # ---- the reduction ----------------------------------------------------------------------------
     def reduce(self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]) -> None:
         """Micro-batch m's gradients averaged over the ranks into the fp32 master gradients: at
-        once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch."""
+        once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch;
+        the `ignored` parameters' as the loop reduces them (`reduce_ignored`)."""
+        if self.case.ignored:
+            rank_grads = self.reduce_ignored(state, m, rank_grads)
         if not self.case.sync_every_microbatch:
             # Unsharded accumulation without communication. FSDP2 (FSDPParam.
             # to_accumulated_grad_if_needed / accumulate_unsharded_grad_if_needed) upcasts a
@@ -404,6 +415,33 @@ class _Run:
         for n, avg in self.average(rank_grads, state.step).items():
             reduced = avg.to(torch.float32)
             state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+
+    def reduce_ignored(
+        self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]
+    ) -> list[dict[str, torch.Tensor]]:
+        """`ignored` parameters (fully_shard's `ignored_params`): FSDP2 neither shards nor
+        reduces them, so each rank's gradient accumulates in fp32 over the micro-batches
+        (autograd's `.grad` sum), and after the last backward the loop all-reduces it over every
+        rank, in gloo's order (`gloo_allreduce_sum`), then divides by W under avg
+        (`EngineView.reduce_ignored`). Returns the other gradients, for FSDP2's reduction."""
+        names = [n for n in rank_grads[0] if is_ignored(self.case.ignored, n)]
+        if not names:
+            return rank_grads
+        for acc, grads in zip(state.ignored_grads, rank_grads):
+            for n in names:
+                acc[n] = acc[n] + grads[n] if n in acc else grads[n]
+        if m == len(state.groups) - 1:
+            world = len(state.ignored_grads)
+            for n in names:
+                terms = [acc[n] for acc in state.ignored_grads]
+                total = terms[0]
+                if world > 1:
+                    total = gloo_allreduce_sum([t.reshape(-1) for t in terms]).view_as(terms[0])
+                    total = total if self.case.grad_reduction == "sum" else total / world
+                if self.jolt is not None:
+                    total = self.jolt.reduction(total, terms, f"{state.step}/grads")
+                state.master_grads[n] = total.to(torch.float32)
+        return [{n: g for n, g in grads.items() if n not in names} for grads in rank_grads]
 
     def defers_replica_reduce(self) -> bool:
         """`replica_sync_last` on a 2-D mesh (FSDP2's HSDP: `set_requires_all_reduce(False)` before
@@ -615,7 +653,9 @@ def _hsdp_average(
     partial_reduce_output`), then all-reduces the sum."""
     replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
     pre, post = divide
-    staged = pre == 1  # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide
+    # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
+    # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
+    staged = pre == 1 and post != 1
     units: dict[str, list[str]] = {}
     for n in rank_grads[0]:
         units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
@@ -656,6 +696,16 @@ def _hsdp_average(
             out[n] = block[:rows].reshape(shape)
             offset += chunk * width
     return out
+
+
+def _divide_factors(case: Case, arithmetic: Arithmetic, reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
+    """(pre, post) of the engine's reduction (`Arithmetic.divide_factors`); `grad_reduction: sum`
+    divides nothing: FSDP2 with `set_gradient_divide_factor(1.0)` (and gloo's forced SUM) sums
+    in both collectives, its pre and post factors 1 in every dtype (`_get_gradient_divide_factors`
+    of torch 2.13), and `_div_if_needed` skips a factor of 1."""
+    if case.grad_reduction == "sum":
+        return 1.0, 1.0
+    return arithmetic.divide_factors(reduce_dtype, world)
 
 
 def _placement_dim(case: Case, name: str, shape) -> int:
@@ -899,7 +949,10 @@ def _install_precision_hooks(
     on units holding parameters of their own: `cast_units_without_params=False`)."""
     policy = case.precision
     param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
-    units_with_params = {_owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters()}
+    # FSDP2 has no param group, so no post-backward node, for a unit whose parameters are all ignored
+    units_with_params = {
+        _owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters() if not is_ignored(case.ignored, name)
+    }
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)
         casts = cast_units_without_params or fqn == "" or fqn in units_with_params

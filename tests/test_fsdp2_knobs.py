@@ -4,6 +4,8 @@ bit-exact at world sizes 1 to 4 and on a (2, 2) HSDP mesh, communication and mem
 included; each knob's mutant is caught with the knob on and invisible with it off; engines
 without the knobs refuse them as bad input."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import find, given, settings
 
@@ -13,7 +15,7 @@ from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
-from tests.conftest import lm_case, mlp_case, regression
+from tests.conftest import MLP, TINY_LM, lm_case, mlp_case, regression
 
 MESHES = [(1, None), (2, None), (3, None), (4, None), (4, (2, 2))]
 ADAM = OptimSpec(name="adam")
@@ -111,7 +113,8 @@ def test_offload_contract_names_sharded_state_off_the_cpu():
 @settings(max_examples=25, deadline=None, database=None)
 @given(cases(engine="fsdp1", world_sizes=(2,)))
 def test_an_engine_without_the_knobs_is_never_drawn_them(case):
-    assert (case.offload, case.shard_placement, case.reshard_after_backward_last) == (False, "dim0", False)
+    knobs = (case.offload, case.shard_placement, case.reshard_after_backward_last, case.grad_reduction, case.ignored)
+    assert knobs == (False, "dim0", False, "avg", ())
 
 
 def test_fsdp2_draws_the_knobs():
@@ -225,3 +228,110 @@ def test_reshard_after_backward_last_is_a_flag_and_drawn():
     assert Case(reshard_after_backward_last=True).hash != Case().hash
     found = find(cases(world_sizes=(2,)), lambda c: c.reshard_after_backward_last and c.microbatches > 1)
     assert found.reshard_after_backward_last
+
+
+# ---- grad_reduction (issue 28, item 4): set_gradient_divide_factor(1.0), the loss divided by W ----
+@pytest.mark.parametrize(("world", "mesh"), MESHES)
+def test_a_sum_reduction_with_the_loss_divided_is_bit_exact(fsdp_check, world, mesh):
+    """Each rank's loss / W, FSDP2 summing over the shard group and the replicas (no division
+    anywhere): the reference divides the same losses and sums in gloo's order. Without its
+    `_divide_factors` (1, 1) it divides the sum again and the gradients are 1/W off."""
+    verdict = fsdp_check(_knob_case(world, mesh, grad_reduction="sum"), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+
+
+def test_a_sum_reduction_in_bf16_with_sync_last_on_hsdp_passes(fsdp_check):
+    case = _knob_case(4, (2, 2), grad_reduction="sum", sync_every_microbatch=False, replica_sync_last=False)
+    verdict = fsdp_check(case.with_(**{"precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"}))
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize("mutant", ["sum_reduction_loss_not_divided", "sum_reduction_factor_left_at_avg"])
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
+def test_sum_reduction_mutants_are_caught_in_the_first_gradients(fsdp_check, mutant, world, mesh):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    caught = fsdp_check(_knob_case(world, mesh, grad_reduction="sum", engine=engine))
+    assert not caught.ok
+    first = caught.first_divergence
+    assert (first.phase, first.step) == ("grads", 1), caught.summary()
+    assert fsdp_check(_knob_case(world, mesh, engine=engine)).ok  # avg: the correct engine
+
+
+def test_grad_reduction_is_a_flag_refused_with_a_users_step_and_drawn():
+    with pytest.raises(CaseError, match=r"^grad_reduction: expected one of \('avg', 'sum'\)"):
+        mlp_case(2, grad_reduction="mean")
+    with pytest.raises(CaseError, match=r"^grad_reduction: expected 'avg' with a user's step"):
+        mlp_case(2, grad_reduction="sum", step="tests/user/steps.py:train_step")
+    for engine in ("fsdp1", "flat"):
+        with pytest.raises(CaseError, match=rf"^grad_reduction: expected 'avg': engine '{engine}' has no fully_shard"):
+            refuse_untakeable(mlp_case(2, engine=engine, grad_reduction="sum"))
+    assert "grad_reduction" not in Case().to_dict()
+    assert Case(grad_reduction="sum").hash != Case().hash
+    assert find(cases(world_sizes=(2,)), lambda c: c.grad_reduction == "sum").grad_reduction == "sum"
+
+
+# ---- ignored (issue 28, item 4): fully_shard's ignored_params, reduced by the loop ----
+_IGNORED = ("layers.1.linear.bias", "layers.2")  # part of one unit and a whole one
+
+
+@pytest.mark.parametrize(("world", "mesh"), MESHES)
+def test_ignored_parameters_the_loop_reduces_are_bit_exact(fsdp_check, world, mesh):
+    """Unsharded, unreduced by FSDP2, all-reduced by the loop after the last backward: the
+    reference sums the same per-rank gradients in gloo's order; ownership expects them
+    unmanaged, comm their all-reduce (and no FSDP2 collective for the ignored unit), memory
+    them whole on every rank."""
+    verdict = fsdp_check(_knob_case(world, mesh, ignored=_IGNORED, clip_norm=None), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    assert {"ownership", "comm", "memory"} <= {f.phase for f in verdict.findings}
+
+
+def test_an_ignored_tied_embedding_under_a_sum_reduction_passes(fsdp_check):
+    """The tied embedding and output weight, one parameter, ignored (both uses unmanaged), with
+    sync-last accumulation and `grad_reduction: sum` (the loop's all-reduce then sums too)."""
+    model = replace(TINY_LM, tie_embeddings=True)
+    case = lm_case(3, microbatches=2, sync_every_microbatch=False)
+    verdict = fsdp_check(case.with_(model=model, ignored=("tok_embeddings",), grad_reduction="sum"))
+    assert verdict.ok, verdict.summary()
+
+
+def test_a_frozen_ignored_unit_passes(fsdp_check):
+    case = mlp_case(2, microbatches=2).with_(model=replace(MLP, frozen=("layers.0",)), ignored=("layers.0",))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
+def test_ignored_gradients_left_unreduced_are_caught_in_the_first_gradients(fsdp_check, world, mesh):
+    engine = "fsdp_verify.zoo.mutants:ignored_grads_not_reduced"
+    caught = fsdp_check(_knob_case(world, mesh, ignored=_IGNORED, clip_norm=None, engine=engine))
+    assert not caught.ok
+    first = caught.first_divergence
+    assert (first.phase, first.step) == ("grads", 1), caught.summary()
+    assert fsdp_check(_knob_case(world, mesh, clip_norm=None, engine=engine)).ok  # nothing ignored: correct
+
+
+@pytest.mark.parametrize(
+    ("changes", "expected"),
+    [
+        ({"ignored": ("output.weight",)}, r"names of the model's parameters .*'output.weight' names none"),
+        ({"ignored": ("tok_embeddings", "layers", "norm")}, r"to leave FSDP at least one parameter"),
+        ({"ignored": ("norm",), "clip_norm": 1.0}, r"empty with clip_norm"),
+        ({"ignored": ("norm",), "precision.param_dtype": "bf16"}, r"empty with param_dtype bf16"),
+        ({"ignored": ("norm",), "step": "tests/user/steps.py:train_step"}, r"empty with a user's step"),
+    ],
+)
+def test_ignored_that_cannot_work_is_refused_naming_the_field(changes, expected):
+    with pytest.raises(CaseError, match=rf"^ignored: expected {expected}"):
+        lm_case(2).with_(model=replace(TINY_LM, tie_embeddings=True), **changes)
+
+
+def test_ignored_is_a_flag_refused_by_engines_without_it_and_drawn():
+    for engine in ("fsdp1", "flat"):
+        with pytest.raises(CaseError, match=rf"^ignored: expected \(\): engine '{engine}' has no fully_shard"):
+            refuse_untakeable(mlp_case(2, engine=engine, ignored=("layers.0",)))
+    assert "ignored" not in Case().to_dict()
+    assert Case.from_json(mlp_case(2, ignored=("layers.0",)).to_json()).ignored == ("layers.0",)
+    found = find(cases(world_sizes=(2,)), lambda c: bool(c.ignored))
+    assert found.clip_norm is None

@@ -26,6 +26,7 @@ OPTIMIZERS = ("sgd", "adam", "adamw", "adagrad", "rmsprop")
 # Learning-rate schedules (torch.optim.lr_scheduler), stepped once after every optimizer step.
 SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
+GRAD_REDUCTIONS = ("avg", "sum")  # Case.grad_reduction
 INIT_MODES = ("eager", "meta")
 
 
@@ -272,6 +273,16 @@ class Case:
     # micro-batch's forward all-gathers nothing for it (True again on the last, so the optimizer
     # steps sharded parameters). Numbers unchanged; traffic and what is held between change.
     reshard_after_backward_last: bool = False
+    # How the data-parallel ranks' gradients are combined: "avg" (FSDP2's default ReduceOp.AVG)
+    # or "sum" (`set_gradient_divide_factor(1.0)` on every unit, the legitimate use: FSDP2 sums
+    # over the shard group and the replicas, and the loop divides each rank's loss by the
+    # data-parallel world size, so the update is the average's). Changes the rounding only.
+    grad_reduction: str = "avg"
+    # `fully_shard(..., ignored_params=...)`: the parameters these name (prefixes, as
+    # `model.frozen`) stay unsharded, unreduced and unmanaged on every rank; the loop all-reduces
+    # their gradients itself after the last micro-batch's backward (SUM, then / W under avg), as a
+    # user keeping a small replicated module does. A frozen one gets no gradient to reduce.
+    ignored: tuple[str, ...] = ()
 
     # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
     # names are frozen for the steps before this one and trained from it on (a fine-tuning
@@ -296,6 +307,8 @@ class Case:
         "shard_placement",
         "replica_sync_last",
         "reshard_after_backward_last",
+        "grad_reduction",
+        "ignored",
         "zoom",
         "unfreeze_step",
         "resume_after",
@@ -406,6 +419,7 @@ class Case:
                 f"{self.loss_scaling.describe()} with precision {self.precision.describe()}",
             )
         self._validate_shard_knobs()
+        self._validate_ignored()
         self._validate_unfreeze()
         self._validate_resume()
         self._validate_custom()
@@ -462,6 +476,73 @@ class Case:
                 "false with a user's step (--step calls set_reshard_after_backward itself, if it does)",
                 True,
             )
+        check(
+            self.grad_reduction in GRAD_REDUCTIONS, "grad_reduction", f"one of {GRAD_REDUCTIONS}", self.grad_reduction
+        )
+        if self.grad_reduction != "avg":
+            check(
+                self.step is None,
+                "grad_reduction",
+                "'avg' with a user's step (--step scales its own loss; the toolkit cannot divide it by the world size)",
+                self.grad_reduction,
+            )
+
+    def _validate_ignored(self) -> None:
+        """`ignored` (fully_shard's ignored_params) names parameters, and what FSDP2 leaves to the
+        loop for them works: no cast, no clip over them, no resume."""
+        from fsdp_verify.models import is_ignored, parameter_names
+
+        ignored = self.ignored
+        check(
+            isinstance(ignored, tuple) and all(isinstance(n, str) and n for n in ignored),
+            "ignored",
+            "a list of parameter names (prefixes)",
+            ignored,
+        )
+        if not ignored:
+            return
+        names = parameter_names(self.model)
+        for prefix in ignored:
+            check(
+                any(is_ignored((prefix,), n) for n in names),
+                "ignored",
+                f"names of the model's parameters or their modules (tied weights under their first name; {prefix!r}"
+                " names none)",
+                ignored,
+            )
+        check(
+            not all(is_ignored(ignored, n) for n in names),
+            "ignored",
+            "to leave FSDP at least one parameter (every parameter ignored: nothing is sharded)",
+            ignored,
+        )
+        check(
+            self.step is None,
+            "ignored",
+            "empty with a user's step (the toolkit's loop all-reduces the ignored gradients)",
+            ignored,
+        )
+        check(
+            self.precision.param_dtype in (None, "fp32"),
+            "ignored",
+            f"empty with param_dtype {self.precision.param_dtype}: FSDP2 does not cast ignored parameters, which stay"
+            " fp32 beside low-precision activations",
+            ignored,
+        )
+        check(
+            self.clip_norm is None,
+            "ignored",
+            "empty with clip_norm: torch 2.13's clip_grad_norm_ refuses the ignored parameters' plain gradients"
+            " beside DTensor ones ('got mixed torch.Tensor and DTensor')",
+            ignored,
+        )
+        check(
+            not self.model.experts,
+            "ignored",
+            "empty with routed experts (a rank no sample reaches has no gradient to all-reduce: the ranks' calls differ)",
+            ignored,
+        )
+        check(self.resume_after is None, "ignored", "empty with a resume (not modelled)", ignored)
 
     def _validate_unfreeze(self) -> None:
         check(
@@ -750,6 +831,8 @@ def check_field_value(name: str, value: Any) -> None:
     beside other fields (a batch size some world sizes do not divide) passes."""
     if name.startswith(("model", "wrap")):
         return
+    if name == "ignored" and isinstance(value, tuple) and all(isinstance(n, str) and n for n in value):
+        return  # names, judged against the drawn model (the drawn Case refuses one that names none)
     head, _, tail = name.partition(".")
     try:
         if tail and head in _SPECS:
@@ -795,7 +878,7 @@ def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
     return best
 
 
-_TUPLE_FIELDS = {"widths", "frozen", "betas", "wrap", "mesh_shape", "shrinkable", "resume_mesh_shape"}
+_TUPLE_FIELDS = {"widths", "frozen", "ignored", "betas", "wrap", "mesh_shape", "shrinkable", "resume_mesh_shape"}
 
 
 def loss_scaling_from_dict(data: Any) -> LossScaleSpec:

@@ -61,6 +61,7 @@ from dataclasses import dataclass
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.dtypes import to_torch
+from fsdp_verify.models import is_ignored
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.probes.precision import owning_unit
 from fsdp_verify.trace import Trace
@@ -100,11 +101,19 @@ def _size(dtype: str) -> int:
 
 
 def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int]]]]:
-    """Unit -> (parameter, full shape) in model order, from the model as rank 0 built it."""
+    """Unit -> (parameter, full shape) in model order, from the model as rank 0 built it; the
+    `ignored` parameters left out (FSDP2 manages none of them: `ignored_params`)."""
     units: dict[str, list[tuple[str, list[int]]]] = {u: [] for u in case.wrap_plan}
     for name, shape, *_ in got.meta.get("build", [[]])[0]:
-        units[owning_unit(case.wrap_plan, name)].append((name, list(shape)))
+        if not is_ignored(getattr(case, "ignored", ()), name):
+            units[owning_unit(case.wrap_plan, name)].append((name, list(shape)))
     return units
+
+
+def ignored_params(case: Case, got: Trace) -> list[tuple[str, list[int]]]:
+    """The `ignored` parameters (name, full shape), in model order: held whole on every rank."""
+    ignored = getattr(case, "ignored", ())
+    return [(n, list(shape)) for n, shape, *_ in got.meta.get("build", [[]])[0] if is_ignored(ignored, n)]
 
 
 def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) -> dict[str, int]:
@@ -198,6 +207,12 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 if replicas_synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
+        if case.world_size > 1:  # the loop's all-reduce of each ignored gradient, after the last backward
+            for n, shape in ignored_params(case, got):
+                if n in with_grad:
+                    numel = padded_shard_numel(shape, 1)
+                    m = case.microbatches - 1
+                    out.append(Collective(step, m, "backward", "all_reduce", "fp32", case.world_size, 4 * numel, n))
         if case.clip_norm is not None and shard > 1 and with_grad:
             out.append(Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>"))
     return out

@@ -49,7 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from fsdp_verify.case import Case, OptimSpec
-from fsdp_verify.checks.comm import _size, held_after_backward, params_by_unit, placement_dims
+from fsdp_verify.checks.comm import _size, held_after_backward, ignored_params, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
@@ -126,6 +126,13 @@ def budget(case: Case, got: Trace) -> Budget:
             full += padded_shard_numel(shape, 1) * own
             full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
             by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
+    for name, shape in ignored_params(case, got):  # held whole on every rank, never unsharded
+        own = getattr(torch, dtypes[name].removeprefix("torch.")).itemsize
+        whole = padded_shard_numel(shape, 1) * own
+        sharded += whole
+        full += whole
+        grads += whole if name in with_grad else 0
+        full_grads += whole if name in with_grad else 0
     # Adagrad creates its state for every parameter when it is built, frozen ones included;
     # the others on a parameter's first gradient.
     optim = optimizer_states(case.optim) * (sharded if case.optim.name == "adagrad" else grads)

@@ -18,7 +18,7 @@ import torch
 from fsdp_verify.case import Case, ModelSpec, _owner
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines.ownership import OwnershipMap
-from fsdp_verify.models import _construct
+from fsdp_verify.models import _construct, is_ignored
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "OwnershipCheck"
@@ -67,8 +67,16 @@ def check_map(case: Case, ownership: OwnershipMap, expected: list[str], ties: li
     aliases = {alias: names[0] for names in ties for alias in names[1:]}
     plan = case.wrap_plan
     module_units = all(u in plan for o in ownership.params.values() for u in o.units)
+    ignored = getattr(case, "ignored", ())
     for name in ownership.unmanaged:
+        if is_ignored(ignored, name):
+            continue  # fully_shard's ignored_params: unmanaged by design (the loop reduces it)
         findings.append(_fail(name, "unmanaged", "no shard unit owns it: it stays replicated and is never reduced"))
+    for name in ownership.params:
+        if is_ignored(ignored, name):
+            findings.append(
+                _fail(name, "ignored", "in the case's `ignored`, but a shard unit owns it (sharded, reduced)")
+            )
     for name in expected:
         if name not in ownership.params and name not in ownership.unmanaged:
             findings.append(_fail(name, "missing", "absent from the engine's ownership map"))

@@ -418,6 +418,24 @@ FLAGS: tuple[Flag, ...] = (
         const=True,
     ),
     Flag(
+        "--ignored",
+        "ignored",
+        LOOP,
+        "FSDP2 ignored_params: parameter-name prefixes left unsharded and unreduced, their gradients all-reduced"
+        " by the loop; comma-separated, or none",
+        names,
+        "NAMES",
+    ),
+    Flag(
+        "--grad-reduction",
+        "grad_reduction",
+        LOOP,
+        "avg (FSDP2's ReduceOp.AVG, default) | sum (set_gradient_divide_factor(1.0) on every unit, each rank's"
+        " loss divided by the data-parallel world size)",
+        str,
+        "OP",
+    ),
+    Flag(
         "--activation-checkpointing",
         "activation_checkpointing",
         LOOP,
@@ -762,8 +780,8 @@ def draw_flag_texts(args: argparse.Namespace) -> list[str]:
     return out
 
 
-_TUPLE_VALUED = {"model.widths", "model.frozen", "model.shrinkable", "optim.betas", "mesh_shape", "wrap"}
-_NAME_TUPLES = {"model.frozen", "model.shrinkable", "wrap"}
+_TUPLE_VALUED = {"model.widths", "model.frozen", "ignored", "model.shrinkable", "optim.betas", "mesh_shape", "wrap"}
+_NAME_TUPLES = {"model.frozen", "ignored", "model.shrinkable", "wrap"}
 
 
 def keyword_pins(keywords: dict[str, Any], field_names: set[str]) -> dict[str, Any]:

@@ -10,6 +10,7 @@ them in the same order.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from fsdp_verify.case import LossScaleSpec, OptimSpec
@@ -119,6 +120,24 @@ class EngineView:
     def set_reshard_after_backward(self, reshard: bool) -> None:
         """Whether the next backward reshards each unit (`reshard_after_backward_last`)."""
         self.module.set_reshard_after_backward(reshard)
+
+    def reduce_ignored(self, names: list[str], divide: int) -> None:
+        """The loop's own reduction of the `ignored` parameters' gradients, which FSDP2 leaves
+        alone: each all-reduced (SUM; gloo has no AVG) over every rank, then divided by `divide`
+        (the world size under avg, 1 under `grad_reduction: sum`)."""
+        params = self.parameters()
+        for n in names:
+            grad = params[n].grad
+            if grad is None:  # frozen
+                continue
+            dist.all_reduce(grad)
+            if divide != 1:
+                grad.div_(divide)
+
+    def sum_loss_divisor(self, world_size: int) -> int:
+        """What each rank's loss is divided by before backward under `grad_reduction: sum` (the
+        engine sums the gradients over the ranks): the data-parallel world size."""
+        return world_size
 
 
 DTensorView = EngineView

@@ -23,6 +23,8 @@ __all__ = [
     "Transformer",
     "build_model",
     "is_frozen",
+    "is_ignored",
+    "parameter_names",
     "default_wrap_plan",
     "module_classes",
     "module_names",
@@ -80,6 +82,24 @@ def is_frozen(spec: ModelSpec, name: str) -> bool:
     """Whether parameter `name` is one `spec.frozen` names (itself or a prefix of it): frozen
     when built, trained from a case's `unfreeze_step` on."""
     return any(name == f or name.startswith(f + ".") for f in spec.frozen)
+
+
+def is_ignored(ignored: tuple[str, ...], name: str) -> bool:
+    """Whether parameter `name` is one a case's `ignored` prefixes name (`fully_shard`'s
+    `ignored_params`: unsharded, unreduced, unmanaged)."""
+    return any(name == f or name.startswith(f + ".") for f in ignored)
+
+
+_PARAMETER_NAMES_CACHE: dict[ModelSpec, tuple[str, ...]] = {}
+
+
+def parameter_names(spec: ModelSpec) -> tuple[str, ...]:
+    """Every parameter's FQN, tied weights once under their first name, from a meta-device build."""
+    if spec not in _PARAMETER_NAMES_CACHE:
+        with torch.device("meta"):
+            model = _construct(spec)
+        _PARAMETER_NAMES_CACHE[spec] = tuple(name for name, _ in model.named_parameters())
+    return _PARAMETER_NAMES_CACHE[spec]
 
 
 _MODULE_CLASSES_CACHE: dict[ModelSpec, dict[str, str]] = {}

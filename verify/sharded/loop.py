@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.engines.view import EngineView, view_of
-from fsdp_verify.models import build_model, is_frozen
+from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
@@ -118,6 +118,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     optimizer.register_step_post_hook(lambda *_: stepped.__setitem__(0, stepped[0] + 1))
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
+    ignored = [n for n in params if is_ignored(case.ignored, n)]
     first, position = 1, 0  # the first step to run; global batches consumed before it
     if ctx.resume is not None and "load" in ctx.resume:
         first, position = _resume(ctx.resume["load"], ctx, view, (optimizer, scheduler), params, scaler, records)
@@ -147,8 +148,14 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
                 probe.after_forward(step, m, out)
             scale = loss_scale(counts[ctx.rank][m], sum(counts[ctx.rank]), sum(map(sum, counts)), ctx.world_size)
             loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
+            # grad_reduction sum: the engine sums over the ranks, so each rank's loss is divided
+            # by the world size for backward (the loss recorded is the loss itself).
+            summed = loss / view.sum_loss_divisor(ctx.world_size) if case.grad_reduction == "sum" else loss
             ctx.phase(f"step {step} backward (micro-batch {m})")
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+            (scaler.scale(summed) if scaler is not None else summed).backward()
+            if ignored and m == len(slices) - 1 and ctx.world_size > 1:
+                # FSDP2 leaves `ignored` parameters alone: the loop reduces their gradients itself
+                view.reduce_ignored(ignored, 1 if case.grad_reduction == "sum" else ctx.world_size)
             for probe in probes:
                 probe.after_backward(step, m)
             logits.append(out.detach())

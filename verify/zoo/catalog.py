@@ -393,6 +393,40 @@ ZOO: list[ZooBug] = [
         ("comm",),
         pins={**_CHEAP, "microbatches": _MICROBATCHES, "reshard_after_backward_last": True},
     ),
+    ZooBug(
+        "sum_reduction_loss_not_divided",
+        _mutant("sum_reduction_loss_not_divided"),
+        "gradients summed over ranks (set_gradient_divide_factor(1.0)) but the loss not divided by the"
+        " world size: every gradient W times the average",
+        "issue 28: the legitimate use of set_gradient_divide_factor, half done",
+        ("grads",),
+        pins={**_CHEAP, "grad_reduction": "sum"},
+    ),
+    ZooBug(
+        "sum_reduction_factor_left_at_avg",
+        _mutant("sum_reduction_factor_left_at_avg"),
+        "each rank's loss divided by the world size for a SUM reduction, but the divide factor left at"
+        " FSDP2's AVG: every gradient 1/W of the average",
+        "issue 28: the legitimate use of set_gradient_divide_factor, the engine's half forgotten",
+        ("grads",),
+        pins={**_CHEAP, "grad_reduction": "sum"},
+    ),
+    ZooBug(
+        "ignored_grads_not_reduced",
+        _mutant("ignored_grads_not_reduced"),
+        "parameters kept out of FSDP (ignored_params) whose gradients the loop never all-reduces: each rank"
+        " steps its own, the ranks drift apart",
+        "issue 28: fully_shard's ignored_params, a replicated module left unsynchronised",
+        ("grads",),
+        precisions=("fp32",),
+        pins={
+            **_CHEAP,
+            "ignored": ("layers.1",),
+            "clip_norm": None,
+            "model.widths": (16, 33, 17, 8),
+            "model.experts": 0,
+        },
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only

@@ -590,6 +590,46 @@ def reshard_after_backward_ignored(model: nn.Module, mesh: DeviceMesh, spec: Sha
     return model
 
 
+class _SumLossUndividedView(EngineView):
+    """A loop that sums the gradients but forgets to divide each rank's loss by the world size."""
+
+    def sum_loss_divisor(self, world_size: int) -> int:
+        return 1
+
+
+def sum_reduction_loss_not_divided(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`grad_reduction: sum` half done: `set_gradient_divide_factor(1.0)` on every unit, but the
+    loss is not divided by the world size, so every gradient is W times the average (a SUM
+    reduction adopted from a trainer that divided its loss elsewhere). Correct under avg."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _SumLossUndividedView(model)
+    return model
+
+
+class _IgnoredUnreducedView(EngineView):
+    """A loop that keeps a module out of FSDP but forgets its gradients' all-reduce."""
+
+    def reduce_ignored(self, names: list[str], divide: int) -> None:
+        return None
+
+
+def ignored_grads_not_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`fully_shard(..., ignored_params=...)` as asked, but the loop never all-reduces the
+    ignored parameters' gradients: each rank steps them with its own micro-batches' gradient and
+    the replicas drift apart (FSDP2 says it will not reduce them). Correct without `ignored`."""
+    fully_shard_engine(model, mesh, spec)
+    model.verify_view = lambda: _IgnoredUnreducedView(model)
+    return model
+
+
+def sum_reduction_factor_left_at_avg(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`grad_reduction: sum` half done the other way: each rank's loss divided by the world
+    size, but `set_gradient_divide_factor` never called, so FSDP2 still averages: every gradient
+    is 1/W of the average. Correct under avg."""
+    case = spec.case.with_(grad_reduction="avg") if spec.case is not None else None
+    return fully_shard_engine(model, mesh, replace(spec, case=case))
+
+
 # ---- optimizers, schedules, what is trained (docs/optimizers-and-schedules.md) --------------------
 class _SchedulerTwiceView(EngineView):
     def make_scheduler(self, optimizer, spec, steps):
