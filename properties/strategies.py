@@ -572,7 +572,6 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
-            unfreeze_step=None,  # not modelled across a resume yet (Case refuses it)
             **{"data.batch_size": batch},
         )
     except CaseError:
