@@ -163,9 +163,7 @@ def test_a_correct_resume_passes(case, fsdp_pool):
 # ---- an unfreeze step across a resume --------------------------------------------------------------
 def _unfreezing(unfreeze_step: int, resume_after: int, **changes) -> Case:
     """2 -> 3 ranks, Adam, the first layer's weight frozen until `unfreeze_step`."""
-    case = mlp_case(
-        2, steps=4, resume_after=resume_after, resume_world_size=3, data=DataSpec(batch_size=6), **changes
-    )
+    case = mlp_case(2, steps=4, resume_after=resume_after, resume_world_size=3, data=DataSpec(batch_size=6), **changes)
     return case.with_(**{"model.frozen": _FROZEN, "unfreeze_step": unfreeze_step, "optim.name": "adam"})
 
 
@@ -386,3 +384,16 @@ def test_fsdp1_rank_without_a_shard_loads_an_optimizer_state_of_no_tensors(fsdp_
     20262904). `Checkpointer.planner` keeps the key."""
     case = regression("bc1e889bcc2f")
     assert check_case(case, pool=fsdp_pool(case.world_size)).ok
+
+
+def test_a_frozen_parameters_constructor_state_survives_the_load(fsdp_pool):
+    """Adagrad gives every parameter state when built (`step` 0, `sum`), the frozen one too;
+    `set_state_dict` loads state only for parameters that require grad and replaced the
+    optimizer's state whole, so the frozen weight's went missing right after the load (sweep
+    seed 20262921: "'optim.layers.0.linear.weight.step': the sharded run has no such record").
+    The checkpointer keeps the fresh optimizer's own state for it; here it is unfrozen after
+    the save (step 3) and trains from it."""
+    case = regression("dcce5f442d64")
+    assert (case.optim.name, case.unfreeze_step, case.resume_after) == ("adagrad", 3, 2)  # the premise
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()

@@ -84,9 +84,19 @@ class Checkpointer:
         # Tensors are read in place; other values (a param group's `lr`, ...) are put into the
         # dict read, so into `optim_sd` by hand (a schedule's lr was lost without this).
         optim_sd.update(to_read)
+        frozen = {p: st for p, st in optimizer.state.items() if not p.requires_grad and st}
         self.set(optimizer, state["model"], optim_sd)
+        for p, st in frozen.items():  # dropped by set_state_dict: see `Checkpointer.frozen_state`
+            optimizer.state.setdefault(p, st)
         forget_unstepped_state(self.module, optimizer, trainer)
         return self.after_load(optimizer, trainer)
+
+    # `set_state_dict` loads optimizer state only for parameters that require grad (torch 2.13
+    # `_load_optim_state_dict`) and replaces the optimizer's state whole, so the state a frozen
+    # parameter has from the optimizer's constructor (Adagrad's `step` 0 and `sum`) is dropped:
+    # the run that never stopped has it (sweep seed 20262921, 1 of 16: "'optim.<frozen>.step':
+    # the sharded run has no such record" right after the load). A frozen parameter never
+    # stepped, so the fresh optimizer's own state for it is the saved one: `_load` keeps it.
 
     # ---- the steps a mutant may change ----------------------------------------------------------
     def rename(self, model_sd: dict) -> dict:
