@@ -593,8 +593,7 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
-            unfreeze_step=None,  # not modelled across a resume yet (Case refuses it)
-            ignored=(),  # neither is an ignored parameter (Case refuses it)
+            ignored=(),  # an ignored parameter is not modelled across a resume (Case refuses it)
             **{"data.batch_size": batch},
         )
     except CaseError:

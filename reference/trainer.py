@@ -220,12 +220,13 @@ class _Run:
         rank the run had keeps its dropout generator; a new one starts from its fresh seed (as
         verify/training/resume.py restores them)."""
         model = reference_model(after, arithmetic, unit_input_node)
-        with torch.no_grad():
-            for (_, new), (_, old) in zip(model.named_parameters(), self.model.named_parameters()):
-                new.copy_(old)
-            for (_, new), (_, old) in zip(model.named_buffers(), self.model.named_buffers()):
-                new.copy_(old)
+        carried_over(self.model, model)
         params = dict(model.named_parameters())
+        if after.unfreeze_step is not None and after.unfreeze_step <= self.case.resume_after:
+            # Unfrozen before the save: they train on (a later unfreeze step comes in `unfreeze`).
+            for n, p in params.items():
+                if is_frozen(after.model, n):
+                    p.requires_grad_(True)
         optimizer = make_optimizer(after.optim, params.values())
         scheduler = make_scheduler(after.optim, optimizer, after.steps)  # before the load, as a loop builds it
         optimizer.load_state_dict(self.optimizer.state_dict())
@@ -264,17 +265,10 @@ class _Run:
         """The state a correct load gives, under phase "resumed" at the step saved after (the
         sharded side records what it loaded: verify/sharded/loop.py `_resume`)."""
         add = self.trace.add
-        for n, p in self.params.items():
-            add(step, "resumed", f"params.{n}", p)
-        for key, value in optimizer_state(self.optimizer, self.params).items():
-            add(step, "resumed", f"optim.{key}", value)
-        lrs = [float(g["lr"]) for g in self.optimizer.param_groups]
-        add(step, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+        record_resumed(self.trace, step, self.params, self.optimizer, self.rng_states)
         if self.scheduler is not None:
             for key, value in schedule_state(self.scheduler).items():
                 add(step, "resumed", key, value)
-        add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in self.rng_states], dtype=torch.int64))
-        add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
         if self.scaler is not None:
             add(step, "resumed", "loss_scale.scale", self.scaler.scale.reshape(1).float())
             add(step, "resumed", "loss_scale.growth_tracker", torch.tensor([self.scaler.good_steps], dtype=torch.int64))
@@ -921,6 +915,35 @@ def _store_logits(logits: dict[int, torch.Tensor], index, out: torch.Tensor) -> 
     rows = range(index.start, index.stop) if isinstance(index, slice) else index.tolist()
     for i, row in zip(rows, out):
         logits[i] = row.unsqueeze(0)
+
+
+def record_resumed(
+    trace: Trace,
+    step: int,
+    params: dict[str, nn.Parameter],
+    optimizer: torch.optim.Optimizer,
+    rng_states: list[torch.Tensor],
+) -> None:
+    """What every loop's load gives (phase "resumed", at the step saved after): parameters,
+    optimizer state, the param groups' lr, every rank's generator and the data position (a
+    global batch per step)."""
+    for n, p in params.items():
+        trace.add(step, "resumed", f"params.{n}", p)
+    for key, value in optimizer_state(optimizer, params).items():
+        trace.add(step, "resumed", f"optim.{key}", value)
+    lrs = [float(g["lr"]) for g in optimizer.param_groups]
+    trace.add(step, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+    trace.add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in rng_states], dtype=torch.int64))
+    trace.add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
+
+
+def carried_over(old: nn.Module, new: nn.Module) -> None:
+    """`old`'s parameters and buffers copied into `new` (a resume in memory: exact)."""
+    with torch.no_grad():
+        for (_, to), (_, of) in zip(new.named_parameters(), old.named_parameters()):
+            to.copy_(of)
+        for (_, to), (_, of) in zip(new.named_buffers(), old.named_buffers()):
+            to.copy_(of)
 
 
 def _record_params(trace: Trace, step: int, params: dict[str, nn.Parameter], initial: bool = False) -> None:

@@ -28,6 +28,7 @@ from torch.func import functional_call
 from fsdp_verify.case import Case
 from fsdp_verify.compare.tolerance import unit_roundoff
 from fsdp_verify.dtypes import to_torch
+from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.perturbation import Perturbation
@@ -37,6 +38,8 @@ from fsdp_verify.reference.trainer import (
     _hsdp_average,
     _record_buffers,
     _record_params,
+    carried_over,
+    record_resumed,
     reference_model,
 )
 from fsdp_verify.trace import Trace
@@ -153,14 +156,47 @@ def train_reference_step(
     know: measured, fl(3 * fl(1 / N)) and fl(3 / N) differ by an ulp for some N, and in bf16 compute
     that flips the roundings of gradients near a tie (a tiny Llama's lm_head gradient at step 2,
     6.6x the floor)."""
+    jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
+    current = {"step": 0}
+    rng_states = dropout_states(case)
+    model, params, ranks = _virtual_ranks(case, order, unit_input_node, arithmetic, jolt, current, rng_states)
+    optimizer = make_optimizer(case.optim, params.values())
+    step_fn = load_step(case.step)
+    trace = Trace("reference", meta={"case": case.hash, "step": case.step, "order": order, "perturbed": perturb})
+    _record_params(trace, 0, params, initial=True)
+    _record_buffers(trace, 0, model)
+    run = case
+    for step in range(1, case.steps + 1):
+        current["step"] = step
+        _one_step(run, step, step_fn, ranks, model, params, optimizer, jolt, trace, scale_ulp)
+        if step == case.resume_after:  # goes on as the resumed run does (docs/resume.md)
+            run = case.after_resume()
+            if jolt is not None:  # the same moves, for the new number of ranks
+                moved = Perturbation(0, run.world_size)
+                moved.generator, moved.moved = jolt.generator, jolt.moved
+                jolt = moved
+            fresh = dropout_states(run)
+            rng_states = [rng_states[r] if r < len(rng_states) else fresh[r] for r in range(run.world_size)]
+            on = engine_arithmetic(run.engine) if case.resume_engine else arithmetic
+            old_model, old_optimizer = model, optimizer
+            model, params, ranks = _virtual_ranks(run, order, unit_input_node, on, jolt, current, rng_states)
+            carried_over(old_model, model)
+            optimizer = make_optimizer(run.optim, params.values())
+            optimizer.load_state_dict(old_optimizer.state_dict())
+            record_resumed(trace, step, params, optimizer, rng_states)
+    if jolt is not None:
+        trace.meta["moved"] = sorted(jolt.moved)
+    return trace
+
+
+def _virtual_ranks(case, order, unit_input_node, arithmetic, jolt, current, rng_states):
+    """The model with the engine's casts, its parameters, and the `VirtualRanks` around it whose
+    backward reduces the ranks' gradients as the engine does."""
     model = reference_model(case, arithmetic, unit_input_node)
     params = dict(model.named_parameters())
-    optimizer = make_optimizer(case.optim, params.values())
-    jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
     reduce_dtype = to_torch(case.precision.reduce_dtype) or to_torch(case.precision.param_dtype) or torch.float32
     layout = _FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
     divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
-    current = {"step": 0}
     # A rank's loss scale is W / N; the seed W times the one-device 1 / N is an ulp away from it
     # for some N unless W is a power of two, and in a compute dtype coarser than fp32 that flips
     # the rounding of gradients near a tie (a tiny Llama's lm_head gradient, one bf16 ulp of one
@@ -186,18 +222,7 @@ def train_reference_step(
             p = params[n]
             p.grad = avg.float() if p.grad is None else p.grad + avg.float()
 
-    rng_states = dropout_states(case)
-    ranks = VirtualRanks(model, case, order, rng_states, reduce)
-    step_fn = load_step(case.step)
-    trace = Trace("reference", meta={"case": case.hash, "step": case.step, "order": order, "perturbed": perturb})
-    _record_params(trace, 0, params, initial=True)
-    _record_buffers(trace, 0, model)
-    for step in range(1, case.steps + 1):
-        current["step"] = step
-        _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace, scale_ulp)
-    if jolt is not None:
-        trace.meta["moved"] = sorted(jolt.moved)
-    return trace
+    return model, params, VirtualRanks(model, case, order, rng_states, reduce)
 
 
 def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace, scale_ulp: bool) -> None:

@@ -43,8 +43,8 @@ def single(out: Path, *extra: str, env: dict | None = None) -> None:
     _run([sys.executable, str(EXAMPLES / "train_single.py"), "--out", str(out), *extra], env)
 
 
-def sharded(out: Path, *extra: str) -> None:
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
+def sharded(out: Path, *extra: str, ranks: int = 2) -> None:
+    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
     _run([*torchrun, str(EXAMPLES / "train_fsdp.py"), "--out", str(out), *extra])
 
 
@@ -124,6 +124,55 @@ def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path
     first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
     assert (first["step"], first["phase"], first["rule"]) == (1, "grads", "bound"), first
     assert "First divergence at step 1, gradients" in out
+
+
+# ---- a sharded run that saved, stopped and resumed (docs/resume.md) ----------------------------------
+@pytest.fixture(scope="module")
+def resumed_runs(runs, tmp_path_factory) -> Path:
+    """train_fsdp.py on 2 ranks saving a DCP checkpoint after step 2 and stopping, then resumed
+    from it on 1 rank (resharded on load) through step 4: correctly, and with the optimizer not
+    loaded (a fresh Adam)."""
+    d = tmp_path_factory.mktemp("resumed")
+    sharded(d / "a", "--save-after", "2", "--checkpoint", str(d / "ckpt"))
+    for name, bug in (("b", ()), ("b-fresh-adam", ("--bug", "optimizer-not-loaded"))):
+        sharded(d / name, "--resume-from", str(d / "ckpt"), "--recorded-before", str(d / "a"), *bug, ranks=1)
+    return d
+
+
+def test_a_resumed_sharded_run_is_judged_against_the_run_never_stopped(runs, resumed_runs, tmp_path, capsys):
+    """Steps 1-2 from the 2-rank run, 3-4 from the 1-rank one, every record judged (calibrated),
+    and the note says where it resumed."""
+    code, out = compare(
+        runs / "ref", resumed_runs / "b", "--calibration", runs / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 0 and "EQUIVALENT" in out, out
+    assert "resumed after step 2: steps 1-2 from" in out and "(world size 2), steps 3-4 from" in out, out
+    report = json.loads((tmp_path / "report.json").read_text())["compare"]
+    assert report["unjudged"] == 0 and {r["step"] for r in report["records"] if r["phase"] == "optim_state"} == {
+        1,
+        2,
+        3,
+        4,
+    }
+    run = Run(resumed_runs / "b", "RUN")
+    assert [run.world_at(c) for c in run.calls[0]] == [2, 2, 2, 1, 1]
+
+
+def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_first_step_after_it(
+    runs, resumed_runs, tmp_path, capsys
+):
+    code, out = compare(
+        runs / "ref",
+        resumed_runs / "b-fresh-adam",
+        "--calibration",
+        runs / "ref-perturbed",
+        "--out",
+        tmp_path,
+        capsys=capsys,
+    )
+    assert code == 1, out
+    first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
+    assert first["step"] == 3 and first["phase"] in ("params", "optim_state"), first
 
 
 @pytest.fixture(scope="module")

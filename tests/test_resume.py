@@ -19,6 +19,7 @@ from tests.conftest import lm_case, mlp_case, regression, require
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 MUTANTS = "fsdp_verify.zoo.mutants:"
 GPT2 = ModelSpec(kind="custom", factory="tests/user/gpt2.py:tiny_gpt2", seq_len=6)
+_FROZEN = ("layers.0.linear.weight",)
 
 
 # ---- the case -------------------------------------------------------------------------------------
@@ -57,11 +58,10 @@ def test_a_bad_resume_names_its_field(changes, field):
     assert "resumed run" in str(e.value) or field.startswith("resume")
 
 
-def test_a_schedule_resumes_and_an_unfreeze_step_is_refused():
+def test_a_schedule_and_an_unfreeze_step_resume():
     assert mlp_case(2, steps=3, resume_after=1).with_(**{"optim.schedule": "exponential"}).resume_after == 1
-    with pytest.raises(CaseError) as e:
-        mlp_case(2, steps=3, resume_after=1, unfreeze_step=2).with_(**{"model.frozen": ("layers.0.linear.weight",)})
-    assert e.value.field_path in ("unfreeze_step", "model.frozen")
+    case = mlp_case(2, steps=3, resume_after=1).with_(**{"model.frozen": _FROZEN, "unfreeze_step": 2})
+    assert case.after_resume().unfreeze_step == case.before_resume().unfreeze_step == 2
 
 
 def test_check_refuses_a_bad_resume_with_exit_code_2(capsys):
@@ -158,6 +158,113 @@ def test_a_correct_resume_passes(case, fsdp_pool):
     resumed = [f for f in verdict.findings if f.phase == "resumed"]
     assert resumed and all(f.ok for f in resumed)
     assert max(f.step for f in verdict.findings) == case.steps  # every step after the resume was compared
+
+
+# ---- an unfreeze step across a resume --------------------------------------------------------------
+def _unfreezing(unfreeze_step: int, resume_after: int, **changes) -> Case:
+    """2 -> 3 ranks, Adam, the first layer's weight frozen until `unfreeze_step`."""
+    case = mlp_case(2, steps=4, resume_after=resume_after, resume_world_size=3, data=DataSpec(batch_size=6), **changes)
+    return case.with_(**{"model.frozen": _FROZEN, "unfreeze_step": unfreeze_step, "optim.name": "adam"})
+
+
+def test_the_reference_unfreezes_across_a_resume_as_the_run_never_stopped():
+    """Unfrozen before, at or after the save, the resumed reference (same world size) gives the
+    run without a resume bit for bit. (Without the unfreeze on resume, an unfreeze before the
+    save is lost: the weight stops training.)"""
+    for unfreeze_step, resume_after in [(2, 3), (2, 2), (3, 2)]:
+        case = _unfreezing(unfreeze_step, resume_after).with_(resume_world_size=None)
+        plain = train_reference(case.with_(resume_after=None))
+        resumed = train_reference(case)
+        records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
+        assert records.keys() == plain.records.keys(), (unfreeze_step, resume_after)
+        for k, v in records.items():
+            torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, msg=str(k))
+
+
+@pytest.mark.parametrize(
+    "unfreeze_step, resume_after", [(2, 3), (2, 2), (3, 2)], ids=["before-the-save", "at-the-save", "after-the-save"]
+)
+def test_an_unfreeze_step_across_a_resume_passes(unfreeze_step, resume_after, fsdp_pool):
+    case = _unfreezing(unfreeze_step, resume_after)
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+    weight = _FROZEN[0]
+    loaded = {f.name for f in verdict.findings if f.phase == "resumed"}
+    # Adam's state of the unfrozen weight is in the checkpoint once it has trained, and loaded.
+    assert (f"optim.{weight}.exp_avg" in loaded) == (unfreeze_step <= resume_after), sorted(loaded)
+    assert any(f.step == case.steps and f.phase == "params" and f.name == weight for f in verdict.findings)
+
+
+@pytest.mark.parametrize("unfreeze_step, resume_after", [(2, 2), (3, 2)], ids=["at-the-save", "after-the-save"])
+def test_the_unfreeze_mutant_is_caught_across_a_resume(unfreeze_step, resume_after, fsdp_pool):
+    """`unfreeze_misses_sharded_params` unfreezes the parameters it held before sharding: at the
+    save, the first run's weight never trained and the resumed run's unfreeze (before its load)
+    misses it again; after the save, the resumed run's unfreeze misses it. Passing FSDP2 above."""
+    case = _unfreezing(unfreeze_step, resume_after, engine=MUTANTS + "unfreeze_misses_sharded_params")
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    first = verdict.first_divergence
+    assert not verdict.ok and first.step == unfreeze_step and _FROZEN[0] in first.name, verdict.table()
+
+
+def test_an_unfreeze_step_the_scaler_skipped_resumes_without_made_up_state(fsdp_pool):
+    """Step 1 steps, the unfreeze step 2 overflows (skipped), the save follows: the checkpoint
+    holds Adam's state for every parameter but the unfrozen weight (torch makes up state only
+    for an optimizer with none), while the resumed run's template, a fresh optimizer with that
+    weight trainable, has it. Read, DCP fails on the missing key (a rank failure); the
+    checkpointer leaves it unread and drops it, and the weight's first real step is Adam's 1."""
+    fp16 = dict(
+        precision=PrecisionSpec(param_dtype="fp16"),
+        loss_scaling=LossScaleSpec(init_scale=2.0**17, growth_interval=1),
+    )
+    case = _unfreezing(2, 2, **fp16).with_(steps=3)
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+    assert [row["skipped"] for row in verdict.loss_scales] == [0, 1, 0]  # the premise
+
+
+# ---- a user's own step resumes ---------------------------------------------------------------------
+def _user_step_case(**changes) -> Case:
+    """tests/user/steps.py `train_step` (accumulation over 2 micro-batches, its own clip and
+    optimizer step) on a tiny Llama with padding, Adam, saved after step 1 of 2 on 2 ranks."""
+    require("transformers")
+    changes.setdefault("world_size", 2)
+    return Case(
+        model=ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", seq_len=6),
+        wrap=("LlamaDecoderLayer", ""),
+        microbatches=2,
+        steps=2,
+        data=DataSpec(batch_size=12, padded=True),
+        optim=OptimSpec(name="adam"),
+        step="tests/user/steps.py:train_step",
+        resume_after=1,
+        **changes,
+    )
+
+
+def test_the_reference_of_a_user_step_through_a_resume_is_the_run_never_stopped():
+    from fsdp_verify.reference import train_reference_step
+
+    case = _user_step_case()
+    plain, resumed = train_reference_step(case.with_(resume_after=None)), train_reference_step(case)
+    records = {k: v for k, v in resumed.records.items() if k[1] != "resumed"}
+    assert records.keys() == plain.records.keys()
+    for k, v in records.items():
+        torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, msg=str(k))
+    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position"}
+
+
+def test_a_user_step_resumes_on_another_world_size_and_a_fresh_optimizer_is_caught(fsdp_pool):
+    """2 -> 3 ranks: the step's optimizer is the loop's, saved and loaded with DCP around the
+    step; the mutant that loads the model alone is caught right after the load."""
+    case = _user_step_case(resume_world_size=3)
+    verdict = check_case(case, pool=fsdp_pool(2))
+    assert verdict.ok, verdict.table()
+    assert any(f.phase == "resumed" and f.name.startswith("optim.") for f in verdict.findings)
+    assert max(f.step for f in verdict.findings) == case.steps
+    verdict = check_case(case.with_(engine=MUTANTS + "fresh_optimizer_after_resume"), pool=fsdp_pool(2))
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.step, first.phase) == (1, "resumed") and "optim." in first.name, verdict.table()
+    assert "fresh optimizer" in verdict.hint
 
 
 # ---- the zoo's resume mutants are caught right after the load ---------------------------------------
@@ -277,3 +384,16 @@ def test_fsdp1_rank_without_a_shard_loads_an_optimizer_state_of_no_tensors(fsdp_
     20262904). `Checkpointer.planner` keeps the key."""
     case = regression("bc1e889bcc2f")
     assert check_case(case, pool=fsdp_pool(case.world_size)).ok
+
+
+def test_a_frozen_parameters_constructor_state_survives_the_load(fsdp_pool):
+    """Adagrad gives every parameter state when built (`step` 0, `sum`), the frozen one too;
+    `set_state_dict` loads state only for parameters that require grad and replaced the
+    optimizer's state whole, so the frozen weight's went missing right after the load (sweep
+    seed 20262921: "'optim.layers.0.linear.weight.step': the sharded run has no such record").
+    The checkpointer keeps the fresh optimizer's own state for it; here it is unfrozen after
+    the save (step 3) and trains from it."""
+    case = regression("dcce5f442d64")
+    assert (case.optim.name, case.unfreeze_step, case.resume_after) == ("adagrad", 3, 2)  # the premise
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()

@@ -578,15 +578,6 @@ class Case:
             f"a step in [1, steps - 1] = [1, {self.steps - 1}] (a save after it and a step to resume)",
             self.resume_after,
         )
-        check(self.step is None, "resume_after", "null with a user's step (its resume is not modelled yet)", True)
-        # An unfreeze step is not carried across a resume yet: the resumed run would miss an
-        # unfreeze that came before the save. (A schedule is: its position is in the checkpoint.)
-        check(
-            self.unfreeze_step is None,
-            "unfreeze_step",
-            "null with resume_after (unfreezing across a resume is not modelled yet)",
-            self.unfreeze_step,
-        )
         rws = self.resume_world_size
         check(rws is None or (is_int(rws) and rws >= 1), "resume_world_size", "null or a positive integer", rws)
         check(

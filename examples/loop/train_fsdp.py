@@ -12,6 +12,13 @@ Planted bugs (`--bug`), each one a classic of hand-written sharded loops:
                      comparison of bf16 runs can see it)
   optimizer-before-shard  the optimizer built before fully_shard: it holds (and steps) the old,
                      unsharded parameters; the Recorder refuses it at once
+  optimizer-not-loaded  on --resume-from, the model is loaded and the optimizer is not (a fresh
+                     Adam: its moments zero, its step count restarted)
+
+Checkpoint and resume (docs/resume.md), with torch.distributed.checkpoint (resharded on load):
+    torchrun --nproc-per-node 2 train_fsdp.py --out runs/a --save-after 2 --checkpoint ckpt
+    torchrun --nproc-per-node 3 train_fsdp.py --out runs/b --resume-from ckpt --recorded-before runs/a
+    fsdp-verify compare runs/ref runs/b --calibration runs/ref-perturbed   # runs/a and runs/b as one run
 """
 
 from __future__ import annotations
@@ -20,7 +27,9 @@ import argparse
 
 import torch
 import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
 from common import add_common_arguments, loss_fn, make_dataset, make_model, shard
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_model_state_dict, set_state_dict
 from torch.distributed.device_mesh import init_device_mesh
 from torch.utils.data import DataLoader, DistributedSampler
 
@@ -30,7 +39,13 @@ from fsdp_verify.recorder import Recorder
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
-    p.add_argument("--bug", choices=["unsharded-sampler", "grad-noise", "optimizer-before-shard"])
+    p.add_argument(
+        "--bug", choices=["unsharded-sampler", "grad-noise", "optimizer-before-shard", "optimizer-not-loaded"]
+    )
+    p.add_argument("--save-after", type=int, help="save a checkpoint into --checkpoint after this step, and stop")
+    p.add_argument("--checkpoint", help="the checkpoint directory --save-after writes")
+    p.add_argument("--resume-from", help="a checkpoint directory to load before training on")
+    p.add_argument("--recorded-before", help="with --resume-from: the run directory the saving run recorded")
     args = p.parse_args()
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
@@ -48,8 +63,12 @@ def main() -> None:
     else:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
-    rec = None if args.no_record else Recorder(model, optimizer, out=args.out, full_steps=args.full_steps)
+    done = load(args.resume_from, model, optimizer, args.bug) if args.resume_from else 0
+    record = dict(full_steps=args.full_steps, resumed_from=args.recorded_before)
+    rec = None if args.no_record else Recorder(model, optimizer, out=args.out, **record)
     for step, (inputs, targets) in enumerate(loader, start=1):
+        if step <= done:  # the data position: the batches the run before consumed
+            continue
         logits = model(inputs)
         loss = loss_fn(logits, targets)
         loss.backward()
@@ -63,11 +82,38 @@ def main() -> None:
             rec.step(loss=loss, logits=logits, batch=(inputs, targets))
         if rank == 0:
             print(f"step {step}: loss {loss.item():.10f} (rank 0's share)", flush=True)
+        if step == args.save_after:
+            save(args.checkpoint, model, optimizer, step)
+            break
         if step == args.steps:
             break
     if rec:
         rec.close()
     dist.destroy_process_group()
+
+
+def save(path: str, model, optimizer, step: int) -> None:
+    """Model and optimizer as DCP saves them (each rank its shards), and the step: the data
+    position (the sampler's shuffle is seeded, so the batches are those after it)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "step": torch.tensor([step])}, checkpoint_id=path)
+
+
+def load(path: str, model, optimizer, bug: str | None) -> int:
+    """Load into this run's sharding (DCP reshards on read); returns the step saved after."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "step": torch.tensor([0])}
+    if bug != "optimizer-not-loaded":
+        state["optim"] = optim_sd
+    dcp.load(state, checkpoint_id=path)
+    if bug == "optimizer-not-loaded":
+        set_model_state_dict(model, state["model"])
+        # get_state_dict gave the fresh Adam a zero-gradient step's state (step 1, zero moments);
+        # dropped, it is the fresh optimizer of a loop that only restores the model.
+        optimizer.state.clear()
+    else:
+        set_state_dict(model, optimizer, model_state_dict=state["model"], optim_state_dict=state["optim"])
+    return int(state["step"][0])
 
 
 if __name__ == "__main__":

@@ -83,7 +83,7 @@ def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[s
 
 
 def load_step(run: Run, call: int, opt_before: int) -> Step:
-    loaded = [run.load(r, call) for r in range(run.world_size)]
+    loaded = [run.load(r, call) for r in range(run.world_at(call))]
     tensors, headers = [t for t, _ in loaded], [h for _, h in loaded]
     step = Step(call=call, opt_steps=list(headers[0].get("opt_steps", [])), opt_before=opt_before)
     if all("loss" in t for t in tensors):

@@ -202,11 +202,18 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             f" compared the {result.steps} both have"
         )
     cal_steps = {s.call: s for s in steps(cal)} if cal is not None else {}
-    world = got.world_size
+    if got.before is not None:
+        k = got.resumed_after
+        result.notes.append(
+            f"RUN_SHARDED resumed after step {k}: steps 1-{k} from {got.before.path} (world size"
+            f" {got.before.world_size}), steps {k + 1}-{got.calls[0][-1]} from {got.path} (world size"
+            f" {got.world_size}); a load that lost something shows from step {k + 1} on"
+        )
     unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
             continue
+        world = got.world_at(r_step.call)
         if progress:
             progress(r_step.call)
         if r_step.hashes is not None and g_step.hashes is not None:

@@ -89,6 +89,20 @@ def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -
         )
 
 
+def resumed_from_meta(path: str | Path) -> dict:
+    """Where the run at `path` stopped (its rank 0's meta: steps and optimizer steps), and its
+    absolute path, which the resumed run's meta names."""
+    import json
+
+    from fsdp_verify.recorder.store import RunError, rank_dir
+
+    meta_path = rank_dir(path, 0) / "meta.json"
+    if not meta_path.is_file():
+        raise RunError(f"resumed_from: {path}: no rank0/meta.json (the run before the resume, closed)")
+    meta = json.loads(meta_path.read_text())
+    return {"path": str(Path(path).resolve()), "steps": meta["steps"], "optimizer_steps": meta["optimizer_steps"]}
+
+
 class Recorder:
     """Record a run for `fsdp-verify compare`.
 
@@ -103,6 +117,9 @@ class Recorder:
     modules: fnmatch patterns of (stripped) module names ("layers.*") whose forward outputs are
       fingerprinted per row at every step, so `compare` names the first module whose output parts
       (docs/zoom.md); each call's rows in order, a recomputation in backward not counted.
+    resumed_from: the run directory the run this one resumes recorded (closed), for a loop that
+      loaded a checkpoint: its steps and optimizer steps are counted on from where that run
+      stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load.
     """
 
     def __init__(
@@ -115,8 +132,10 @@ class Recorder:
         full_params: Iterable[str] = (),
         perturb: int | None = None,
         modules: Iterable[str] = (),
+        resumed_from: str | Path | None = None,
     ):
         self.out = Path(out)
+        self.resumed_from = resumed_from_meta(resumed_from) if resumed_from is not None else None
         self.rank, self.world_size = _dist()
         self.full_steps, self.full_params = set(full_steps), list(full_params)
         self.optimizer = optimizer
@@ -140,8 +159,10 @@ class Recorder:
         coarse = [p["param_dtype"] for p in self.precision["policies"] if p["param_dtype"]]
         rounded = max((getattr(torch, d) for d in coarse), key=unit_roundoff, default=None)
         self.perturbation = GradientPerturbation(seed, rounded) if seed is not None else None
-        self.call = 0  # rec.step calls so far
-        self.opt_step = 0  # optimizer steps so far
+        self.call = 0  # rec.step calls so far (the run resumed from's among them)
+        self.opt_step = 0  # optimizer steps so far (likewise)
+        if self.resumed_from is not None:
+            self.call, self.opt_step = self.resumed_from["steps"], self.resumed_from["optimizer_steps"]
         self.dtypes: dict[str, set[str]] = {}
         self._pending: dict[str, torch.Tensor] = {}
         self._meta_dtypes: dict | None = None
@@ -163,6 +184,9 @@ class Recorder:
                 self._hooks.append(module.register_forward_hook(self._module_output(name)))
         if self.module_patterns and not self._outputs:
             raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
+        if self.resumed_from is not None:  # the state it loaded is the last the run before recorded
+            self._write_meta()
+            return
         self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
         self._header["opt_steps"].append(0)
         self._flush()
@@ -321,6 +345,11 @@ class Recorder:
                     "modules": self.module_patterns,
                     "precision": self.precision,
                 },
+                **(
+                    {"resumed_from": self.resumed_from["path"], "resumed_after": self.resumed_from["steps"]}
+                    if self.resumed_from is not None
+                    else {}
+                ),
                 "torch": torch.__version__,
                 "fsdp_verify": __version__,
                 "python": platform.python_version(),

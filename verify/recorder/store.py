@@ -62,6 +62,26 @@ class Run:
         ]
         if any(c != self.calls[0] for c in self.calls):
             raise RunError(f"{label}: {path}: ranks recorded different steps: {dict(enumerate(self.calls))}")
+        # A run that resumed from a checkpoint (`Recorder(resumed_from=...)`): read as one run with
+        # the run before it, each step from the part (and world size) that ran it.
+        self.before: Run | None = None
+        self.resumed_after: int | None = self.meta[0].get("resumed_after")
+        if self.meta[0].get("resumed_from") is not None:
+            self.before = Run(self.meta[0]["resumed_from"], f"{label} (before its resume)")
+            if self.before.calls[0][-1:] != [self.resumed_after]:
+                raise RunError(
+                    f"{label}: {path}: resumed_after: {self.resumed_after}, but the run before it"
+                    f" ({self.before.path}) recorded steps up to {self.before.calls[0][-1:]}"
+                )
+            if self.before.param_names != self.param_names:
+                raise RunError(f"{label}: {path}: params: not those of the run it resumed from ({self.before.path})")
+            self.calls = [self.before.calls[0] + c for c in self.calls]
+
+    def world_at(self, call: int) -> int:
+        """The world size of the part of the run that recorded step `call`."""
+        if self.before is not None and call <= self.resumed_after:
+            return self.before.world_at(call)
+        return self.world_size
 
     def _meta(self, p: Path) -> dict[str, Any]:
         try:
@@ -82,6 +102,8 @@ class Run:
         return [p[0] for p in self.meta[0]["params"]]
 
     def load(self, rank: int, call: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+        if self.before is not None and call <= self.resumed_after:
+            return self.before.load(rank, call)
         path = rank_dir(self.path, rank) / f"step{call:06d}.safetensors"
         try:
             with safe_open(str(path), framework="pt") as f:

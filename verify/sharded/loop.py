@@ -28,7 +28,7 @@ from fsdp_verify.training.data import as_call, global_batch, item_count, microba
 from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import optimizer_state, schedule_state, step_scheduler
-from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, trainer_state
+from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, saved_step, trainer_state
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
@@ -121,7 +121,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     ignored = [n for n in params if is_ignored(case.ignored, n)]
     first, position = 1, 0  # the first step to run; global batches consumed before it
     if ctx.resume is not None and "load" in ctx.resume:
-        first, position = _resume(ctx.resume["load"], ctx, view, (optimizer, scheduler), params, scaler, records)
+        first, position = _resume(ctx.resume["load"], case, ctx, view, (optimizer, scheduler), params, scaler, records)
     for step in range(first, case.steps + 1):
         if step == case.unfreeze_step:
             ctx.phase(f"step {step} unfreeze")
@@ -200,11 +200,17 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     return dtypes, items
 
 
-def _resume(path, ctx, view, optimizers, params, scaler, records) -> tuple[int, int]:
+def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple[int, int]:
     """Load the checkpoint at `path` into this run's sharding and record the state as loaded
     (phase "resumed", at the step it was saved after: compared exactly, a load is a copy).
     Returns the first step to run and the data position."""
     optimizer, scheduler = optimizers
+    ctx.phase("read the checkpoint's step")
+    if case.unfreeze_step is not None and case.unfreeze_step <= int(saved_step(path)):
+        # Unfrozen before the save, so trained and stepped: trainable before the load, or the
+        # optimizer's state template (`get_state_dict`) would leave out theirs.
+        ctx.phase(f"unfreeze (at step {case.unfreeze_step}, before the save)")
+        view.unfreeze([n for n in params if is_frozen(case.model, n)])
     ctx.phase("load checkpoint")
     trainer = view.checkpointer().load(path, optimizer)
     restore_trainer(trainer, scaler, ctx.rank, scheduler)
@@ -234,21 +240,33 @@ def _resume(path, ctx, view, optimizers, params, scaler, records) -> tuple[int, 
 
 def _user_steps(case, ctx, sharded, view, optimizers, params, probes, records):
     """A user's own step (verify/training/user_step.py) on this rank's block of the global batch
-    (no schedule and no unfreezing: the Case refuses them with a user's step)."""
+    (no schedule and no unfreezing: the Case refuses them with a user's step). Its optimizer is
+    the one this loop made and hands it, so a save and a resume are this loop's, around it:
+    `torch.distributed.checkpoint` of the module and that optimizer (docs/resume.md)."""
     optimizer, _ = optimizers
     step_fn = load_step(case.step)
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
-    for step in range(1, case.steps + 1):
-        _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, records, dtypes, items)
+    first, position = 1, 0  # as in `_toolkit_steps`: one global batch per step
+    if ctx.resume is not None and "load" in ctx.resume:  # the optimizer the step steps, loaded
+        first, position = _resume(ctx.resume["load"], case, ctx, view, optimizers, params, None, records)
+    for step in range(first, case.steps + 1):
+        position += 1
+        _user_step(case, ctx, (step, position), step_fn, sharded, view, optimizer, probes, records, dtypes, items)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
+    if ctx.resume is not None and "save" in ctx.resume:
+        ctx.phase(f"step {case.steps} save checkpoint")
+        trainer = trainer_state(case.steps, position, None, ctx.device)
+        view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
     return dtypes, items
 
 
-def _user_step(case, ctx, step, step_fn, sharded, view, optimizer, probes, records, dtypes, items) -> None:
+def _user_step(case, ctx, at, step_fn, sharded, view, optimizer, probes, records, dtypes, items) -> None:
     """One call of the step, recorded around: logits at every forward, gradients before the clip
-    or the optimizer, the clip's norm (this rank's), the loss it returns averaged over ranks."""
-    inputs, targets = global_batch(case, step)
+    or the optimizer, the clip's norm (this rank's), the loss it returns averaged over ranks.
+    `at`: (the step, the data position: the global batch it takes)."""
+    step, position = at
+    inputs, targets = global_batch(case, position)
     block = rank_slice(case, ctx.rank)
     batch = (take(inputs, block, ctx.device), targets[block].to(ctx.device))
     items[str(step)] = [

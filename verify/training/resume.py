@@ -75,13 +75,28 @@ class Checkpointer:
     def _load(self, path: str, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
         model_sd, optim_sd = get_state_dict(self.module, optimizer, options=OPTIONS)  # a fresh optimizer's, initialised
         trainer = trainer_template(path)
-        state = {"model": self.rename(model_sd), "trainer": trainer}
-        if optim_sd:  # empty on an FSDP1 rank that holds no element of any parameter: nothing to read
-            state["optim"] = optim_sd
+        dcp.load({"trainer": trainer}, checkpoint_id=path)  # first: which parameters were stepped
+        state = {"model": self.rename(model_sd)}
+        to_read = {k: v for k, v in optim_sd.items() if not _unstepped_state_key(k, trainer)}
+        if to_read:  # empty on an FSDP1 rank that holds no element of any parameter: nothing to read
+            state["optim"] = to_read
         dcp.load(state, checkpoint_id=path, planner=self.planner())
+        # Tensors are read in place; other values (a param group's `lr`, ...) are put into the
+        # dict read, so into `optim_sd` by hand (a schedule's lr was lost without this).
+        optim_sd.update(to_read)
+        frozen = {p: st for p, st in optimizer.state.items() if not p.requires_grad and st}
         self.set(optimizer, state["model"], optim_sd)
+        for p, st in frozen.items():  # dropped by set_state_dict: see `Checkpointer.frozen_state`
+            optimizer.state.setdefault(p, st)
         forget_unstepped_state(self.module, optimizer, trainer)
         return self.after_load(optimizer, trainer)
+
+    # `set_state_dict` loads optimizer state only for parameters that require grad (torch 2.13
+    # `_load_optim_state_dict`) and replaces the optimizer's state whole, so the state a frozen
+    # parameter has from the optimizer's constructor (Adagrad's `step` 0 and `sum`) is dropped:
+    # the run that never stopped has it (sweep seed 20262921, 1 of 16: "'optim.<frozen>.step':
+    # the sharded run has no such record" right after the load). A frozen parameter never
+    # stepped, so the fresh optimizer's own state for it is the saved one: `_load` keeps it.
 
     # ---- the steps a mutant may change ----------------------------------------------------------
     def rename(self, model_sd: dict) -> dict:
@@ -133,6 +148,29 @@ def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, 
         mark = trainer.get(STEPPED + name)
         if mark is not None and int(mark[0]) == 0:
             optimizer.state.pop(p, None)
+
+
+def _unstepped_state_key(key: str, trainer: dict[str, torch.Tensor]) -> bool:
+    """Whether `key` (`state.<fqn>.<entry>`, flattened) is the optimizer state of a parameter
+    the saving run had not stepped. The checkpoint holds none for it where the optimizer had
+    stepped others (torch's `_init_optim_state` makes state only for an optimizer with none): a
+    parameter unfrozen after the last step that stepped (`unfreeze_step`; or every step since
+    its unfreezing skipped by the loss scaler), which the loading side's template (a fresh
+    optimizer, every trainable parameter initialised) has. Not read; `forget_unstepped_state`
+    drops the template's made-up values after the load."""
+    if not key.startswith("state."):
+        return False
+    mark = trainer.get(STEPPED + key.removeprefix("state.").rsplit(".", 1)[0])
+    return mark is not None and int(mark[0]) == 0
+
+
+def saved_step(path: str) -> int:
+    """The step the checkpoint at `path` was saved after (a collective): what a resumed loop
+    needs before its load (whether an unfreeze step came before the save)."""
+    step = {"step": torch.empty(1, dtype=torch.int64)}
+    with _quiet():
+        dcp.load({"trainer": step}, checkpoint_id=path)
+    return int(step["step"][0])
 
 
 def trainer_template(path: str) -> dict[str, torch.Tensor]:
