@@ -486,6 +486,8 @@ def _cases(
         "reshard_after_backward_last": field(
             "reshard_after_backward_last", st.booleans() if pins.get("step") is None else st.just(False)
         ),
+        # Drawn last, so a seed's earlier draws stay what they were.
+        "prefetch": field("prefetch", st.one_of(st.none(), st.integers(1, 2))),
     }
     try:
         return Case(**values)
@@ -659,6 +661,7 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         "shard_placement": "dim0",
         "replica_sync_last": False,
         "reshard_after_backward_last": False,
+        "prefetch": None,
     }
     for name, value in off.items():
         given = pins.get(name, value)

@@ -272,6 +272,11 @@ class Case:
     # micro-batch's forward all-gathers nothing for it (True again on the last, so the optimizer
     # steps sharded parameters). Numbers unchanged; traffic and what is held between change.
     reshard_after_backward_last: bool = False
+    # Explicit prefetching: each unit's `set_modules_to_forward_prefetch` / `..._backward_prefetch`
+    # lists the next k units of that pass (verify/engines/prefetch.py: forward order, and the
+    # reverse of the post-forward order). None: FSDP2's implicit prefetching only. Numbers
+    # unchanged; which units are all-gathered in backward and what is held at once change.
+    prefetch: int | None = None
 
     # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
     # names are frozen for the steps before this one and trained from it on (a fine-tuning
@@ -296,6 +301,7 @@ class Case:
         "shard_placement",
         "replica_sync_last",
         "reshard_after_backward_last",
+        "prefetch",
         "zoom",
         "unfreeze_step",
         "resume_after",
@@ -462,6 +468,12 @@ class Case:
                 "false with a user's step (--step calls set_reshard_after_backward itself, if it does)",
                 True,
             )
+        check(
+            self.prefetch is None or (is_int(self.prefetch) and self.prefetch >= 1),
+            "prefetch",
+            "null (FSDP2's implicit prefetching) or a positive integer (units ahead)",
+            self.prefetch,
+        )
 
     def _validate_unfreeze(self) -> None:
         check(

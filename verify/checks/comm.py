@@ -47,6 +47,18 @@ order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embe
 frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
 which waits for it, never runs): bytes on the wire all the same.
 
+Under `prefetch` (explicit lists, verify/engines/prefetch.py) a unit with a non-empty backward
+list prefetches that list instead (`FSDPState._pre_backward`: the implicit prefetch only runs
+when the list is empty, which is the last unit in backward order's case, with no predecessor).
+The lists follow the reverse of the post-forward order, so a target's own backward has not run
+yet and `unshard` (which returns while a gather is pending or the unit is unsharded) gathers each
+unit once per pass: the forward and backward volumes are the table's. What changes is only which
+no-backward unit is gathered: one in a list of a unit whose backward runs (k = 1 is the implicit
+rule again; k = 2 also reaches a frozen embedding behind a frozen norm). Such a gather is never
+copied out, and FSDP2's final backward callback discards it (`finalize_backward`), so the next
+forward gathers the unit again, as without prefetching. Forward prefetching moves a gather
+earlier, never adds one: each unit still once per forward (its memory is the memory contract's).
+
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
 What stays unmatched is a finding naming the unit and the collective: an all-reduce where a
@@ -116,10 +128,12 @@ def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) ->
     return {n: shard_dim(rule, n, s, case.mesh[-1]) for params in units.values() for n, s in params}
 
 
-def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, case: Case | None = None) -> set[str]:
     """The units FSDP2 unshards in backward, if resharded after forward (see the module
-    docstring): each unit whose output needs a gradient, and the one whose forward finished
-    just before such a unit's (the implicit prefetch). Every unit without the memory record."""
+    docstring): each unit whose output needs a gradient, and what such a unit prefetches: its
+    explicit backward list under `prefetch`, else (an empty list) the one whose forward finished
+    just before its own (the implicit prefetch). Every unit without the memory record."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
     from fsdp_verify.probes.memory import forward_facts
 
     facts = forward_facts(got)
@@ -127,9 +141,17 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) 
         return set(units)
     order, no_backward = facts
     grouped = [u for u in order if units.get(u)]  # FSDP2's post-forward order
-    unreached = {u for u in grouped if u in no_backward} - {
-        before for before, after in zip(grouped, grouped[1:]) if after not in no_backward
-    }
+    k = getattr(case, "prefetch", None) if case is not None else None
+    lists: dict[str, list[str]] = {}
+    if k is not None:
+        names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+        lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, k).items()}
+    implicit = dict(zip(grouped[1:], grouped))  # a unit -> the one whose forward finished before
+    own = [u for u in grouped if u not in no_backward]
+    prefetched = set()
+    for u in own:
+        prefetched |= set(lists[u]) if lists.get(u) else {implicit[u]} if u in implicit else set()
+    unreached = {u for u in grouped if u in no_backward} - prefetched
     return set(units) - unreached
 
 
@@ -166,7 +188,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
-    reached = backward_reached(units, got)
+    reached = backward_reached(units, got, case)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}

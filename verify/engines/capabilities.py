@@ -28,7 +28,7 @@ class Capabilities:
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
     # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`,
-    # `reshard_after_backward_last`): FSDP1 and the flat
+    # `reshard_after_backward_last`, `prefetch`): FSDP1 and the flat
     # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
     shard_knobs: bool = True
     # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
@@ -58,6 +58,7 @@ class Capabilities:
                 ("shard_placement", "dim0"),
                 ("replica_sync_last", False),
                 ("reshard_after_backward_last", False),
+                ("prefetch", None),
             ):
                 if getattr(case, name) != off:
                     raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))

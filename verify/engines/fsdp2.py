@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy, fully_shard
 
 from fsdp_verify.engines.placement import placement_fn
+from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 
 
@@ -24,6 +25,8 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
             offload_policy=offload,
             shard_placement_fn=placements,
         )
+    if case is not None and case.prefetch is not None:
+        set_prefetching(model, spec.wrap, case.prefetch)
     if spec.case is not None and spec.case.model.experts:
         # Routed experts: a rank whose micro-batch reaches none of an expert's samples has no
         # gradient for it, and FSDP2 would reduce-scatter fewer parameters there than on the

@@ -393,6 +393,15 @@ ZOO: list[ZooBug] = [
         ("comm",),
         pins={**_CHEAP, "microbatches": _MICROBATCHES, "reshard_after_backward_last": True},
     ),
+    ZooBug(
+        "prefetch_one_unit_too_many",
+        _mutant("prefetch_one_unit_too_many"),
+        "explicit prefetching k units ahead asked for, the lists built k + 1 ahead: the same collectives,"
+        " one more unit's gathered parameters held at once in forward",
+        "issue 28: set_modules_to_forward_prefetch off by one (torchtitan's recipe generalised to k)",
+        ("memory",),
+        pins={**_CHEAP, "prefetch": st.integers(1, 2)},
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only

@@ -23,6 +23,7 @@ from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.fsdp1 import fsdp1_engine, placement, wrap_fsdp1
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.training.checkpointing import checkpoint_units
@@ -587,6 +588,19 @@ def reshard_after_backward_ignored(model: nn.Module, mesh: DeviceMesh, spec: Sha
     all-gathers again. The same numbers; the all-gathers the knob exists to save, on the wire."""
     fully_shard_engine(model, mesh, spec)
     model.verify_view = lambda: _ReshardAfterBackwardView(model, never=False)
+    return model
+
+
+def prefetch_one_unit_too_many(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Explicit prefetching asked for k units ahead (`prefetch`), the lists built k + 1 ahead (an
+    off-by-one in a torchtitan-style recipe): the same numbers and the same collectives, each
+    unit gathered once, but a unit earlier than planned, so one more unit's all-gather output
+    is held at once in forward than the memory plan allows."""
+    k = spec.case.prefetch if spec.case is not None else None
+    if k is None:
+        return fully_shard_engine(model, mesh, spec)
+    fully_shard_engine(model, mesh, replace(spec, case=spec.case.with_(prefetch=None)))
+    set_prefetching(model, spec.wrap, k + 1)
     return model
 
 
