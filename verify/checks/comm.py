@@ -58,6 +58,16 @@ rule again; k = 2 also reaches a frozen embedding behind a frozen norm). Such a 
 copied out, and FSDP2's final backward callback discards it (`finalize_backward`), so the next
 forward gathers the unit again, as without prefetching. Forward prefetching moves a gather
 earlier, never adds one: each unit still once per forward (its memory is the memory contract's).
+One exception, with activation checkpointing (measured, torch 2.13: a fresh-seed hunt's false
+alarm, an MLP whose `layers.0` holds the units `layers.0.linear` and `layers.0.dropout`): a unit
+nested in a non-root unit is recomputed when its outer unit's backward begins, before its own
+pre-backward hook has set its state, so `FSDPState._pre_forward` takes the forward path (its
+PRE_BACKWARD shortcut does not apply) and issues the unit's *forward* prefetch list again. A
+target outside the outer unit has finished its backward by then and been resharded, so it is
+all-gathered once more, over the full shard group, and never used (`finalize_backward`
+discards it); targets inside the outer unit are merely gathered early
+(`regathered_in_recompute`). Under `reshard_after_backward_last` a non-last micro-batch leaves
+the target unsharded: nothing gathered.
 
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
@@ -155,6 +165,27 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, 
     return set(units) - unreached
 
 
+def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+    """Under `prefetch` with activation checkpointing, the units all-gathered a second time in
+    backward (see the module docstring): the forward-list targets of a unit nested in a
+    non-root unit that lie outside that outer unit (their backward is over when it recomputes).
+    No-backward targets are left out (a pending prefetch or none: not measured)."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
+    from fsdp_verify.probes.memory import forward_facts
+
+    if getattr(case, "prefetch", None) is None or not case.activation_checkpointing:
+        return set()
+    facts = forward_facts(got)
+    names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+    out: set[str] = set()
+    for unit, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items():
+        outer = [a for a in case.wrap_plan if a and unit.startswith(a + ".")]
+        if outer:
+            a = min(outer, key=len)
+            out |= {t for t in fwd if not t.startswith(a + ".")}
+    return out - (facts[1] if facts else set())
+
+
 def held_after_backward(
     case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace, step: int = 1
 ) -> set[str]:
@@ -189,6 +220,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
     reached = backward_reached(units, got, case)
+    regathered = regathered_in_recompute(case, units, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
@@ -214,6 +246,11 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                         out.append(
                             Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
                         )
+                    # prefetch under checkpointing: gathered again, from its full shards, unless
+                    # this backward keeps it unsharded (reshard_after_backward_last)
+                    keeps = not last and getattr(case, "reshard_after_backward_last", False)
+                    if unit in regathered and not keeps:
+                        out.append(Collective(step, m, "backward", "all_gather", param_dtype, shard, gathered, name))
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))

@@ -63,10 +63,13 @@ def prefetch_lists(units: Sequence[str], param_names: Sequence[str], k: int) -> 
     return out
 
 
-def set_prefetching(model, units: Sequence[str], k: int) -> None:
-    """Set each unit's explicit lists on the FSDP2 modules (after every unit is sharded)."""
+def set_prefetching(model, units: Sequence[str], k: int, forward_k: int | None = None) -> None:
+    """Set each unit's explicit lists on the FSDP2 modules (after every unit is sharded);
+    `forward_k`: the forward lists' length, if not k (the zoo's off-by-one)."""
     names = [n for n, _ in model.named_parameters()]
-    for unit, (fwd, bwd) in prefetch_lists(units, names, k).items():
+    forward = prefetch_lists(units, names, forward_k or k)
+    for unit, (_fwd, bwd) in prefetch_lists(units, names, k).items():
+        fwd = forward[unit][0]
         module = model.get_submodule(unit)
         if fwd:
             module.set_modules_to_forward_prefetch([model.get_submodule(v) for v in fwd])

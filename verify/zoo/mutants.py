@@ -592,15 +592,15 @@ def reshard_after_backward_ignored(model: nn.Module, mesh: DeviceMesh, spec: Sha
 
 
 def prefetch_one_unit_too_many(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    """Explicit prefetching asked for k units ahead (`prefetch`), the lists built k + 1 ahead (an
-    off-by-one in a torchtitan-style recipe): the same numbers and the same collectives, each
-    unit gathered once, but a unit earlier than planned, so one more unit's all-gather output
-    is held at once in forward than the memory plan allows."""
+    """Explicit prefetching asked for k units ahead (`prefetch`), the forward lists built k + 1
+    ahead (an off-by-one in a torchtitan-style recipe): the same numbers and the same
+    collectives, each unit gathered once per forward, but a unit earlier than planned, so one
+    more unit's all-gather output is held at once in forward than the memory plan allows."""
     k = spec.case.prefetch if spec.case is not None else None
     if k is None:
         return fully_shard_engine(model, mesh, spec)
     fully_shard_engine(model, mesh, replace(spec, case=spec.case.with_(prefetch=None)))
-    set_prefetching(model, spec.wrap, k + 1)
+    set_prefetching(model, spec.wrap, k, forward_k=k + 1)
     return model
 
 
