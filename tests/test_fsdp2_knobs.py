@@ -301,3 +301,12 @@ def test_a_checkpointed_recompute_reissues_the_forward_prefetch(fsdp_check, k):
     unexpected before `regathered_in_recompute`."""
     verdict = fsdp_check(regression("b070a41d5468").with_(prefetch=k), calibrate=False)
     assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize("name", ["1b9ded5281a8", "da7e0255f22a"])
+def test_prefetch_sweep_false_alarms_stay_fixed(fsdp_check, name):
+    """Seed 20263711's sweep: a backward list naming a unit whose backward already ran (`moe`
+    registered after the layers it runs before; gathered again, measured), and the partial
+    reduce outputs of `replica_sync_last` held after a later micro-batch's forward."""
+    verdict = fsdp_check(regression(name), calibrate=False)
+    assert verdict.ok, verdict.summary()

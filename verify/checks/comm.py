@@ -186,6 +186,34 @@ def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[in
     return out - (facts[1] if facts else set())
 
 
+def regathered_out_of_order(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+    """Under `prefetch`, the units a backward list names after their own backward has run, as
+    the modules ran (the measured post-forward order, reversed) rather than as they are
+    registered (the lists' order): gathered again, from their full shards, and discarded (a
+    fresh-seed sweep's false alarm, seed 20263711: an MLP whose `moe` is registered after the
+    layers but runs before them, 1,188 B)."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
+    from fsdp_verify.probes.memory import forward_facts
+
+    facts = forward_facts(got)
+    if getattr(case, "prefetch", None) is None or facts is None:
+        return set()
+    order, no_backward = facts
+    grouped = [u for u in order if units.get(u)]
+    names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+    lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
+    implicit = dict(zip(grouped[1:], grouped))
+    done: set[str] = set()
+    out: set[str] = set()
+    for u in reversed(grouped):
+        if u in no_backward:
+            continue
+        targets = lists.get(u) or ([implicit[u]] if u in implicit else [])
+        out |= {t for t in targets if t in done}
+        done.add(u)
+    return out
+
+
 def held_after_backward(
     case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace, step: int = 1
 ) -> set[str]:
@@ -220,7 +248,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
     reached = backward_reached(units, got, case)
-    regathered = regathered_in_recompute(case, units, got)
+    regathered = regathered_in_recompute(case, units, got) | regathered_out_of_order(case, units, got)
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}

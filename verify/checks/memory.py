@@ -27,7 +27,9 @@ construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `o
 state must be found on the CPU (`offload_findings`; the probe records their device types).
 Under `replica_sync_last` FSDP2 keeps each unit's reduce-scattered partial sum between
 micro-batches (reduce_dtype, the unit's shards with gradients), freed on the last micro-batch:
-nothing more at the judged boundaries. Under `reshard_after_backward_last` the units a non-last
+nothing more at the boundaries judged without `prefetch`; with it, after a forward of a later
+micro-batch they are other storage there (a fresh-seed sweep's false alarms, seed 20263711,
+(1, 2) meshes: 56 to 9,492 B, each the unit shards with gradients in reduce_dtype). Under `reshard_after_backward_last` the units a non-last
 micro-batch's backward left unsharded (verify/checks/comm.py `held_after_backward`: those whose
 own backward ran, or every unit when kept unsharded after forward) stay unsharded into the next micro-batch until their own
 forward reshards them: after unit u's forward there, every such unit whose forward has not run
@@ -97,6 +99,8 @@ class Budget:
     # prefetch: the units with a parameter group in pre-forward order, and each one's forward list
     forward: tuple[str, ...] = ()
     forward_lists: dict[str, list[str]] = field(default_factory=dict)
+    # replica_sync_last: step -> the partial reduce outputs kept between micro-batches
+    partial_sums: dict[int, int] = field(default_factory=dict)
 
     @property
     def per_rank(self) -> int:
@@ -145,6 +149,8 @@ class Budget:
         rsf = case.reshard_after_forward
         if not isinstance(rsf, bool) and 1 < rsf < self.shard:
             allowed += sum(self.unsharded_by_unit.get(v, 0) // rsf for v in finished)
+        if microbatch > 0 and getattr(case, "replica_sync_last", False):
+            allowed += self.partial_sums.get(step, 0)  # the previous backwards' partial reduce outputs
         return allowed
 
     def held_now(self, case: Case, microbatch: int, step: int) -> frozenset[str]:
@@ -186,7 +192,15 @@ def budget(case: Case, got: Trace) -> Budget:
         names = [name for name, *_ in got.meta.get("build", [[]])[0]]  # model order
         forward = tuple(forward_order(case.wrap_plan, names))
         lists = {u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
-    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, forward, lists)
+    partial: dict[int, int] = {}
+    if getattr(case, "replica_sync_last", False):
+        reduce_size = _size(case.precision.reduce_dtype or case.precision.param_dtype or "fp32")
+        for step in range(1, case.steps + 1):
+            stepped = {n for s, phase, n in got.records if s == step and phase == "grads"}
+            partial[step] = reduce_size * sum(
+                padded_shard_numel(shape, shard, dims[n]) for ps in units.values() for n, shape in ps if n in stepped
+            )
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, forward, lists, partial)
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
