@@ -502,6 +502,8 @@ def _cases(
         "grad_reduction": field(
             "grad_reduction", st.sampled_from(GRAD_REDUCTIONS) if pins.get("step") is None else st.just("avg")
         ),
+        # Drawn last, so a seed's earlier draws stay what they were.
+        "prefetch": field("prefetch", st.one_of(st.none(), st.integers(1, 2))),
     }
     # fully_shard's ignored_params: drawn last, where FSDP2 and the loop can take them (Case
     # refuses the rest: a user's step, low-precision parameters, a clip, routed experts).
@@ -682,6 +684,7 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         "reshard_after_backward_last": False,
         "grad_reduction": "avg",
         "ignored": (),
+        "prefetch": None,
     }
     for name, value in off.items():
         given = pins.get(name, value)

@@ -12,6 +12,7 @@ from hypothesis import find, given, settings
 from fsdp_verify.case import Case, OptimSpec
 from fsdp_verify.checks.memory import offload_findings
 from fsdp_verify.engines.placement import shard_dim
+from fsdp_verify.engines.prefetch import prefetch_lists
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
@@ -67,7 +68,8 @@ def test_the_knobs_mutant_is_caught_only_with_the_knob(fsdp_check, mutant, on, o
 
 @pytest.mark.parametrize("engine", ["fsdp1", "flat", "fsdp_verify.zoo.mutants:fsdp1_hybrid_replicas_not_reduced"])
 @pytest.mark.parametrize(
-    ("field", "value"), [("offload", True), ("shard_placement", "dim1"), ("reshard_after_backward_last", True)]
+    ("field", "value"),
+    [("offload", True), ("shard_placement", "dim1"), ("reshard_after_backward_last", True), ("prefetch", 1)],
 )
 def test_engines_without_the_knobs_refuse_them(engine, field, value):
     with pytest.raises(CaseError, match=rf"^{field}: expected .*engine '{engine}' has no fully_shard {field}"):
@@ -115,6 +117,7 @@ def test_offload_contract_names_sharded_state_off_the_cpu():
 def test_an_engine_without_the_knobs_is_never_drawn_them(case):
     knobs = (case.offload, case.shard_placement, case.reshard_after_backward_last, case.grad_reduction, case.ignored)
     assert knobs == (False, "dim0", False, "avg", ())
+    assert case.prefetch is None
 
 
 def test_fsdp2_draws_the_knobs():
@@ -335,3 +338,96 @@ def test_ignored_is_a_flag_refused_by_engines_without_it_and_drawn():
     assert Case.from_json(mlp_case(2, ignored=("layers.0",)).to_json()).ignored == ("layers.0",)
     found = find(cases(world_sizes=(2,)), lambda c: bool(c.ignored))
     assert found.clip_norm is None
+
+
+# ---- prefetch (issue 28, item 3): explicit forward and backward prefetching, k units ahead ----
+def test_the_prefetch_lists():
+    """Forward: the next k units in pre-forward (registration) order, the root first; backward:
+    the next k in the reverse of the post-forward order (a nested unit finishes before its
+    parent). Units without a parameter take no place; the last in backward order gets none
+    (FSDP2's implicit prefetch there, which has no predecessor)."""
+    plan = ("layers.0.attn", "layers.0", "layers.1", "empty", "out", "")
+    names = ["emb.weight", "layers.0.attn.w", "layers.0.w", "layers.1.w", "out.weight"]
+    assert prefetch_lists(plan, names, 2) == {
+        "": (["layers.0", "layers.0.attn"], ["out", "layers.1"]),
+        "layers.0": (["layers.0.attn", "layers.1"], ["layers.0.attn"]),
+        "layers.0.attn": (["layers.1", "out"], []),
+        "layers.1": (["out"], ["layers.0", "layers.0.attn"]),
+        "out": ([], ["layers.1", "layers.0"]),
+    }
+
+
+@pytest.mark.parametrize(("world", "mesh"), MESHES)
+@pytest.mark.parametrize("k", [1, 2])
+def test_explicit_prefetching_is_bit_exact_and_its_memory_exact(fsdp_check, world, mesh, k):
+    """The numbers are the reference's unchanged; the memory contract judges, after each unit's
+    forward, the all-gather outputs of the units prefetched and not yet used (plus the one FSDP2
+    keeps from the last copy-out) exactly as FSDP2 2.13 holds them."""
+    verdict = fsdp_check(_knob_case(world, mesh, prefetch=k), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    assert {"comm", "memory"} <= {f.phase for f in verdict.findings}
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_backward_prefetch_reaches_a_frozen_embedding_behind_a_frozen_norm(fsdp_check, k):
+    """tests/regressions/3845c252c6e9.json: no backward runs through the frozen embedding nor the
+    frozen norm after it. The implicit prefetch (and k = 1, the same rule) gathers the norm only;
+    k = 2 puts the embedding in the layer's backward list too, and FSDP2 gathers it (16 B,
+    measured). Under the implicit rule alone the comm contract called that all-gather
+    unexpected."""
+    verdict = fsdp_check(regression("3845c252c6e9").with_(prefetch=k), calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
+def test_prefetch_mutant_is_caught_by_memory_only(fsdp_check, world, mesh):
+    """Lists one unit too long: the same numbers and collectives, one unit's all-gather output
+    more held after a forward; with the knob off the mutant is the correct engine."""
+    engine = "fsdp_verify.zoo.mutants:prefetch_one_unit_too_many"
+    caught = fsdp_check(_knob_case(world, mesh, prefetch=1, engine=engine))
+    assert not caught.ok
+    assert caught.first_divergence.phase == "memory", caught.summary()
+    assert {f.phase for f in caught.findings if not f.ok} == {"memory"}, caught.summary()
+    assert fsdp_check(_knob_case(world, mesh, engine=engine)).ok
+
+
+def test_prefetch_is_a_flag_and_drawn():
+    for bad in (0, "2", 1.5, True):
+        with pytest.raises(CaseError, match=r"^prefetch: expected null .*or a positive integer"):
+            mlp_case(2, prefetch=bad)
+    assert "prefetch" not in Case().to_dict()
+    assert Case(prefetch=1).hash != Case().hash != Case(prefetch=2).hash
+    found = find(cases(world_sizes=(2,)), lambda c: c.prefetch == 2)
+    assert found.prefetch == 2
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_a_checkpointed_recompute_reissues_the_forward_prefetch(fsdp_check, k):
+    """tests/regressions/b070a41d5468.json: recomputing the checkpointed `layers.0` runs its
+    nested unit `layers.0.linear`'s pre-forward before that unit's pre-backward, so FSDP2 takes
+    the forward path and prefetches `layers.1.linear` again, which has finished its backward:
+    one more backward all-gather (measured, torch 2.13), which the comm contract called
+    unexpected before `regathered_in_recompute`."""
+    verdict = fsdp_check(regression("b070a41d5468").with_(prefetch=k), calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.parametrize("name", ["1b9ded5281a8", "da7e0255f22a"])
+def test_prefetch_sweep_false_alarms_stay_fixed(fsdp_check, name):
+    """Seed 20263711's sweep: a backward list naming a unit whose backward already ran (`moe`
+    registered after the layers it runs before; gathered again, measured), and the partial
+    reduce outputs of `replica_sync_last` held after a later micro-batch's forward."""
+    verdict = fsdp_check(regression(name), calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
+def test_a_transformer_recompute_reissues_no_forward_prefetch(fsdp_check):
+    """Seed 20263711's false alarm (docs/fsdp2-knobs.md): units nested three deep in a
+    checkpointed Transformer block; FSDP2 gathers nothing again in backward, where b070a41d5468's
+    MLP gathers a target again. When a recompute re-issues a forward list is not modelled, so
+    that all-gather is allowed, not required: the comm contract judges the rest and passes."""
+    verdict = fsdp_check(regression("fca52d9137dc"), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    comm = [f for f in verdict.findings if f.comparator == "CommContract"]
+    assert [f.kind for f in comm] == ["check"] and comm[0].ok, verdict.summary()

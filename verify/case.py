@@ -283,6 +283,11 @@ class Case:
     # their gradients itself after the last micro-batch's backward (SUM, then / W under avg), as a
     # user keeping a small replicated module does. A frozen one gets no gradient to reduce.
     ignored: tuple[str, ...] = ()
+    # Explicit prefetching: each unit's `set_modules_to_forward_prefetch` / `..._backward_prefetch`
+    # lists the next k units of that pass (verify/engines/prefetch.py: forward order, and the
+    # reverse of the post-forward order). None: FSDP2's implicit prefetching only. Numbers
+    # unchanged; which units are all-gathered in backward and what is held at once change.
+    prefetch: int | None = None
 
     # What is trained changes (docs/optimizers-and-schedules.md): the parameters `model.frozen`
     # names are frozen for the steps before this one and trained from it on (a fine-tuning
@@ -309,6 +314,7 @@ class Case:
         "reshard_after_backward_last",
         "grad_reduction",
         "ignored",
+        "prefetch",
         "zoom",
         "unfreeze_step",
         "resume_after",
@@ -476,6 +482,12 @@ class Case:
                 "false with a user's step (--step calls set_reshard_after_backward itself, if it does)",
                 True,
             )
+        check(
+            self.prefetch is None or (is_int(self.prefetch) and self.prefetch >= 1),
+            "prefetch",
+            "null (FSDP2's implicit prefetching) or a positive integer (units ahead)",
+            self.prefetch,
+        )
         check(
             self.grad_reduction in GRAD_REDUCTIONS, "grad_reduction", f"one of {GRAD_REDUCTIONS}", self.grad_reduction
         )

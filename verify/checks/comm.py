@@ -47,6 +47,31 @@ order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embe
 frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
 which waits for it, never runs): bytes on the wire all the same.
 
+Under `prefetch` (explicit lists, verify/engines/prefetch.py) a unit with a non-empty backward
+list prefetches that list instead (`FSDPState._pre_backward`: the implicit prefetch only runs
+when the list is empty, which is the last unit in backward order's case, with no predecessor).
+The lists follow the reverse of the post-forward order, so a target's own backward has not run
+yet and `unshard` (which returns while a gather is pending or the unit is unsharded) gathers each
+unit once per pass: the forward and backward volumes are the table's. What changes is only which
+no-backward unit is gathered: one in a list of a unit whose backward runs (k = 1 is the implicit
+rule again; k = 2 also reaches a frozen embedding behind a frozen norm). Such a gather is never
+copied out, and FSDP2's final backward callback discards it (`finalize_backward`), so the next
+forward gathers the unit again, as without prefetching. Forward prefetching moves a gather
+earlier, never adds one: each unit still once per forward (its memory is the memory contract's).
+One exception, with activation checkpointing (measured, torch 2.13: a fresh-seed hunt's false
+alarm, an MLP whose `layers.0` holds the units `layers.0.linear` and `layers.0.dropout`): a unit
+nested in a non-root unit is recomputed when its outer unit's backward begins, before its own
+pre-backward hook has set its state, so `FSDPState._pre_forward` takes the forward path (its
+PRE_BACKWARD shortcut does not apply) and issues the unit's *forward* prefetch list again. A
+target outside the outer unit has finished its backward by then and been resharded, so it is
+all-gathered once more, over the full shard group, and never used (`finalize_backward`
+discards it); targets inside the outer unit are merely gathered early
+(`regathered_in_recompute`). Measured both ways, though: in a Transformer whose units nest three
+deep (regression `fca52d9137dc`, four variants) FSDP2 issues no such gather, and when a recompute
+re-issues the list is not modelled; so that all-gather is allowed, not required (`optional`): a
+correct engine passes either way, and no bug of the zoo shows only there. Under `reshard_after_backward_last` a non-last micro-batch leaves
+the target unsharded: nothing gathered.
+
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
 What stays unmatched is a finding naming the unit and the collective: an all-reduce where a
@@ -56,7 +81,7 @@ reduce-scatter belongs (twice the traffic), an all-gather in fp32 under a bf16 p
 from __future__ import annotations
 
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
@@ -80,6 +105,9 @@ class Collective:
     group: int
     bytes: int
     unit: str = ""  # "" unattributed (measured); "<root>" is the root unit
+    # Allowed, not required: matched only by an equal measured collective, never missed
+    # (a checkpointed recompute's re-issued prefetch, `regathered_in_recompute`).
+    optional: bool = False
 
     @property
     def traffic(self) -> tuple:
@@ -125,10 +153,12 @@ def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) ->
     return {n: shard_dim(rule, n, s, case.mesh[-1]) for params in units.values() for n, s in params}
 
 
-def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, case: Case | None = None) -> set[str]:
     """The units FSDP2 unshards in backward, if resharded after forward (see the module
-    docstring): each unit whose output needs a gradient, and the one whose forward finished
-    just before such a unit's (the implicit prefetch). Every unit without the memory record."""
+    docstring): each unit whose output needs a gradient, and what such a unit prefetches: its
+    explicit backward list under `prefetch`, else (an empty list) the one whose forward finished
+    just before its own (the implicit prefetch). Every unit without the memory record."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
     from fsdp_verify.probes.memory import forward_facts
 
     facts = forward_facts(got)
@@ -136,10 +166,67 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace) 
         return set(units)
     order, no_backward = facts
     grouped = [u for u in order if units.get(u)]  # FSDP2's post-forward order
-    unreached = {u for u in grouped if u in no_backward} - {
-        before for before, after in zip(grouped, grouped[1:]) if after not in no_backward
-    }
+    k = getattr(case, "prefetch", None) if case is not None else None
+    lists: dict[str, list[str]] = {}
+    if k is not None:
+        names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+        lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, k).items()}
+    implicit = dict(zip(grouped[1:], grouped))  # a unit -> the one whose forward finished before
+    own = [u for u in grouped if u not in no_backward]
+    prefetched = set()
+    for u in own:
+        prefetched |= set(lists[u]) if lists.get(u) else {implicit[u]} if u in implicit else set()
+    unreached = {u for u in grouped if u in no_backward} - prefetched
     return set(units) - unreached
+
+
+def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+    """Under `prefetch` with activation checkpointing, the units all-gathered a second time in
+    backward (see the module docstring): the forward-list targets of a unit nested in a
+    non-root unit that lie outside that outer unit (their backward is over when it recomputes).
+    No-backward targets are left out (a pending prefetch or none: not measured)."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
+    from fsdp_verify.probes.memory import forward_facts
+
+    if getattr(case, "prefetch", None) is None or not case.activation_checkpointing:
+        return set()
+    facts = forward_facts(got)
+    names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+    out: set[str] = set()
+    for unit, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items():
+        outer = [a for a in case.wrap_plan if a and unit.startswith(a + ".")]
+        if outer:
+            a = min(outer, key=len)
+            out |= {t for t in fwd if not t.startswith(a + ".")}
+    return out - (facts[1] if facts else set())
+
+
+def regathered_out_of_order(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
+    """Under `prefetch`, the units a backward list names after their own backward has run, as
+    the modules ran (the measured post-forward order, reversed) rather than as they are
+    registered (the lists' order): gathered again, from their full shards, and discarded (a
+    fresh-seed sweep's false alarm, seed 20263711: an MLP whose `moe` is registered after the
+    layers but runs before them, 1,188 B)."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
+    from fsdp_verify.probes.memory import forward_facts
+
+    facts = forward_facts(got)
+    if getattr(case, "prefetch", None) is None or facts is None:
+        return set()
+    order, no_backward = facts
+    grouped = [u for u in order if units.get(u)]
+    names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+    lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
+    implicit = dict(zip(grouped[1:], grouped))
+    done: set[str] = set()
+    out: set[str] = set()
+    for u in reversed(grouped):
+        if u in no_backward:
+            continue
+        targets = lists.get(u) or ([implicit[u]] if u in implicit else [])
+        out |= {t for t in targets if t in done}
+        done.add(u)
+    return out
 
 
 def held_after_backward(
@@ -175,7 +262,10 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
-    reached = backward_reached(units, got)
+    reached = backward_reached(units, got, case)
+    recomputed = regathered_in_recompute(case, units, got)
+    out_of_order = regathered_out_of_order(case, units, got)
+    regathered = recomputed | out_of_order
     out: list[Collective] = []
     for step in range(1, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
@@ -201,6 +291,14 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                         out.append(
                             Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
                         )
+                    # prefetch under checkpointing: gathered again, from its full shards, unless
+                    # this backward keeps it unsharded (reshard_after_backward_last)
+                    keeps = not last and getattr(case, "reshard_after_backward_last", False)
+                    if unit in regathered and not keeps:
+                        # a recompute's re-issued forward list only allows it (`regathered_in_recompute`)
+                        optional = unit in recomputed and unit not in out_of_order
+                        again = Collective(step, m, "backward", "all_gather", param_dtype, shard, gathered, name)
+                        out.append(replace(again, optional=optional))
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))
@@ -264,6 +362,7 @@ def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
             else:
                 left.remove(twin)
                 rows.append(Row(e, twin))
+        pending = [e for e in pending if not e.optional]
         pending.sort(key=lambda c: (-c.bytes, c.kind))
         left.sort(key=lambda c: (-c.bytes, c.kind))
         for i in range(max(len(pending), len(left))):

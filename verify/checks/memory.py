@@ -27,11 +27,28 @@ construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `o
 state must be found on the CPU (`offload_findings`; the probe records their device types).
 Under `replica_sync_last` FSDP2 keeps each unit's reduce-scattered partial sum between
 micro-batches (reduce_dtype, the unit's shards with gradients), freed on the last micro-batch:
-nothing more at the judged boundaries. Under `reshard_after_backward_last` the units a non-last
+nothing more at the boundaries judged without `prefetch`; with it, after a forward of a later
+micro-batch they are other storage there (a fresh-seed sweep's false alarms, seed 20263711,
+(1, 2) meshes: 56 to 9,492 B, each the unit shards with gradients in reduce_dtype). Under `reshard_after_backward_last` the units a non-last
 micro-batch's backward left unsharded (verify/checks/comm.py `held_after_backward`: those whose
 own backward ran, or every unit when kept unsharded after forward) stay unsharded into the next micro-batch until their own
 forward reshards them: after unit u's forward there, every such unit whose forward has not run
 yet is allowed too; after the optimizer step nothing (the last backward reshards).
+
+Under `prefetch` (explicit prefetching k units ahead, verify/engines/prefetch.py) a unit's
+pre-forward all-gathers the units of its forward list, and they stay all-gathered, their output
+not yet copied out into Parameters, until their own pre-forward: *other* storage, not unsharded
+parameters. So after unit u's forward, and only there, other storage is judged, exactly as FSDP2
+2.13 holds it (`Budget.other_after`; measured, every boundary equal on an MLP at 4 ranks with k 1
+and 2, under an int reshard_after_forward 2, bf16 with activation checkpointing, a (2, 2) mesh,
+and on a transformer at 2): the all-gather output of the last unit copied out in forward (FSDP2
+keeps it in `all_gather_state` until the next copy-out; the root's post-forward frees it), plus
+that of every unit prefetched whose pre-forward has not run (a unit the previous backward left
+unsharded is neither gathered nor copied out), plus under an int k the post-forward shards of
+the units whose forward finished. Each output is the unit's padded full parameters in
+param_dtype. At S = 1 nothing is all-gathered (copied locally): nothing allowed. A unit gathered
+earlier than its lists say (a list one unit too long) is found there; the same collectives are
+issued, so the comm contract cannot see it.
 
 S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
 (fp32 master weights). A finding names the boundary and the unit when more is held: an engine
@@ -44,13 +61,14 @@ sharded state plus the largest unsharded total seen at a boundary.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from fsdp_verify.case import Case, OptimSpec
 from fsdp_verify.checks.comm import _size, held_after_backward, ignored_params, params_by_unit, placement_dims
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.engines.prefetch import forward_order, prefetch_lists
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
 
@@ -78,6 +96,11 @@ class Budget:
     shard: int
     held_between: frozenset[str] = frozenset()  # reshard_after_backward_last: held into micro-batch m > 0
     held_unfrozen: frozenset[str] = frozenset()  # the same from `unfreeze_step` on
+    # prefetch: the units with a parameter group in pre-forward order, and each one's forward list
+    forward: tuple[str, ...] = ()
+    forward_lists: dict[str, list[str]] = field(default_factory=dict)
+    # replica_sync_last: step -> the partial reduce outputs kept between micro-batches
+    partial_sums: dict[int, int] = field(default_factory=dict)
 
     @property
     def per_rank(self) -> int:
@@ -99,13 +122,43 @@ class Budget:
         """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
         finished before it in this micro-batch."""
         live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
-        if microbatch > 0:  # still unsharded from the previous backward, their forward to come
-            unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
-            live |= (self.held_unfrozen if unfrozen else self.held_between) - set(done) - {unit}
+        # still unsharded from the previous backward, their forward to come
+        live |= self.held_now(case, microbatch, step) - set(done) - {unit}
         rsf = case.reshard_after_forward
         if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
             live |= set(done) | {unit}
         return sum(self.unsharded_by_unit.get(v, 0) for v in live)
+
+    def other_after(self, case: Case, unit: str, done: list[str], microbatch: int, step: int) -> int:
+        """Other storage allowed right after `unit`'s forward under `prefetch` (see the module
+        docstring): the all-gather output FSDP2 keeps for the unit it copied out last (freed by
+        the next copy-out; the root's post-forward frees it), the outputs of the units prefetched
+        and not yet copied out, and under an int k the post-forward shards of the units whose
+        forward finished."""
+        ancestors = {v for v in self.forward if v != unit and (v == "" or unit.startswith(v + "."))}
+        finished = (set(done) | {unit}) & set(self.forward)
+        pre = finished | ancestors
+        held = self.held_now(case, microbatch, step)
+        pending = {t for p in pre for t in self.forward_lists.get(p, [])} - pre - held
+        if self.shard == 1:
+            return 0  # nothing is all-gathered: each unit copies its shards locally (measured)
+        allowed = sum(self.unsharded_by_unit.get(v, 0) for v in pending)
+        gathered = pre - held  # a unit still unsharded is not gathered, nor copied out again
+        if unit != "" and gathered:
+            allowed += self.unsharded_by_unit.get(max(gathered, key=self.forward.index), 0)
+        rsf = case.reshard_after_forward
+        if not isinstance(rsf, bool) and 1 < rsf < self.shard:
+            allowed += sum(self.unsharded_by_unit.get(v, 0) // rsf for v in finished)
+        if microbatch > 0 and getattr(case, "replica_sync_last", False):
+            allowed += self.partial_sums.get(step, 0)  # the previous backwards' partial reduce outputs
+        return allowed
+
+    def held_now(self, case: Case, microbatch: int, step: int) -> frozenset[str]:
+        """The units still unsharded from the previous micro-batch's backward (none at m = 0)."""
+        if microbatch == 0:
+            return frozenset()
+        unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
+        return self.held_unfrozen if unfrozen else self.held_between
 
 
 def budget(case: Case, got: Trace) -> Budget:
@@ -140,7 +193,21 @@ def budget(case: Case, got: Trace) -> Budget:
     if getattr(case, "reshard_after_backward_last", False):
         held = frozenset(held_after_backward(case, units, got))
         unfrozen = frozenset(units)  # backward runs through every unit once nothing is frozen
-    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen)
+    forward: tuple[str, ...] = ()
+    lists: dict[str, list[str]] = {}
+    if getattr(case, "prefetch", None) is not None:
+        names = [name for name, *_ in got.meta.get("build", [[]])[0]]  # model order
+        forward = tuple(forward_order(case.wrap_plan, names))
+        lists = {u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
+    partial: dict[int, int] = {}
+    if getattr(case, "replica_sync_last", False):
+        reduce_size = _size(case.precision.reduce_dtype or case.precision.param_dtype or "fp32")
+        for step in range(1, case.steps + 1):
+            stepped = {n for s, phase, n in got.records if s == step and phase == "grads"}
+            partial[step] = reduce_size * sum(
+                padded_shard_numel(shape, shard, dims[n]) for ps in units.values() for n, shape in ps if n in stepped
+            )
+    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, forward, lists, partial)
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -182,6 +249,7 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                 )
                 break
         findings += offload_findings(case, rank, rec)
+        findings += prefetch_findings(case, b, rank, rec)
         left = b.post_forward_left(case, rec)
         for step, m, where, _held, _shapes, other in rec["boundaries"]:
             allowed = 0 if where == "before forward" and step == 1 else left
@@ -225,6 +293,38 @@ def offload_findings(case: Case, rank: int, rec: dict) -> list[Finding]:
                 )
             )
     return out
+
+
+def prefetch_findings(case: Case, b: Budget, rank: int, rec: dict) -> list[Finding]:
+    """Under `prefetch`, the other storage after each unit's forward against `Budget.other_after`
+    (the prefetched all-gather outputs, exactly; see the module docstring). Micro-batches after
+    the first only when syncing every micro-batch, as for the other boundaries."""
+    if getattr(case, "prefetch", None) is None:
+        return []
+    prefix = "after forward of "
+    done: list[str] = []
+    last = None
+    for step, m, where, _held, _shapes, other in rec["boundaries"]:
+        if (step, m) != last:
+            done, last = [], (step, m)
+        if not where.startswith(prefix):
+            continue
+        unit = where.removeprefix(prefix)
+        unit = "" if unit == "<root>" else unit
+        allowed = b.other_after(case, unit, done, m, step)
+        done.append(unit)
+        if other > allowed and (m == 0 or case.sync_every_microbatch):
+            return [
+                _finding(
+                    step,
+                    f"prefetched:{where.removeprefix(prefix)}",
+                    f"rank {rank}, micro-batch {m}, {where}: the module holds {other:,} B of floating-point storage"
+                    f" beyond its shards, gradients and buffers; prefetching {case.prefetch} unit(s) ahead allows"
+                    f" {allowed:,} B (the all-gather outputs of the units prefetched and not yet used, and of the"
+                    " unit copied out last): a unit gathered earlier or more often than its lists say?",
+                )
+            ]
+    return []
 
 
 def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, str, int, list, int, str | None]]:

@@ -436,6 +436,15 @@ FLAGS: tuple[Flag, ...] = (
         "OP",
     ),
     Flag(
+        "--prefetch",
+        "prefetch",
+        LOOP,
+        "FSDP2 explicit prefetching: each unit's set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"
+        " lists the next K units of that pass; none = FSDP2's implicit prefetching only (default)",
+        or_none(int),
+        "K",
+    ),
+    Flag(
         "--activation-checkpointing",
         "activation_checkpointing",
         LOOP,

@@ -28,7 +28,7 @@ class Capabilities:
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
     # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`,
-    # `reshard_after_backward_last`, `grad_reduction`, `ignored`): FSDP1 and the flat
+    # `reshard_after_backward_last`, `grad_reduction`, `ignored`, `prefetch`): FSDP1 and the flat
     # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
     shard_knobs: bool = True
     # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
@@ -60,6 +60,7 @@ class Capabilities:
                 ("reshard_after_backward_last", False),
                 ("grad_reduction", "avg"),
                 ("ignored", ()),
+                ("prefetch", None),
             ):
                 if getattr(case, name) != off:
                     raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))

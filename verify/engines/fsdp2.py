@@ -8,6 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, OffloadPolicy, fully_shard
 
 from fsdp_verify.engines.placement import placement_fn
+from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.models import is_ignored
 
@@ -31,6 +32,8 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
         )
     if case is not None and case.grad_reduction == "sum":
         sum_reduction(model)
+    if case is not None and case.prefetch is not None:
+        set_prefetching(model, spec.wrap, case.prefetch)
     if spec.case is not None and spec.case.model.experts:
         # Routed experts: a rank whose micro-batch reaches none of an expert's samples has no
         # gradient for it, and FSDP2 would reduce-scatter fewer parameters there than on the

@@ -427,6 +427,16 @@ ZOO: list[ZooBug] = [
             "model.experts": 0,
         },
     ),
+    ZooBug(
+        "prefetch_one_unit_too_many",
+        _mutant("prefetch_one_unit_too_many"),
+        "explicit prefetching k units ahead asked for, the forward lists built k + 1 ahead: the same collectives,"
+        " one more unit's gathered parameters held at once in forward",
+        "issue 28: set_modules_to_forward_prefetch off by one (torchtitan's recipe generalised to k)",
+        ("memory",),
+        # three layers each wrapped (the default plan): a list one longer reaches a unit more
+        pins={**_CHEAP, "prefetch": 1, "wrap": None, "model.widths": (16, 33, 17, 8)},
+    ),
 ]
 
 # Optimizers, schedules and what is trained (docs/optimizers-and-schedules.md): each shows only

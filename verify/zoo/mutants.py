@@ -23,6 +23,7 @@ from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.fsdp1 import fsdp1_engine, placement, wrap_fsdp1
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.training.checkpointing import checkpoint_units
@@ -628,6 +629,19 @@ def sum_reduction_factor_left_at_avg(model: nn.Module, mesh: DeviceMesh, spec: S
     is 1/W of the average. Correct under avg."""
     case = spec.case.with_(grad_reduction="avg") if spec.case is not None else None
     return fully_shard_engine(model, mesh, replace(spec, case=case))
+
+
+def prefetch_one_unit_too_many(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Explicit prefetching asked for k units ahead (`prefetch`), the forward lists built k + 1
+    ahead (an off-by-one in a torchtitan-style recipe): the same numbers and the same
+    collectives, each unit gathered once per forward, but a unit earlier than planned, so one
+    more unit's all-gather output is held at once in forward than the memory plan allows."""
+    k = spec.case.prefetch if spec.case is not None else None
+    if k is None:
+        return fully_shard_engine(model, mesh, spec)
+    fully_shard_engine(model, mesh, replace(spec, case=spec.case.with_(prefetch=None)))
+    set_prefetching(model, spec.wrap, k, forward_k=k + 1)
+    return model
 
 
 # ---- optimizers, schedules, what is trained (docs/optimizers-and-schedules.md) --------------------
