@@ -404,13 +404,15 @@ def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
     return st.one_of(st.booleans(), st.sampled_from(divisors)) if divisors else st.booleans()
 
 
-def hsdp_meshes(world_size: int) -> SearchStrategy[tuple[int, int] | None]:
+def hsdp_meshes(world_size: int, shard_multiple: int = 1) -> SearchStrategy[tuple[int, int] | None]:
     """None (1-D) or a 2-D mesh (replicate, shard) for every factoring of the world size, the
     degenerate ones included: (1, W) (FSDP2 all-reduces over one replica), (W, 1) (pure
     replication, no all-gather) and (1, 1) at one rank; `cases(hsdp=True)` draws it for an engine
-    that takes 2-D meshes (verify/engines/capabilities.py). Shrinks towards None."""
+    that takes 2-D meshes (verify/engines/capabilities.py). Shrinks towards None. With
+    `shard_multiple` (a pinned int reshard_after_forward), only meshes whose shard dimension it
+    divides; the world size must be a multiple of it."""
     shapes = [(r, world_size // r) for r in range(1, world_size + 1) if world_size % r == 0]
-    return st.sampled_from([None, *shapes])
+    return st.sampled_from([None, *(m for m in shapes if m[1] % shard_multiple == 0)])
 
 
 # ---- whole cases --------------------------------------------------------------------------------
@@ -435,7 +437,10 @@ def _cases(
     microbatches = field("microbatches", st.integers(1, 4))
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
     data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
-    mesh = field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None))
+    # A pinned int reshard_after_forward: only meshes whose shard dimension it divides (`cases`
+    # left only the world sizes it divides).
+    multiple = _pinned_reshard_int(engine, pins)
+    mesh = field("mesh_shape", hsdp_meshes(world, multiple) if hsdp else st.just(None))
     # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
     # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
     rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world))
@@ -536,6 +541,7 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
     pins = _shard_knob_pins(engine, pins)
     pins = _unfreeze_pins(engine, pins)
     if engine == "fsdp1":
@@ -665,6 +671,45 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         if not isinstance(given, SearchStrategy) and given != value:
             raise PinError(f"{name}: expected {value!r}: engine {engine!r} has no fully_shard knobs, got {given!r}")
     return {**pins, **off}
+
+
+def _pinned_reshard_int(engine: str, pins: dict[str, Any]) -> int:
+    """A pinned int reshard_after_forward the engine needs to divide the shard dimension
+    (verify/engines/capabilities.py, `reshard_int_divides_shard`); 1 where there is none."""
+    from fsdp_verify.engines import engine_capabilities
+
+    rsf = pins.get("reshard_after_forward")
+    if isinstance(rsf, bool) or not isinstance(rsf, int) or rsf < 1:
+        return 1  # a bool, a strategy (its draws are judged as drawn) or a value check_pin_value refused
+    return rsf if engine_capabilities(engine).reshard_int_divides_shard else 1
+
+
+def _reshard_int_worlds(engine: str, world_sizes: tuple[int, ...], pins: dict[str, Any]) -> tuple[int, ...]:
+    """The world sizes a pinned int reshard_after_forward can shard over: a shard dimension it
+    divides needs a world size it divides (a 1-D mesh is the world, a 2-D one's shard dimension
+    divides it). The draw then draws around the pin instead of drawing cases the engine refuses;
+    none left is refused now, naming both options, as is a pinned mesh the int does not fit."""
+    rsf = _pinned_reshard_int(engine, pins)
+    mesh = pins.get("mesh_shape")
+    if isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh) and mesh[-1] % rsf:
+        raise PinError(
+            f"reshard_after_forward: expected true, false or an int dividing the shard dimension {mesh[-1]} of the"
+            f" pinned mesh_shape {mesh} (engine {engine!r}), got {rsf}"
+        )
+    world = pins.get("world_size")
+    if isinstance(world, int) and not isinstance(world, bool) and world % rsf:
+        raise PinError(
+            f"reshard_after_forward: expected true, false or an int dividing the pinned world_size {world}"
+            f" (engine {engine!r}), got {rsf}"
+        )
+    kept = tuple(w for w in world_sizes if w % rsf == 0)
+    if not kept:
+        raise PinError(
+            f"reshard_after_forward: {rsf} divides the shard group of no world size in world_sizes"
+            f" {tuple(world_sizes)} (engine {engine!r} needs an int that divides it): pin true, false or a divisor,"
+            f" or draw world sizes that are multiples of {rsf} (--reshard-after-forward, --world-sizes)"
+        )
+    return kept
 
 
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
