@@ -128,6 +128,46 @@ def _frozen(draw: Callable, spec: ModelSpec) -> tuple[str, ...]:
     return tuple(draw(st.lists(st.sampled_from(names), unique=True, max_size=min(2, len(names) - 1))))
 
 
+def frozen_in_units(spec: ModelSpec, plan: tuple[str, ...]) -> SearchStrategy[tuple[str, ...]]:
+    """More frozen parameters, aimed at the wrap plan's units (issue 28, item 4: "frozen parameters
+    mixed into any unit"): up to two units, the root among them, each frozen whole (every
+    parameter it owns: a unit with nothing to reduce) or in part (a proper subset of them: a unit
+    that reduces some of its parameters and not others). `_frozen`'s two parameters anywhere reach
+    neither a whole unit of more than two parameters nor a chosen mix in one. Shrinks to nothing."""
+    from fsdp_verify.case import _owner
+
+    owned: dict[str, list[str]] = {}
+    for name in _param_names(spec):
+        owned.setdefault(_owner(plan, name.rpartition(".")[0]) or "", []).append(name)
+    units = sorted(owned)  # the root ("") first: shrinks towards it
+
+    @st.composite
+    def draw_frozen(draw: Callable) -> tuple[str, ...]:
+        picks = draw(st.lists(st.tuples(st.sampled_from(units), st.booleans()), max_size=2, unique_by=lambda t: t[0]))
+        frozen: list[str] = []
+        for unit, part in picks:
+            own = owned[unit]
+            if part and len(own) > 1:
+                frozen += draw(st.lists(st.sampled_from(own), min_size=1, max_size=len(own) - 1, unique=True))
+            else:
+                frozen += own
+        return tuple(frozen)
+
+    return draw_frozen()
+
+
+def _with_frozen_in_units(spec: ModelSpec, more: tuple[str, ...]) -> ModelSpec:
+    """`spec` with `more` frozen too, unless that would freeze every parameter (the optimizer
+    needs something to train): then as it was."""
+    from fsdp_verify.models import is_frozen
+
+    frozen = spec.frozen + tuple(n for n in more if not is_frozen(spec, n))
+    merged = replace(spec, frozen=frozen)
+    if frozen == spec.frozen or all(is_frozen(merged, n) for n in _param_names(spec)):
+        return spec
+    return merged
+
+
 @st.composite
 def _mlp(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
     widths = draw(_pinned(pins, "widths", st.lists(_widths(), min_size=2, max_size=4).map(tuple)))
@@ -493,10 +533,25 @@ def _cases(
         ),
     }
     try:
-        return Case(**values)
+        case = Case(**values)
     except CaseError:
         # Only pins can make a drawn case invalid (e.g. a pinned batch size the drawn world size
         # does not divide): discard the draw, Hypothesis draws another.
+        assume(False)
+        raise
+    if "model.frozen" in pins or ("model" in pins and not isinstance(pins["model"], SearchStrategy)):
+        return case  # the frozen set (or the whole model) is the user's
+    # Frozen parameters mixed into the units (a whole frozen unit, a unit half frozen, the root's),
+    # drawn last so that a seed's earlier draws stay what they were.
+    model = _with_frozen_in_units(model, draw(frozen_in_units(model, case.wrap_plan)))
+    if model is case.model:
+        return case
+    unfreeze = values["unfreeze_step"]
+    if unfreeze is None and not case.model.frozen:  # none was drawn: nothing was frozen then
+        unfreeze = field("unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None))
+    try:
+        return case.with_(model=model, unfreeze_step=unfreeze)
+    except CaseError:
         assume(False)
         raise
 
@@ -761,7 +816,8 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.init_fn is None:
         own["init"] = "eager"
-    return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.")}}
+    # A pinned `model.frozen` stays too: `_cases` draws no more frozen parameters beside it.
+    return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.") or k == "model.frozen"}}
 
 
 def fsdp1_modelled(case: Case) -> bool:

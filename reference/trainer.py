@@ -282,7 +282,12 @@ class _Run:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
         # The loss is the mean over the step's real tokens: each (virtual) rank scales its sum.
         loss_factor = global_mean_scale(len(groups[0]), item_count(case, targets))
-        compute = {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
+        if self.layout is not None and self.layout.compute_in_buffer:
+            compute = self.layout.compute(self.params, self.param_dtype)  # views where the engine's lie
+        else:
+            compute = {
+                n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()
+            }
         return _Step(
             step=step,
             inputs=inputs,
@@ -688,6 +693,7 @@ class _FlatLayout:
         self.carries = arithmetic.no_shard_reduces_running_sum and self.world == 1
         self.empty_pieces = arithmetic.empty_pieces_in_norm
         self.plain_unsharded = arithmetic.plain_norm_unsharded
+        self.compute_in_buffer = arithmetic.compute_in_buffer
         self.params = params  # which ones train is read when needed: a case may unfreeze some
         self.shapes = {n: p.shape for n, p in params.items()}
         # units[i] = ([(name, offset, numel)], padded numel)
@@ -700,6 +706,21 @@ class _FlatLayout:
                 slots.append((n, total, params[n].numel()))
                 total += params[n].numel()
             self.units.append((slots, -(-total // self.world) * self.world))
+
+    def compute(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The compute copies of `params` in `dtype`, each a leaf that aliases its slot of a
+        buffer per unit laid out as the engine's (`Arithmetic.compute_in_buffer`): the same
+        alignment, so the same kernels add in the same order. Frozen slots are filled too, as the
+        engine gathers them."""
+        compute: dict[str, torch.Tensor] = {}
+        for slots, padded in self.units:
+            buffer = torch.zeros(padded, dtype=dtype)
+            for n, offset, numel in slots:
+                p = params[n]
+                view = buffer[offset : offset + numel]
+                view.copy_(p.detach().reshape(-1))  # the cast .to(dtype) does: round to nearest
+                compute[n] = view.view(p.shape).detach().requires_grad_(p.requires_grad)
+        return compute
 
     def _flat(self, grads: dict[str, torch.Tensor], slots, padded: int, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(padded, dtype=dtype)

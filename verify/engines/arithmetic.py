@@ -52,6 +52,13 @@ class Arithmetic:
     # and it reduces that running sum again (`_reduce_grad_no_shard`) instead of reducing each
     # micro-batch's gradient alone and adding the results (`reference.trainer._FlatLayout.carry`).
     no_shard_reduces_running_sum: bool = False
+    # "flat" only: the parameters a unit computes with are views of its one unsharded buffer, at
+    # the layout's offsets, not tensors of their own. Where a view starts decides how a CPU
+    # matrix-vector kernel adds: a Linear on one row whose weight starts off a 16-byte boundary
+    # sums its products in another order than the same weight allocated alone (measured on torch
+    # 2.13: offsets 1-3 floats mod 4 change the last bits). The reference then computes with
+    # views of per-unit buffers laid out the same way (`reference.trainer._FlatLayout.compute`).
+    compute_in_buffer: bool = False
 
     def __post_init__(self) -> None:
         if self.layout not in ("rows", "flat") or self.unit_order not in ("plan", "preorder"):
