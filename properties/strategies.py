@@ -129,6 +129,46 @@ def _frozen(draw: Callable, spec: ModelSpec) -> tuple[str, ...]:
     return tuple(draw(st.lists(st.sampled_from(names), unique=True, max_size=min(2, len(names) - 1))))
 
 
+def frozen_in_units(spec: ModelSpec, plan: tuple[str, ...]) -> SearchStrategy[tuple[str, ...]]:
+    """More frozen parameters, aimed at the wrap plan's units (issue 28, item 4: "frozen parameters
+    mixed into any unit"): up to two units, the root among them, each frozen whole (every
+    parameter it owns: a unit with nothing to reduce) or in part (a proper subset of them: a unit
+    that reduces some of its parameters and not others). `_frozen`'s two parameters anywhere reach
+    neither a whole unit of more than two parameters nor a chosen mix in one. Shrinks to nothing."""
+    from fsdp_verify.case import _owner
+
+    owned: dict[str, list[str]] = {}
+    for name in _param_names(spec):
+        owned.setdefault(_owner(plan, name.rpartition(".")[0]) or "", []).append(name)
+    units = sorted(owned)  # the root ("") first: shrinks towards it
+
+    @st.composite
+    def draw_frozen(draw: Callable) -> tuple[str, ...]:
+        picks = draw(st.lists(st.tuples(st.sampled_from(units), st.booleans()), max_size=2, unique_by=lambda t: t[0]))
+        frozen: list[str] = []
+        for unit, part in picks:
+            own = owned[unit]
+            if part and len(own) > 1:
+                frozen += draw(st.lists(st.sampled_from(own), min_size=1, max_size=len(own) - 1, unique=True))
+            else:
+                frozen += own
+        return tuple(frozen)
+
+    return draw_frozen()
+
+
+def _with_frozen_in_units(spec: ModelSpec, more: tuple[str, ...]) -> ModelSpec:
+    """`spec` with `more` frozen too, unless that would freeze every parameter (the optimizer
+    needs something to train): then as it was."""
+    from fsdp_verify.models import is_frozen
+
+    frozen = spec.frozen + tuple(n for n in more if not is_frozen(spec, n))
+    merged = replace(spec, frozen=frozen)
+    if frozen == spec.frozen or all(is_frozen(merged, n) for n in _param_names(spec)):
+        return spec
+    return merged
+
+
 @st.composite
 def _mlp(draw: Callable, pins: dict[str, Any]) -> ModelSpec:
     widths = draw(_pinned(pins, "widths", st.lists(_widths(), min_size=2, max_size=4).map(tuple)))
@@ -416,13 +456,15 @@ def reshard_values(world_size: int) -> SearchStrategy[bool | int]:
     return st.one_of(st.booleans(), st.sampled_from(divisors)) if divisors else st.booleans()
 
 
-def hsdp_meshes(world_size: int) -> SearchStrategy[tuple[int, int] | None]:
+def hsdp_meshes(world_size: int, shard_multiple: int = 1) -> SearchStrategy[tuple[int, int] | None]:
     """None (1-D) or a 2-D mesh (replicate, shard) for every factoring of the world size, the
     degenerate ones included: (1, W) (FSDP2 all-reduces over one replica), (W, 1) (pure
     replication, no all-gather) and (1, 1) at one rank; `cases(hsdp=True)` draws it for an engine
-    that takes 2-D meshes (verify/engines/capabilities.py). Shrinks towards None."""
+    that takes 2-D meshes (verify/engines/capabilities.py). Shrinks towards None. With
+    `shard_multiple` (a pinned int reshard_after_forward), only meshes whose shard dimension it
+    divides; the world size must be a multiple of it."""
     shapes = [(r, world_size // r) for r in range(1, world_size + 1) if world_size % r == 0]
-    return st.sampled_from([None, *shapes])
+    return st.sampled_from([None, *(m for m in shapes if m[1] % shard_multiple == 0)])
 
 
 # ---- whole cases --------------------------------------------------------------------------------
@@ -447,7 +489,10 @@ def _cases(
     microbatches = field("microbatches", st.integers(1, 4))
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
     data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
-    mesh = field("mesh_shape", hsdp_meshes(world) if hsdp else st.just(None))
+    # A pinned int reshard_after_forward: only meshes whose shard dimension it divides (`cases`
+    # left only the world sizes it divides).
+    multiple = _pinned_reshard_int(engine, pins)
+    mesh = field("mesh_shape", hsdp_meshes(world, multiple) if hsdp else st.just(None))
     # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
     # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
     rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world))
@@ -511,10 +556,25 @@ def _cases(
     takes = takes and values["clip_norm"] is None and not model.experts
     values["ignored"] = field("ignored", ignored_draws(model) if takes else st.just(()))
     try:
-        return Case(**values)
+        case = Case(**values)
     except CaseError:
         # Only pins can make a drawn case invalid (e.g. a pinned batch size the drawn world size
         # does not divide): discard the draw, Hypothesis draws another.
+        assume(False)
+        raise
+    if "model.frozen" in pins or ("model" in pins and not isinstance(pins["model"], SearchStrategy)):
+        return case  # the frozen set (or the whole model) is the user's
+    # Frozen parameters mixed into the units (a whole frozen unit, a unit half frozen, the root's),
+    # drawn last so that a seed's earlier draws stay what they were.
+    model = _with_frozen_in_units(model, draw(frozen_in_units(model, case.wrap_plan)))
+    if model is case.model:
+        return case
+    unfreeze = values["unfreeze_step"]
+    if unfreeze is None and not case.model.frozen:  # none was drawn: nothing was frozen then
+        unfreeze = field("unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None))
+    try:
+        return case.with_(model=model, unfreeze_step=unfreeze)
+    except CaseError:
         assume(False)
         raise
 
@@ -559,6 +619,7 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
     pins = _shard_knob_pins(engine, pins)
     pins = _unfreeze_pins(engine, pins)
     if engine == "fsdp1":
@@ -693,6 +754,45 @@ def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
     return {**pins, **off}
 
 
+def _pinned_reshard_int(engine: str, pins: dict[str, Any]) -> int:
+    """A pinned int reshard_after_forward the engine needs to divide the shard dimension
+    (verify/engines/capabilities.py, `reshard_int_divides_shard`); 1 where there is none."""
+    from fsdp_verify.engines import engine_capabilities
+
+    rsf = pins.get("reshard_after_forward")
+    if isinstance(rsf, bool) or not isinstance(rsf, int) or rsf < 1:
+        return 1  # a bool, a strategy (its draws are judged as drawn) or a value check_pin_value refused
+    return rsf if engine_capabilities(engine).reshard_int_divides_shard else 1
+
+
+def _reshard_int_worlds(engine: str, world_sizes: tuple[int, ...], pins: dict[str, Any]) -> tuple[int, ...]:
+    """The world sizes a pinned int reshard_after_forward can shard over: a shard dimension it
+    divides needs a world size it divides (a 1-D mesh is the world, a 2-D one's shard dimension
+    divides it). The draw then draws around the pin instead of drawing cases the engine refuses;
+    none left is refused now, naming both options, as is a pinned mesh the int does not fit."""
+    rsf = _pinned_reshard_int(engine, pins)
+    mesh = pins.get("mesh_shape")
+    if isinstance(mesh, tuple) and mesh and all(isinstance(d, int) for d in mesh) and mesh[-1] % rsf:
+        raise PinError(
+            f"reshard_after_forward: expected true, false or an int dividing the shard dimension {mesh[-1]} of the"
+            f" pinned mesh_shape {mesh} (engine {engine!r}), got {rsf}"
+        )
+    world = pins.get("world_size")
+    if isinstance(world, int) and not isinstance(world, bool) and world % rsf:
+        raise PinError(
+            f"reshard_after_forward: expected true, false or an int dividing the pinned world_size {world}"
+            f" (engine {engine!r}), got {rsf}"
+        )
+    kept = tuple(w for w in world_sizes if w % rsf == 0)
+    if not kept:
+        raise PinError(
+            f"reshard_after_forward: {rsf} divides the shard group of no world size in world_sizes"
+            f" {tuple(world_sizes)} (engine {engine!r} needs an int that divides it): pin true, false or a divisor,"
+            f" or draw world sizes that are multiples of {rsf} (--reshard-after-forward, --world-sizes)"
+        )
+    return kept
+
+
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
     """Whether the engine declares it takes 2-D meshes; a pinned mesh it cannot take is refused
     now, naming the field (verify/engines/capabilities.py)."""
@@ -742,7 +842,8 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
     }
     if spec.init_fn is None:
         own["init"] = "eager"
-    return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.")}}
+    # A pinned `model.frozen` stays too: `_cases` draws no more frozen parameters beside it.
+    return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.") or k == "model.frozen"}}
 
 
 def fsdp1_modelled(case: Case) -> bool:

@@ -306,14 +306,7 @@ class _Run:
         engine's offsets (a matmul's rounding depends on where its weight starts)."""
         if self.views is None:
             return {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
-        compute = {}
-        for slots, padded in self.views.units:
-            buffer = torch.zeros(padded, dtype=self.param_dtype)
-            for n, offset, numel in slots:
-                p = self.params[n]
-                view = buffer[offset : offset + numel].view(p.shape)
-                view.copy_(p.detach())
-                compute[n] = view.detach().requires_grad_(p.requires_grad)
+        compute = self.views.compute(self.params, self.param_dtype)
         return {n: compute[n] for n in self.params}  # in the parameters' order, as above
 
     # ---- forward and backward ---------------------------------------------------------------------
@@ -764,6 +757,21 @@ class _FlatLayout:
                 slots.append((n, total, params[n].numel()))
                 total += params[n].numel()
             self.units.append((slots, -(-total // self.world) * self.world))
+
+    def compute(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The compute copies of `params` in `dtype`, each a leaf that aliases its slot of a
+        buffer per unit laid out as the engine's (`Arithmetic.computes_on_flat_views`): the same
+        alignment, so the same kernels add in the same order. Frozen slots are filled too, as the
+        engine gathers them."""
+        compute: dict[str, torch.Tensor] = {}
+        for slots, padded in self.units:
+            buffer = torch.zeros(padded, dtype=dtype)
+            for n, offset, numel in slots:
+                p = params[n]
+                view = buffer[offset : offset + numel]
+                view.copy_(p.detach().reshape(-1))  # the cast .to(dtype) does: round to nearest
+                compute[n] = view.view(p.shape).detach().requires_grad_(p.requires_grad)
+        return compute
 
     def _flat(self, grads: dict[str, torch.Tensor], slots, padded: int, dtype: torch.dtype) -> torch.Tensor:
         flat = torch.zeros(padded, dtype=dtype)

@@ -150,6 +150,29 @@ def test_reshard_after_forward_ints_are_non_trivial_divisors():
         find(reshard_values(2), lambda v: not isinstance(v, bool), settings=settings(database=None, max_examples=50))
 
 
+@settings(max_examples=60, deadline=None, database=None)
+@given(cases(hsdp=True, reshard_after_forward=2))
+def test_a_pinned_int_reshard_after_forward_draws_only_meshes_whose_shard_dimension_it_divides(case):
+    """FSDP2 refuses an int that does not divide the shard group (capabilities.py): the draw
+    draws around the pin, so no drawn case is refused before it runs."""
+    from fsdp_verify.engines import refuse_untakeable
+
+    assert case.reshard_after_forward == 2 and case.mesh[-1] % 2 == 0 and case.world_size in (2, 4)
+    refuse_untakeable(case)
+
+
+def test_a_pinned_int_reshard_after_forward_no_world_size_takes_is_refused_up_front(tmp_path):
+    with pytest.raises(PinError, match=r"reshard_after_forward: 2 divides the shard group of no world size"):
+        cases(hsdp=True, reshard_after_forward=2, world_sizes=(1, 3))
+    with pytest.raises(PinError, match=r"reshard_after_forward: .*mesh_shape \(2, 1\)"):
+        cases(hsdp=True, reshard_after_forward=2, mesh_shape=(2, 1))
+    cases(engine="fsdp1", reshard_after_forward=2, world_sizes=(3,))  # FSDP1 takes any int as True
+    from fsdp_verify.commands.cli import main
+
+    argv = ["sweep", "--hsdp", "--reshard-after-forward", "2", "--world-sizes", "1", "3", "--cases", "2"]
+    assert main([*argv, "--out", str(tmp_path)]) == 2  # bad input, before any rank starts
+
+
 def test_tied_embeddings_keep_embedding_and_output_with_the_root():
     spec = ModelSpec(kind="transformer", dim=8, n_heads=2, n_layers=1, ffn_hidden=5, seq_len=4, tie_embeddings=True)
     plan = find(wrap_plans(spec), lambda p: len(p) >= 6, settings=settings(database=None))

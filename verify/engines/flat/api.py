@@ -92,4 +92,7 @@ def shard_all(model: nn.Module) -> nn.Module:
     todo = [(unit, unit.full_values()) for unit in units(model) if unit.flat is None]
     for unit, values in todo:
         unit.shard(values)
+    everyone = units(model)
+    for unit in everyone:
+        unit.peers = everyone  # the end of each backward reduces them all, in this order (unit.py)
     return model

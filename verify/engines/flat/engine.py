@@ -44,11 +44,14 @@ flat_engine.contracts = Contracts(
 )
 # It shards over one process group (verify/engines/flat/api.py): a 1-D mesh only; an int
 # reshard_after_forward counts as True.
-# Routed experts: the gate's near-cancelling gradient comes out of the flat engine a few ulp
-# from the reference's emulation (Adam's second moment of `moe.gate.bias` 0.4x to 1.6x its
-# tolerance, FSDP2 bit-exact on the same cases); not modelled yet, so refused rather than drawn.
+# Routed experts are taken: their gate's near-cancelling gradient once came out a few ulp from the
+# reference (Adam's second moment of `moe.gate.bias` 0.4x to 1.6x its tolerance, at world size 1
+# too), not from any reduction but from the compute parameters' addresses. A unit computes with
+# views of its one buffer, and a one-row Linear (an expert, or any layer on one sample) whose weight
+# starts off a 16-byte boundary adds its products in another order (`computes_on_flat_views` above:
+# the reference computes with views laid out alike, and the cases are bit-exact).
 flat_engine.capabilities = Capabilities(
-    mesh_dims=(1,), reshard_int_divides_shard=False, shard_knobs=False, unfreezes=False, routed_experts=False
+    mesh_dims=(1,), reshard_int_divides_shard=False, shard_knobs=False, unfreezes=False
 )
 
 

@@ -6,10 +6,18 @@
    parameters; free the unsharded buffer if `reshard_after_forward`; hook the outputs so that
 3. pre-backward (a gradient reaches an output): all-gather again, into the same storage the
    saved tensors of forward point at;
-4. post-backward (`full.grad` accumulated, i.e. every use of the unit's views is done):
-   reduce-scatter the gradient, averaged over ranks, in `reduce_dtype`, and free the buffer.
-   With gradient sync off, the unsharded gradient is set aside and summed in `reduce_dtype`
-   until a synced backward reduces it (as FSDP2 does).
+4. post-backward (`full.grad` accumulated, i.e. every use of the unit's views is done): queue
+   the reductions for the end of the backward. There every unit whose FlatParameter trains, in
+   creation order, reduce-scatters its gradient, averaged over ranks, in `reduce_dtype`, and
+   frees the buffer; with gradient sync off, the unsharded gradient is set aside and summed in
+   `reduce_dtype` until a synced backward reduces it (as FSDP2 does).
+
+Why at the end and for every unit: a unit can get no gradient on one rank and some on another (its
+only trainable parameters a routed expert no sample of that rank reached, the rest frozen). It
+must still join the collective, with a zero gradient (as FSDP2's
+`set_reduce_scatter_unused_params`), and in the same position among the units' reduce-scatters
+on every rank: reducing from the hook, in autograd's order, the ranks that skip a unit issue their
+collectives in another order and hang (sweep seed 20263733, cases 3ce5265f3583, fda3f02e68cd).
 """
 
 from __future__ import annotations
@@ -83,6 +91,8 @@ class FlatUnit:
         self.flat: FlatParameter | None = None  # built by shard(); None if the unit owns nothing
         self.sync_gradients = True
         self._restore_queued = False
+        self.peers: list[FlatUnit] = [self]  # every unit of the model, in creation order (`shard_all`)
+        self._reductions_queued = False
         module.register_forward_pre_hook(self._pre_forward, with_kwargs=True)
         module.register_forward_hook(self._post_forward)
 
@@ -152,6 +162,7 @@ class FlatUnit:
         # unit whose parameters get no gradient has no post-backward of its own).
         self._gather_into_compute_views()  # the gather is a no-op if it was never freed
         self._queue_restore()
+        self._queue_reductions()
         return grad
 
     def _queue_restore(self) -> None:
@@ -164,6 +175,28 @@ class FlatUnit:
         self._use_shard_views()
 
     def _post_backward(self, _full: torch.Tensor) -> None:
+        self._queue_reductions()
+
+    def _queue_reductions(self) -> None:
+        """One callback per backward, on the last unit (the root): every rank reaches a hook of
+        some unit in each backward (the loss requires grad through some trainable parameter)."""
+        lead = self.peers[-1]
+        if not lead._reductions_queued:
+            lead._reductions_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(lead._reduce_all)
+
+    def _reduce_all(self) -> None:
+        self._reductions_queued = False
+        for unit in self.peers:
+            unit._reduce()
+
+    def _reduce(self) -> None:
+        if self.flat is None or not self.flat.full.requires_grad:
+            return
+        if self.flat.full.grad is None:  # no use of a trainable view on this rank in this backward
+            self.flat.full.grad = torch.zeros(
+                self.flat.padded_numel, dtype=self.param_dtype, device=self.flat.shard.device
+            )
         if self.sync_gradients:
             self.flat.reduce_scatter_grad(self.reduce_dtype)
         else:
