@@ -56,7 +56,7 @@ class Arithmetic:
     # layout's offsets. A matmul's rounding depends on where its operands start (CPU BLAS takes
     # another kernel path when a row starts off a 16-byte boundary: `x @ W.t()` with W at element
     # offset 1, 2 or 3 of an fp32 buffer rounds 4 to 10 of 24 outputs otherwise, measured), so the
-    # reference keeps its parameters at the same offsets (`reference.trainer._on_flat_views`).
+    # reference keeps its parameters at the same offsets (`reference.trainer._FlatLayout.compute`).
     # FSDP1 aligns every start to 16 bytes and computes as on standalone tensors.
     computes_on_flat_views: bool = False
 
