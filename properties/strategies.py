@@ -548,7 +548,7 @@ def _cases(
             "grad_reduction", st.sampled_from(GRAD_REDUCTIONS) if pins.get("step") is None else st.just("avg")
         ),
         # Drawn last, so a seed's earlier draws stay what they were.
-        "prefetch": field("prefetch", st.one_of(st.none(), st.integers(1, 2))),
+        "prefetch": field("prefetch", st.one_of(st.none(), st.integers(1, 2)) if not model.experts else st.none()),
     }
     # fully_shard's ignored_params: drawn last, where FSDP2 and the loop can take them (Case
     # refuses the rest: a user's step, low-precision parameters, a clip, routed experts).

@@ -488,6 +488,16 @@ class Case:
             "null (FSDP2's implicit prefetching) or a positive integer (units ahead)",
             self.prefetch,
         )
+        # The lists follow registration order; the MLP's routed `moe` runs out of it, so a forward
+        # list names a unit that already ran, and what FSDP2 then holds is not modelled (a memory
+        # false alarm of 4,624 B against 544 B, seed 7's sweep).
+        check(
+            self.prefetch is None or not self.model.experts,
+            "prefetch",
+            "null with routed experts (their unit runs out of registration order: prefetch lists naming a unit"
+            " that already ran are not modelled)",
+            self.prefetch,
+        )
         check(
             self.grad_reduction in GRAD_REDUCTIONS, "grad_reduction", f"one of {GRAD_REDUCTIONS}", self.grad_reduction
         )
