@@ -25,6 +25,8 @@ class _DivideThenSum(DefaultReduceScatter):
 
 def divide_before_summing(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     fully_shard_engine(model, mesh, spec)
+    if spec.case is not None and spec.case.grad_reduction == "sum":
+        return model  # a SUM reduction divides nothing (the loop divides each rank's loss)
     for module in model.modules():
         if isinstance(module, FSDPModule) and module._get_fsdp_state()._fsdp_param_groups:
             module.set_custom_reduce_scatter(_DivideThenSum())
