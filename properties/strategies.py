@@ -158,13 +158,16 @@ def frozen_in_units(spec: ModelSpec, plan: tuple[str, ...]) -> SearchStrategy[tu
 
 
 def _with_frozen_in_units(spec: ModelSpec, more: tuple[str, ...]) -> ModelSpec:
-    """`spec` with `more` frozen too, unless that would freeze every parameter (the optimizer
-    needs something to train): then as it was."""
+    """`spec` with `more` frozen too, unless that would freeze every parameter outside the routed
+    experts (the optimizer needs something to train, and an expert may see no sample): then as
+    it was."""
     from fsdp_verify.models import is_frozen
 
     frozen = spec.frozen + tuple(n for n in more if not is_frozen(spec, n))
     merged = replace(spec, frozen=frozen)
-    if frozen == spec.frozen or all(is_frozen(merged, n) for n in _param_names(spec)):
+    # A routed expert may be reached by no sample: something outside the experts must train too.
+    outside = [n for n in _param_names(spec) if not n.startswith("moe.experts.")]
+    if frozen == spec.frozen or all(is_frozen(merged, n) for n in outside):
         return spec
     return merged
 

@@ -3,12 +3,15 @@ at the wrap plan's units (a unit frozen whole, a unit half frozen, the root's pa
 correct engine passes such a case under mixed precision and accumulation at world sizes 1 to 4,
 where a mutant that trains frozen parameters is caught."""
 
+from dataclasses import replace
+
 import pytest
 from hypothesis import find, given, settings
 
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec, _owner
 from fsdp_verify.models import is_frozen
 from fsdp_verify.properties.strategies import _param_names, cases
+from fsdp_verify.validation import CaseError
 from tests.conftest import mlp_case
 
 FIND = settings(database=None, max_examples=400)
@@ -136,3 +139,13 @@ def test_a_unit_training_only_a_routed_expert_no_sample_reaches_on_some_rank(fsd
     verdict = fsdp_check(case)
     assert verdict.ok, verdict.summary()
     assert max(f.ratio for f in verdict.findings if f.ratio is not None) == 0.0, verdict.summary()
+
+
+def test_every_parameter_outside_the_experts_frozen_is_refused_naming_the_field():
+    """fuzz --engine fsdp1 (seeds 20263942-3) drew layers.0, the gate and expert 0 frozen with one
+    sample: routed to expert 0, it left a loss without gradient and the reference crashed. Such a
+    frozen set is bad input now, and the draw leaves something outside the experts trainable."""
+    spec = ModelSpec(kind="mlp", widths=(1, 2), experts=2, frozen=("layers.0", "moe.gate", "moe.experts.0"))
+    with pytest.raises(CaseError, match=r"^model\.frozen: expected to leave a parameter outside the routed experts"):
+        Case(model=spec)
+    Case(model=replace(spec, frozen=("layers.0", "moe.experts.0")))  # the gate trains: taken

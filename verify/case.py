@@ -426,6 +426,7 @@ class Case:
             )
         self._validate_shard_knobs()
         self._validate_ignored()
+        self._validate_experts_trainable()
         self._validate_unfreeze()
         self._validate_resume()
         self._validate_custom()
@@ -565,6 +566,23 @@ class Case:
             ignored,
         )
         check(self.resume_after is None, "ignored", "empty with a resume (not modelled)", ignored)
+
+    def _validate_experts_trainable(self) -> None:
+        """An expert no sample of a micro-batch reaches takes no part in its graph: with every
+        parameter outside the routed experts frozen, such a micro-batch's loss has no gradient at
+        all (autograd refuses it on the reference and the ranks alike)."""
+        if not self.model.experts or not self.model.frozen:
+            return
+        from fsdp_verify.models import is_frozen, parameter_names
+
+        outside = [n for n in parameter_names(self.model) if not n.startswith("moe.experts.")]
+        check(
+            any(not is_frozen(self.model, n) for n in outside),
+            "model.frozen",
+            "to leave a parameter outside the routed experts trainable (an expert no sample reaches gives a loss"
+            " without gradient)",
+            self.model.frozen,
+        )
 
     def _validate_unfreeze(self) -> None:
         check(
