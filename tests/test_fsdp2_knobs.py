@@ -4,9 +4,7 @@ bit-exact at world sizes 1 to 4 and on a (2, 2) HSDP mesh, communication and mem
 included; each knob's mutant is caught with the knob on and invisible with it off; engines
 without the knobs refuse them as bad input."""
 
-import json
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from hypothesis import find, given, settings
@@ -406,15 +404,13 @@ def test_prefetch_is_a_flag_and_drawn():
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_a_checkpointed_recompute_reissues_the_forward_prefetch(fsdp_check, k):
-    """tests/regressions/b070a41d5468.json: recomputing the checkpointed `layers.0` runs its
+    """tests/regressions/b6e1935bfeb3.json: recomputing the checkpointed `layers.0` runs its
     nested unit `layers.0.linear`'s pre-forward before that unit's pre-backward, so FSDP2 takes
     the forward path and prefetches `layers.1.linear` again, which has finished its backward:
     one more backward all-gather (measured, torch 2.13), which the comm contract called
-    unexpected before `regathered_in_recompute`. Without its routed experts since `prefetch`
-    with experts is refused (the same recompute, the same second all-gather)."""
-    pinned = json.loads((Path(__file__).parent / "regressions" / "b070a41d5468.json").read_text())
-    pinned["model"]["experts"], pinned["prefetch"] = 0, k
-    verdict = fsdp_check(Case.from_dict(pinned), calibrate=False)
+    unexpected before `regathered_in_recompute` (found with routed experts, b070a41d5468; pinned
+    without them since `prefetch` with experts is refused)."""
+    verdict = fsdp_check(regression("b6e1935bfeb3").with_(prefetch=k), calibrate=False)
     assert verdict.ok, verdict.summary()
 
 
@@ -431,14 +427,14 @@ def test_prefetch_with_routed_experts_is_refused_naming_the_field():
     list naming a unit that already ran is not (a memory false alarm, 4,624 B against 544 B, in
     the merged draw's first sweep): refused, not drawn."""
     with pytest.raises(CaseError, match=r"^prefetch: expected null with routed experts"):
-        regression("1b9ded5281a8")
+        mlp_case(3, mesh_shape=(1, 3), prefetch=2).with_(**{"model.experts": 2})
     found = find(cases(world_sizes=(2,), model_kinds=("mlp",)), lambda c: c.model.experts > 0)
     assert found.prefetch is None
 
 
 def test_a_transformer_recompute_reissues_no_forward_prefetch(fsdp_check):
     """Seed 20263711's false alarm (docs/fsdp2-knobs.md): units nested three deep in a
-    checkpointed Transformer block; FSDP2 gathers nothing again in backward, where b070a41d5468's
+    checkpointed Transformer block; FSDP2 gathers nothing again in backward, where b6e1935bfeb3's
     MLP gathers a target again. When a recompute re-issues a forward list is not modelled, so
     that all-gather is allowed, not required: the comm contract judges the rest and passes."""
     verdict = fsdp_check(regression("fca52d9137dc"), calibrate=False)

@@ -178,7 +178,9 @@ def test_checkpointing_without_the_rng_state_is_caught():
 def test_fuzz_draws_cases_around_a_user_step(tmp_path):
     require("transformers")
     args = ["fuzz", "--model", LLAMA.factory, "--step", f"{STEPS}:train_step", "--world-sizes", "2"]
-    assert main([*args, "--max-examples", "2", "--seed", "11", "--out", str(tmp_path)]) == 0
+    # a seed whose draw has an inexact case: the closest pass is kept only above 0 (seed 11 drew
+    # two bit-exact cases once the draw gained fields)
+    assert main([*args, "--max-examples", "2", "--seed", "14", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["counts"] == {"cases": 2, "passed": 2, "failed": 0}
     assert report["closest_pass"]["case"]["step"] == f"{STEPS}:train_step"
