@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import find, given, settings
 
-from fsdp_verify.case import Case, OptimSpec
+from fsdp_verify.case import Case, ModelSpec, OptimSpec
 from fsdp_verify.checks.memory import offload_findings
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.engines.prefetch import prefetch_lists
@@ -441,3 +441,18 @@ def test_a_transformer_recompute_reissues_no_forward_prefetch(fsdp_check):
     assert verdict.ok, verdict.summary()
     comm = [f for f in verdict.findings if f.comparator == "CommContract"]
     assert [f.kind for f in comm] == ["check"] and comm[0].ok, verdict.summary()
+
+
+def test_prefetch_contracts_are_not_applied_where_they_are_not_modelled():
+    """The closing sweeps' 15 contract false alarms (seeds 20263951-2): prefetch on a user's model
+    (run order unknown) and beside reshard_after_backward_last. The contracts are n/a there,
+    saying why; the built-in models without it keep both (the mutant above is caught by memory)."""
+    from fsdp_verify.engines.contracts import case_contracts
+
+    custom = mlp_case(2, prefetch=1).with_(model=ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama"))
+    rabl = mlp_case(2, prefetch=1, microbatches=2, reshard_after_backward_last=True)
+    for case, why in ((custom, "a user's model"), (rabl, "reshard_after_backward_last")):
+        contracts = case_contracts(case)
+        assert not contracts.comm and not contracts.memory and why in contracts.why, contracts
+    kept = case_contracts(mlp_case(2, prefetch=1, microbatches=2))
+    assert kept.comm and kept.memory

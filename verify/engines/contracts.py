@@ -53,6 +53,18 @@ def case_contracts(case) -> Contracts:
     if getattr(case, "step", None) is not None:
         return USER_STEP
     declared = engine_contracts(case.engine)
+    if getattr(case, "prefetch", None) is not None and (declared.comm or declared.memory):
+        # Explicit prefetching is modelled on the built-in models' run order and knobs measured
+        # with it; the closing sweeps (seeds 20263951-2) had 15 contract false alarms outside that:
+        # a user's model whose modules run out of registration order (tiny Llama: 11 of 200), and
+        # prefetch beside `reshard_after_backward_last` (4 of 500). Numbers are still compared.
+        why = None
+        if case.model.is_custom:
+            why = "explicit prefetching of a user's model is not in the contracts (its run order is not known)"
+        elif getattr(case, "reshard_after_backward_last", False):
+            why = "explicit prefetching beside reshard_after_backward_last is not in the contracts"
+        if why is not None:
+            return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "activation_checkpointing", False) and declared.memory:
         why = "activation checkpointing is not in the memory model"
         return Contracts(comm=declared.comm, memory=False, why="; ".join(w for w in (declared.why, why) if w))
