@@ -55,14 +55,19 @@ def case_contracts(case) -> Contracts:
     declared = engine_contracts(case.engine)
     if getattr(case, "prefetch", None) is not None and (declared.comm or declared.memory):
         # Explicit prefetching is modelled on the built-in models' run order and knobs measured
-        # with it; the closing sweeps (seeds 20263951-2) had 15 contract false alarms outside that:
-        # a user's model whose modules run out of registration order (tiny Llama: 11 of 200), and
-        # prefetch beside `reshard_after_backward_last` (4 of 500). Numbers are still compared.
+        # with it; the closing sweeps (seeds 20263951-3) had 16 contract false alarms outside that:
+        # a user's model whose modules run out of registration order (tiny Llama: 11 of 200),
+        # prefetch beside `reshard_after_backward_last` (4 of 500) and a checkpointed recompute
+        # (1 of 300 resume cases). Numbers are still compared.
         why = None
         if case.model.is_custom:
             why = "explicit prefetching of a user's model is not in the contracts (its run order is not known)"
         elif getattr(case, "reshard_after_backward_last", False):
             why = "explicit prefetching beside reshard_after_backward_last is not in the contracts"
+        elif getattr(case, "activation_checkpointing", False):
+            # a recompute may re-issue a unit's forward list, or not (fca52d9137dc; the resume
+            # sweep's d8417f0295bc, seed 20263953): not modelled
+            why = "explicit prefetching under activation checkpointing is not in the contracts"
         if why is not None:
             return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "activation_checkpointing", False) and declared.memory:
