@@ -414,11 +414,15 @@ def test_a_checkpointed_recompute_reissues_the_forward_prefetch(fsdp_check, k):
     assert verdict.ok, verdict.summary()
 
 
-def test_prefetch_sweep_false_alarm_stays_fixed(fsdp_check):
-    """Seed 20263711's sweep: the partial reduce outputs of `replica_sync_last` held after a
-    later micro-batch's forward."""
-    verdict = fsdp_check(regression("da7e0255f22a"), calibrate=False)
+@pytest.mark.parametrize("name", ["da7e0255f22a", "18ce68532461"])  # a (1, 2) mesh; (2, 1), resumed
+def test_prefetch_sweep_false_alarm_stays_fixed(fsdp_check, name):
+    """Seed 20263711's sweep and the resume sweep's (20263963): the partial reduce outputs of
+    `replica_sync_last` held after a later micro-batch's forward, on a shard group of one too."""
+    verdict = fsdp_check(regression(name), calibrate=False)
     assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.ok for f in verdict.findings if f.comparator == "MemoryContract"} == {
+        "MemoryContract": True
+    }
 
 
 def test_prefetch_with_routed_experts_is_refused_naming_the_field():

@@ -140,17 +140,20 @@ class Budget:
         pre = finished | ancestors
         held = self.held_now(case, microbatch, step)
         pending = {t for p in pre for t in self.forward_lists.get(p, [])} - pre - held
+        partial = 0
+        if microbatch > 0 and getattr(case, "replica_sync_last", False):
+            partial = self.partial_sums.get(step, 0)  # the previous backwards' partial reduce outputs
         if self.shard == 1:
-            return 0  # nothing is all-gathered: each unit copies its shards locally (measured)
-        allowed = sum(self.unsharded_by_unit.get(v, 0) for v in pending)
+            # nothing is all-gathered: each unit copies its shards locally (measured); the partial
+            # sums are kept all the same (the resume sweep's 18ce68532461, seed 20263963: (2, 1))
+            return partial
+        allowed = partial + sum(self.unsharded_by_unit.get(v, 0) for v in pending)
         gathered = pre - held  # a unit still unsharded is not gathered, nor copied out again
         if unit != "" and gathered:
             allowed += self.unsharded_by_unit.get(max(gathered, key=self.forward.index), 0)
         rsf = case.reshard_after_forward
         if not isinstance(rsf, bool) and 1 < rsf < self.shard:
             allowed += sum(self.unsharded_by_unit.get(v, 0) // rsf for v in finished)
-        if microbatch > 0 and getattr(case, "replica_sync_last", False):
-            allowed += self.partial_sums.get(step, 0)  # the previous backwards' partial reduce outputs
         return allowed
 
     def held_now(self, case: Case, microbatch: int, step: int) -> frozenset[str]:
