@@ -58,12 +58,17 @@ def case_contracts(case) -> Contracts:
         # with it; the closing sweeps (seeds 20263951-3) had 16 contract false alarms outside that:
         # a user's model whose modules run out of registration order (tiny Llama: 11 of 200),
         # prefetch beside `reshard_after_backward_last` (4 of 500) and a checkpointed recompute
-        # (1 of 300 resume cases). Numbers are still compared.
+        # (1 of 300 resume cases), then frozen units (2 of 500, seed 20263971). Numbers are still
+        # compared.
         why = None
         if case.model.is_custom:
             why = "explicit prefetching of a user's model is not in the contracts (its run order is not known)"
         elif getattr(case, "reshard_after_backward_last", False):
             why = "explicit prefetching beside reshard_after_backward_last is not in the contracts"
+        elif case.model.frozen:
+            # a unit no backward runs through, reached by a forward list: an all-gather the plan
+            # does not account for (the closing sweep's 5017026ac73e, seed 20263971; not modelled)
+            why = "explicit prefetching with frozen parameters is not in the contracts"
         elif getattr(case, "activation_checkpointing", False):
             # a recompute may re-issue a unit's forward list, or not (fca52d9137dc; the resume
             # sweep's d8417f0295bc, seed 20263953): not modelled
