@@ -624,8 +624,7 @@ def cases(
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
     world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
-    pins = _shard_knob_pins(engine, pins)
-    pins = _unfreeze_pins(engine, pins)
+    pins = _knob_pins(engine, pins)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
         drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
@@ -735,26 +734,19 @@ def _shard1_takes(rsf: bool | int, shard: int) -> bool:
     return isinstance(rsf, bool) or not 1 < rsf < shard
 
 
-def _shard_knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
-    """fully_shard's knobs (offload, shard_placement, ...) pinned off for an engine that cannot take
-    them; a pin that asks one for them is refused now, naming the field."""
+def _knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
+    """Every optional knob the engine does not take (verify/engines/capabilities.py: engine-side
+    ones it did not declare, loop-side ones its module lacks) pinned off, so it is never drawn; a
+    pin that asks for one is refused now, naming the field and how an engine declares it."""
     from fsdp_verify.engines import engine_capabilities
+    from fsdp_verify.engines.capabilities import KNOBS, not_declared
 
-    if engine_capabilities(engine).shard_knobs:
-        return pins
-    off = {
-        "offload": False,
-        "shard_placement": "dim0",
-        "replica_sync_last": False,
-        "reshard_after_backward_last": False,
-        "grad_reduction": "avg",
-        "ignored": (),
-        "prefetch": None,
-    }
-    for name, value in off.items():
-        given = pins.get(name, value)
-        if not isinstance(given, SearchStrategy) and given != value:
-            raise PinError(f"{name}: expected {value!r}: engine {engine!r} has no fully_shard knobs, got {given!r}")
+    taken = engine_capabilities(engine).taken()
+    off = {k.field: k.off for k in KNOBS.values() if k.name not in taken}
+    for knob in KNOBS.values():
+        given = pins.get(knob.field, knob.off)
+        if knob.field in off and not isinstance(given, SearchStrategy) and given != knob.off:
+            raise PinError(f"{knob.field}: expected {knob.off!r}: {not_declared(engine, knob.name)}, got {given!r}")
     return {**pins, **off}
 
 
@@ -807,28 +799,6 @@ def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:
     if mesh is not None and not isinstance(mesh, SearchStrategy) and len(mesh) not in capabilities.mesh_dims:
         raise PinError(f"mesh_shape: expected {capabilities.accepts()} (what engine {engine!r} takes), got {mesh!r}")
     return 2 in capabilities.mesh_dims
-
-
-def _unfreeze_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
-    """An engine that cannot unfreeze mid-run, or that the reference does not model with routed
-    experts (verify/engines/capabilities.py), draws none; a pinned value it cannot take is
-    refused now, naming the field."""
-    from fsdp_verify.engines import engine_capabilities
-
-    takes = engine_capabilities(engine)
-    if not takes.routed_experts:
-        experts = pins.get("model.experts")
-        if experts and not isinstance(experts, SearchStrategy):
-            raise PinError(
-                f"model.experts: expected 0 (engine {engine!r} is not modelled with experts), got {experts!r}"
-            )
-        pins = {**pins, "model.experts": 0}
-    if takes.unfreezes:
-        return pins
-    pinned = pins.get("unfreeze_step")
-    if pinned is not None and not isinstance(pinned, SearchStrategy):
-        raise PinError(f"unfreeze_step: expected null (engine {engine!r} cannot unfreeze mid-run), got {pinned!r}")
-    return {**pins, "unfreeze_step": None}
 
 
 def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:

@@ -11,8 +11,10 @@ from hypothesis import find, given, settings
 
 from fsdp_verify.case import Case, ModelSpec, OptimSpec
 from fsdp_verify.checks.memory import offload_findings
+from fsdp_verify.engines.capabilities import ENGINE_KNOBS
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.engines.prefetch import prefetch_lists
+from fsdp_verify.models import parameter_names
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
@@ -72,7 +74,8 @@ def test_the_knobs_mutant_is_caught_only_with_the_knob(fsdp_check, mutant, on, o
     [("offload", True), ("shard_placement", "dim1"), ("reshard_after_backward_last", True), ("prefetch", 1)],
 )
 def test_engines_without_the_knobs_refuse_them(engine, field, value):
-    with pytest.raises(CaseError, match=rf"^{field}: expected .*engine '{engine}' has no fully_shard {field}"):
+    why = "does not declare" if field in ENGINE_KNOBS else "declares its module does not take"
+    with pytest.raises(CaseError, match=rf"^{field}: expected .*engine '{engine}' {why} `{field}`"):
         refuse_untakeable(mlp_case(2, engine=engine, **{field: value}))
 
 
@@ -250,14 +253,21 @@ def test_a_sum_reduction_in_bf16_with_sync_last_on_hsdp_passes(fsdp_check):
     assert verdict.ok, verdict.summary()
 
 
-@pytest.mark.parametrize("mutant", ["sum_reduction_loss_not_divided", "sum_reduction_factor_left_at_avg"])
+@pytest.mark.parametrize(
+    ("mutant", "where"),
+    [
+        ("sum_reduction_loss_not_divided", ("grads", 1, "GradsComparator")),
+        # the divide factor left at FSDP2's default is a knob not applied: named at the build
+        ("sum_reduction_factor_left_at_avg", ("build", 0, "KnobsApplied")),
+    ],
+)
 @pytest.mark.parametrize(("world", "mesh"), [(2, None), (4, (2, 2))])
-def test_sum_reduction_mutants_are_caught_in_the_first_gradients(fsdp_check, mutant, world, mesh):
+def test_sum_reduction_mutants_are_caught_before_or_in_the_first_gradients(fsdp_check, mutant, where, world, mesh):
     engine = f"fsdp_verify.zoo.mutants:{mutant}"
     caught = fsdp_check(_knob_case(world, mesh, grad_reduction="sum", engine=engine))
     assert not caught.ok
     first = caught.first_divergence
-    assert (first.phase, first.step) == ("grads", 1), caught.summary()
+    assert (first.phase, first.step, first.comparator) == where, caught.summary()
     assert fsdp_check(_knob_case(world, mesh, engine=engine)).ok  # avg: the correct engine
 
 
@@ -267,7 +277,7 @@ def test_grad_reduction_is_a_flag_refused_with_a_users_step_and_drawn():
     with pytest.raises(CaseError, match=r"^grad_reduction: expected 'avg' with a user's step"):
         mlp_case(2, grad_reduction="sum", step="tests/user/steps.py:train_step")
     for engine in ("fsdp1", "flat"):
-        with pytest.raises(CaseError, match=rf"^grad_reduction: expected 'avg': engine '{engine}' has no fully_shard"):
+        with pytest.raises(CaseError, match=rf"^grad_reduction: expected 'avg': engine '{engine}' does not declare"):
             refuse_untakeable(mlp_case(2, engine=engine, grad_reduction="sum"))
     assert "grad_reduction" not in Case().to_dict()
     assert Case(grad_reduction="sum").hash != Case().hash
@@ -332,7 +342,7 @@ def test_ignored_that_cannot_work_is_refused_naming_the_field(changes, expected)
 
 def test_ignored_is_a_flag_refused_by_engines_without_it_and_drawn():
     for engine in ("fsdp1", "flat"):
-        with pytest.raises(CaseError, match=rf"^ignored: expected \(\): engine '{engine}' has no fully_shard"):
+        with pytest.raises(CaseError, match=rf"^ignored: expected \(\): engine '{engine}' does not declare"):
             refuse_untakeable(mlp_case(2, engine=engine, ignored=("layers.0",)))
     assert "ignored" not in Case().to_dict()
     assert Case.from_json(mlp_case(2, ignored=("layers.0",)).to_json()).ignored == ("layers.0",)
@@ -422,6 +432,21 @@ def test_prefetch_sweep_false_alarm_stays_fixed(fsdp_check, name):
     assert verdict.ok, verdict.summary()
     assert {f.comparator: f.ok for f in verdict.findings if f.comparator == "MemoryContract"} == {
         "MemoryContract": True
+    }
+
+
+def test_prefetch_beside_a_whole_ignored_unit_passes_the_contracts(fsdp_check):
+    """A unit whose parameters are all `ignored` has no FSDP2 parameter group: no prefetch list
+    names it, and the unit before it stays the one copied out last (56897d71339e: the memory
+    contract allowed 648 B after its forward where FSDP2 rightly held 2,892 B; found writing
+    issue 37's pass-through plug-in test)."""
+    verdict = fsdp_check(regression("56897d71339e"), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert {"comm", "memory"} <= {f.phase for f in verdict.findings if f.kind == "check"}
+    case = regression("56897d71339e")
+    assert prefetch_lists(case.wrap_plan, parameter_names(case.model), 1, case.ignored) == {
+        "layers.0": (["layers.2"], []),
+        "layers.2": ([], ["layers.0"]),
     }
 
 

@@ -65,8 +65,8 @@ def test_the_flat_engine_refuses_an_unfreeze_step_as_bad_input():
         cases(engine="flat", unfreeze_step=2)
     routed = _case(2, model=ModelSpec(kind="mlp", experts=2), engine="flat")
     refuse_untakeable(routed)  # modelled now (`Arithmetic.computes_on_flat_views`)
-    with pytest.raises(CaseError) as e:  # an engine that declares it is not modelled with experts
-        Capabilities(routed_experts=False).refuse(routed, "plugin")
+    with pytest.raises(CaseError) as e:  # an engine that does not declare it takes experts
+        Capabilities().refuse(routed, "plugin")
     assert e.value.field_path == "model.experts"
 
 

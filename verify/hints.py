@@ -79,7 +79,7 @@ def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
 def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
     if first is not None and first.phase == "precision" and first.kind == "contract":
         return precision_hint(first, got)
-    if first is not None and first.phase == "build":
+    if first is not None and first.phase == "build" and first.comparator == "ModelBuildCheck":
         return "build the model from the seed alone: every rank and the reference must construct the same model"
     if first is not None and first.phase == "resumed":
         return resume_hint(first, ref, got)

@@ -92,7 +92,8 @@ class Verdict:
         else:
             text += f"{first.message}."
         later = len(self.failures) - 1
-        text += f" {agreed} earlier records agreed; {later} later records also diverge."
+        if agreed or later:  # a run stopped before its first step has neither
+            text += f" {agreed} earlier records agreed; {later} later records also diverge."
         if self.hint:
             text += f" Hint: {self.hint}"
         return text + self._notes()

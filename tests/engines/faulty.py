@@ -61,3 +61,11 @@ def rank1_drops_its_connections_then_dies(model, mesh, spec):
 
         model.register_forward_pre_hook(drop_then_die)
     return fully_shard_engine(model, mesh, spec)
+
+
+def ranks_all_reduce_different_sizes(model, mesh, spec):
+    """Every rank all-reduces a tensor of its own size before each forward: gloo aborts the
+    process ("Received data size doesn't match expected size"), a collective mismatch."""
+    size = 1000 * (1 + dist.get_rank())  # large enough for gloo's checked path (a tiny one hangs)
+    model.register_forward_pre_hook(lambda *_: dist.all_reduce(torch.ones(size)))
+    return fully_shard_engine(model, mesh, spec)

@@ -17,6 +17,7 @@ from fsdp_verify.case import Case
 from fsdp_verify.checks.build import build_summary, check_build
 from fsdp_verify.checks.checkpointing import checkpointing_notes
 from fsdp_verify.checks.comm import check_comm, comm_summary
+from fsdp_verify.checks.knobs import check_knobs, knobs_summary
 from fsdp_verify.checks.memory import check_memory, memory_summary
 from fsdp_verify.checks.ownership import check_ownership
 from fsdp_verify.checks.precision import check_precision, precision_summary
@@ -62,6 +63,7 @@ def _frozen_summary(case: Case, ref: Trace, got: Trace) -> str | None:
 CHECKS: list[Check] = [
     Check("ModelBuildCheck", "build", check_build, build_summary, optional=True),
     Check("ActivationCheckpointing", "build", checkpointing_notes, optional=True),
+    Check("KnobsApplied", "build", check_knobs, knobs_summary, optional=True),
     Check("OwnershipCheck", "ownership", check_ownership, _ownership_summary),
     Check("PrecisionContract", "precision", check_precision, precision_summary),
     Check("RngCheck", "rng", check_rng, rng_summary),
@@ -72,9 +74,12 @@ CHECKS: list[Check] = [
 ]
 
 
-def run_checks(case: Case, ref: Trace, got: Trace) -> list[Finding]:
+def run_checks(case: Case, ref: Trace, got: Trace, phases: tuple[str, ...] | None = None) -> list[Finding]:
+    """Every check's findings (`phases`: only the checks reporting in those)."""
     findings: list[Finding] = []
     for check in CHECKS:
+        if phases is not None and check.phase not in phases:
+            continue
         found = check.run(case, ref, got)
         findings.extend(found)
         if any(not f.ok for f in found):

@@ -170,7 +170,7 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, 
     lists: dict[str, list[str]] = {}
     if k is not None:
         names = [name for name, *_ in got.meta.get("build", [[]])[0]]
-        lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, k).items()}
+        lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, k, case.ignored).items()}
     implicit = dict(zip(grouped[1:], grouped))  # a unit -> the one whose forward finished before
     own = [u for u in grouped if u not in no_backward]
     prefetched = set()
@@ -193,7 +193,7 @@ def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[in
     facts = forward_facts(got)
     names = [name for name, *_ in got.meta.get("build", [[]])[0]]
     out: set[str] = set()
-    for unit, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items():
+    for unit, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch, case.ignored).items():
         outer = [a for a in case.wrap_plan if a and unit.startswith(a + ".")]
         if outer:
             a = min(outer, key=len)
@@ -216,7 +216,7 @@ def regathered_out_of_order(case: Case, units: dict[str, list[tuple[str, list[in
     order, no_backward = facts
     grouped = [u for u in order if units.get(u)]
     names = [name for name, *_ in got.meta.get("build", [[]])[0]]
-    lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
+    lists = {u: bwd for u, (_fwd, bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch, case.ignored).items()}
     implicit = dict(zip(grouped[1:], grouped))
     done: set[str] = set()
     out: set[str] = set()

@@ -200,8 +200,10 @@ def budget(case: Case, got: Trace) -> Budget:
     lists: dict[str, list[str]] = {}
     if getattr(case, "prefetch", None) is not None:
         names = [name for name, *_ in got.meta.get("build", [[]])[0]]  # model order
-        forward = tuple(forward_order(case.wrap_plan, names))
-        lists = {u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch).items()}
+        forward = tuple(forward_order(case.wrap_plan, names, case.ignored))
+        lists = {
+            u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch, case.ignored).items()
+        }
     partial: dict[int, int] = {}
     if getattr(case, "replica_sync_last", False):
         reduce_size = _size(case.precision.reduce_dtype or case.precision.param_dtype or "fp32")

@@ -13,8 +13,7 @@ from collections.abc import Callable
 from torch import nn
 
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, arithmetic_of
-from fsdp_verify.engines.capabilities import FSDP2 as FSDP2_TAKES
-from fsdp_verify.engines.capabilities import Capabilities, capabilities_of
+from fsdp_verify.engines.capabilities import PLAIN, Capabilities, capabilities_of
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.imports import import_where
 
@@ -71,12 +70,12 @@ def resolve_case_engine(case) -> Engine:
 
 
 def engine_capabilities(name: str) -> Capabilities:
-    """What engine `name` takes (FSDP2's when it declares nothing or does not import here: loading
-    it reports that failure itself)."""
+    """What engine `name` takes (an engine that declares nothing, or does not import here, takes
+    the stable contract only: loading it reports that failure itself)."""
     try:
         return capabilities_of(resolve_engine(name))
     except Exception:
-        return FSDP2_TAKES
+        return PLAIN
 
 
 def refuse_untakeable(case) -> None:

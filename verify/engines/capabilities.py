@@ -1,16 +1,27 @@
-"""Capabilities: which cases an engine can take at all, as it declares them, the way it declares its
+"""Capabilities: which cases an engine can take, as it declares them, the way it declares its
 arithmetic and contracts (verify/engines/arithmetic.py, contracts.py).
 
-A case the engine cannot take is bad input, not a rank failure: the parent process refuses it
-before any rank starts (exit 2, naming the field and what the engine accepts), and the case
-strategies draw only what the engine takes. An engine states it as an attribute of its entry
-point, `fn.capabilities = Capabilities(mesh_dims=(1,))`; one that declares nothing is taken to
-take what FSDP2 takes, as it is held to FSDP2's models.
+An engine is held only to what it declares. One that declares nothing takes the stable contract
+(`ShardSpec`: the wrap plan, mixed precision, `reshard_after_forward`, a 1-D or 2-D mesh) and
+what the toolkit's loop does to any FSDP2 module (micro-batches and no-sync, `replica_sync_last`,
+`reshard_after_backward_last`, unfreezing, optimizers, schedules, clipping, checkpointing,
+resume). Every knob the *engine* must apply itself (`offload`, `shard_placement`, `ignored`,
+`grad_reduction`, `prefetch`, routed experts) is opt-in: drawn, and taken by `check`, only for an
+engine that lists it in `takes`:
+
+    shard.capabilities = Capabilities(takes=("offload", "prefetch"))
+
+A case asking for what the engine does not take is bad input, not a rank failure: the parent
+process refuses it before any rank starts (exit 2, naming the field and how to declare it), and
+the case strategies draw only what the engine takes. The built-in engines declare theirs here
+like any other (`fsdp2` takes every knob; `fsdp1` and `flat` shard FlatParameters and take none
+of fully_shard's).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 from fsdp_verify.validation import CaseError
 
@@ -18,28 +29,86 @@ MESH_FORMS = {1: "(shard,)", 2: "(replicate, shard)"}
 
 
 @dataclass(frozen=True)
+class Knob:
+    """One optional setting of a case: its name as declared, the Case field it lives in, its
+    value when not asked for, and what applying it means (for the messages)."""
+
+    name: str
+    field: str  # the Case field, dotted for nested ones ("model.experts")
+    off: Any
+    applies: str
+
+    def value(self, case) -> Any:
+        head, _, rest = self.field.partition(".")
+        value = getattr(case, head)
+        return getattr(value, rest) if rest else value
+
+    def asked(self, case) -> bool:
+        return self.value(case) != self.off
+
+
+# What the engine applies itself, through fully_shard's arguments or the FSDP2 module's setters
+# after sharding (`ShardSpec.fully_shard_kwargs` and `ShardSpec.after_sharding` do all of it).
+ENGINE_KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("offload", "offload", False, "fully_shard(offload_policy=CPUOffloadPolicy())"),
+        Knob("shard_placement", "shard_placement", "dim0", "fully_shard(shard_placement_fn=...)"),
+        Knob("ignored", "ignored", (), "fully_shard(ignored_params=...)"),
+        Knob("grad_reduction", "grad_reduction", "avg", "set_gradient_divide_factor(1.0) on every unit"),
+        Knob("prefetch", "prefetch", None, "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"),
+        Knob("experts", "model.experts", 0, "set_reduce_scatter_unused_params(True) (routed experts)"),
+    )
+}
+# What the toolkit's loop applies to the engine's module (FSDPModule's setters, requires_grad_):
+# taken by an engine that declares nothing, since any FSDP2 module has them; FSDP1 and the flat
+# engine do not (their modules lack the setters, or fix what trains when they shard).
+LOOP_KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("replica_sync_last", "replica_sync_last", False, "FSDPModule.set_requires_all_reduce"),
+        Knob(
+            "reshard_after_backward_last", "reshard_after_backward_last", False, "FSDPModule.set_reshard_after_backward"
+        ),
+        Knob("unfreeze_step", "unfreeze_step", None, "requires_grad_(True) on the frozen parameters mid-run"),
+    )
+}
+KNOBS: dict[str, Knob] = {**ENGINE_KNOBS, **LOOP_KNOBS}
+
+
+def _names(given, allowed: dict[str, Knob], what: str) -> frozenset[str]:
+    names = frozenset((given,) if isinstance(given, str) else given)
+    unknown = sorted(names - set(allowed))
+    if unknown:
+        raise ValueError(f"capabilities: {what} must name some of {tuple(allowed)}, got {unknown[0]!r}")
+    return names
+
+
+@dataclass(frozen=True)
 class Capabilities:
     # The mesh ranks the engine shards on: 1 = a 1-D mesh (shard,); 2 = (replicate, shard), every
     # shape (HSDP, and the degenerate (1, W), (W, 1) and (1, 1)).
     mesh_dims: tuple[int, ...] = (1, 2)
+    # The engine-side knobs it applies (names from ENGINE_KNOBS): none unless declared.
+    takes: frozenset[str] = field(default_factory=frozenset)
+    # The loop-side settings its module takes (names from LOOP_KNOBS): all of them, as any FSDP2
+    # module does, unless declared otherwise.
+    module_takes: frozenset[str] = field(default_factory=lambda: frozenset(LOOP_KNOBS))
     # Whether it applies `precision.output_dtype` (FSDP1 has none).
     output_dtype: bool = True
     # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
-    # Whether it takes fully_shard's knobs (`offload`, `shard_placement`, `replica_sync_last`,
-    # `reshard_after_backward_last`, `grad_reduction`, `ignored`, `prefetch`): FSDP1 and the flat
-    # engine shard one FlatParameter per unit (no per-parameter placement) and run on one device.
-    shard_knobs: bool = True
-    # Whether it trains parameters unfrozen mid-run (`unfreeze_step`): an engine that fixes which
-    # parameters train when it shards (a FlatParameter's requires_grad) cannot.
-    unfreezes: bool = True
-    # Whether the reference models it with routed experts (`model.experts`).
-    routed_experts: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
             raise ValueError(f"capabilities: mesh_dims must be a non-empty subset of (1, 2), got {self.mesh_dims!r}")
+        object.__setattr__(self, "takes", _names(self.takes, ENGINE_KNOBS, "takes"))
+        object.__setattr__(self, "module_takes", _names(self.module_takes, LOOP_KNOBS, "module_takes"))
+
+    def taken(self) -> frozenset[str]:
+        """Every optional knob this engine takes, engine-side and loop-side."""
+        return self.takes | self.module_takes
 
     def accepts(self) -> str:
         return " or ".join(f"a {d}-D mesh {MESH_FORMS[d]}" for d in sorted(self.mesh_dims))
@@ -52,30 +121,9 @@ class Capabilities:
             raise CaseError(
                 "precision.output_dtype", f"null: engine {engine!r} has no output_dtype", case.precision.output_dtype
             )
-        if not self.shard_knobs:
-            for name, off in (
-                ("offload", False),
-                ("shard_placement", "dim0"),
-                ("replica_sync_last", False),
-                ("reshard_after_backward_last", False),
-                ("grad_reduction", "avg"),
-                ("ignored", ()),
-                ("prefetch", None),
-            ):
-                if getattr(case, name) != off:
-                    raise CaseError(name, f"{off!r}: engine {engine!r} has no fully_shard {name}", getattr(case, name))
-        if not self.unfreezes and case.unfreeze_step is not None:
-            raise CaseError(
-                "unfreeze_step",
-                f"null: engine {engine!r} fixes which parameters train when it shards",
-                case.unfreeze_step,
-            )
-        if not self.routed_experts and case.model.experts:
-            raise CaseError(
-                "model.experts",
-                f"0: the reference does not model engine {engine!r} with routed experts yet",
-                case.model.experts,
-            )
+        for knob in KNOBS.values():
+            if knob.asked(case) and knob.name not in self.taken():
+                raise CaseError(knob.field, f"{knob.off!r}: {not_declared(engine, knob.name)}", knob.value(case))
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
             raise CaseError(
@@ -86,9 +134,23 @@ class Capabilities:
             )
 
 
-FSDP2 = Capabilities()
+def not_declared(engine: str, knob: str) -> str:
+    """Why a knob is refused for `engine`, and how an engine declares it."""
+    if knob in LOOP_KNOBS:
+        return f"engine {engine!r} declares its module does not take `{knob}` ({LOOP_KNOBS[knob].applies})"
+    return (
+        f"engine {engine!r} does not declare `{knob}` ({ENGINE_KNOBS[knob].applies}); an engine that applies it"
+        f" declares `capabilities = Capabilities(takes=({knob!r}, ...))` (docs/engines.md#what-an-engine-declares)"
+    )
+
+
+# An engine that declares nothing: the stable contract and the loop's settings.
+PLAIN = Capabilities()
+# `fully_shard` with every knob applied (the built-in engine, and a plug-in that passes
+# `ShardSpec.fully_shard_kwargs` through and calls `ShardSpec.after_sharding`).
+FSDP2 = Capabilities(takes=frozenset(ENGINE_KNOBS))
 
 
 def capabilities_of(engine: object) -> Capabilities:
     declared = getattr(engine, "capabilities", None)
-    return declared if isinstance(declared, Capabilities) else FSDP2
+    return declared if isinstance(declared, Capabilities) else PLAIN

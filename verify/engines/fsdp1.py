@@ -141,8 +141,14 @@ fsdp1_engine.contracts = Contracts(
 # One process group (FULL_SHARD / SHARD_GRAD_OP): a 1-D mesh only; no output_dtype; an int
 # reshard_after_forward is FULL_SHARD whatever it divides. Refused before any rank starts.
 # 2-D meshes: HYBRID_SHARD / _HYBRID_SHARD_ZERO2 on (R, S), NO_SHARD on (W, 1) (the module's docstring).
+# None of fully_shard's knobs (one FlatParameter per unit, no per-parameter placement); of the
+# loop's settings only unfreezing (FSDP1 has no set_requires_all_reduce / set_reshard_after_backward).
 fsdp1_engine.capabilities = Capabilities(
-    mesh_dims=(1, 2), output_dtype=False, reshard_int_divides_shard=False, shard_knobs=False
+    mesh_dims=(1, 2),
+    takes=("experts",),
+    module_takes=("unfreeze_step",),
+    output_dtype=False,
+    reshard_int_divides_shard=False,
 )
 
 

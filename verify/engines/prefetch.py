@@ -12,8 +12,10 @@ lists and the contracts that model them (verify/checks/comm.py, memory.py) deriv
   prefetch walks, `FSDPParamGroup._backward_prefetch`): the post-order of the same tree, so the
   root first, then the last unit. Each unit's backward list: the next k units in it.
 
-Only units that own a parameter take part: a unit without one has no parameter group, so
-`_prefetch_unshard` would skip it and it would only waste one of the k places. The last unit in
+Only units that own a parameter FSDP2 manages take part: a unit without one (none of its own,
+or only `ignored` ones) has no parameter group, so `_prefetch_unshard` would skip it and it would
+only waste one of the k places (a fresh-seed find: a whole unit ignored beside `prefetch`, the
+memory contract then counted the unit before it as copied out last where it was). The last unit in
 backward order gets an empty list, so FSDP2 falls back to its implicit prefetch there (its
 predecessor in post-forward order: none).
 """
@@ -23,10 +25,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 
-def forward_order(units: Sequence[str], param_names: Sequence[str]) -> list[str]:
-    """Units that own a parameter, in pre-forward order (registration order, parents first)."""
+def forward_order(units: Sequence[str], param_names: Sequence[str], ignored: Sequence[str] = ()) -> list[str]:
+    """Units that own a managed parameter (not one of the `ignored` prefixes), in pre-forward
+    order (registration order, parents first)."""
+    from fsdp_verify.models import is_ignored
     from fsdp_verify.probes.precision import owning_unit
 
+    param_names = [n for n in param_names if not is_ignored(tuple(ignored), n)]
     owning = {owning_unit(tuple(units), n) for n in param_names} & set(units)
     first: dict[str, int] = {}
     for i, n in enumerate(param_names):
@@ -52,9 +57,11 @@ def post_forward_order(forward: Sequence[str]) -> list[str]:
     return out
 
 
-def prefetch_lists(units: Sequence[str], param_names: Sequence[str], k: int) -> dict[str, tuple[list[str], list[str]]]:
+def prefetch_lists(
+    units: Sequence[str], param_names: Sequence[str], k: int, ignored: Sequence[str] = ()
+) -> dict[str, tuple[list[str], list[str]]]:
     """Unit -> (forward list, backward list), each the next k units in that pass's order."""
-    fwd = forward_order(units, param_names)
+    fwd = forward_order(units, param_names, ignored)
     bwd = list(reversed(post_forward_order(fwd)))
     out: dict[str, tuple[list[str], list[str]]] = {}
     for u in fwd:
@@ -63,12 +70,14 @@ def prefetch_lists(units: Sequence[str], param_names: Sequence[str], k: int) -> 
     return out
 
 
-def set_prefetching(model, units: Sequence[str], k: int, forward_k: int | None = None) -> None:
+def set_prefetching(
+    model, units: Sequence[str], k: int, forward_k: int | None = None, ignored: Sequence[str] = ()
+) -> None:
     """Set each unit's explicit lists on the FSDP2 modules (after every unit is sharded);
     `forward_k`: the forward lists' length, if not k (the zoo's off-by-one)."""
     names = [n for n, _ in model.named_parameters()]
-    forward = prefetch_lists(units, names, forward_k or k)
-    for unit, (_fwd, bwd) in prefetch_lists(units, names, k).items():
+    forward = prefetch_lists(units, names, forward_k or k, ignored)
+    for unit, (_fwd, bwd) in prefetch_lists(units, names, k, ignored).items():
         fwd = forward[unit][0]
         module = model.get_submodule(unit)
         if fwd:

@@ -1,10 +1,31 @@
-"""ShardSpec: what an engine is told about how to shard. A stable contract for plug-in engines."""
+"""ShardSpec: what an engine is told about how to shard. A stable contract for plug-in engines.
+
+The three fields (`wrap`, `mp_policy`, `reshard_after_forward`) are what every engine applies.
+The case's engine-side knobs (verify/engines/capabilities.py: offload, placements, ignored
+parameters, the divide factor, prefetching, routed experts) come as FSDP2 arguments in one call,
+so a plug-in that passes them through takes them all and may declare so:
+
+    def shard(model, mesh, spec):
+        kwargs = spec.fully_shard_kwargs(model, mesh)
+        for fqn in spec.wrap:
+            fully_shard(model.get_submodule(fqn), **kwargs)
+        spec.after_sharding(model)
+        return model
+
+    shard.capabilities = Capabilities(takes=ENGINE_KNOBS)
+
+The built-in `fsdp2` engine is exactly that.
+"""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
-from torch.distributed.fsdp import MixedPrecisionPolicy
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from fsdp_verify.case import Case, PrecisionSpec
 from fsdp_verify.dtypes import to_torch
@@ -28,6 +49,63 @@ class ShardSpec:
             reshard_after_forward=case.reshard_after_forward,
             case=case,
         )
+
+    def fully_shard_kwargs(self, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
+        """`fully_shard`'s keyword arguments for every unit of the plan: the mesh, the policy,
+        `reshard_after_forward`, and the case's `offload_policy`, `shard_placement_fn` and
+        `ignored_params` (FSDP2's defaults where the case asks for none). Call it once, before
+        the first `fully_shard`: the placements name parameters by their FQN in the whole model."""
+        from fsdp_verify.engines.placement import placement_fn
+        from fsdp_verify.models import is_ignored
+
+        case = self.case
+        offload = case is not None and case.offload
+        names = case.ignored if case is not None else ()
+        ignored = {p for n, p in model.named_parameters() if is_ignored(names, n)}
+        return {
+            "mesh": mesh,
+            "mp_policy": self.mp_policy,
+            "reshard_after_forward": self.reshard_after_forward,
+            "offload_policy": CPUOffloadPolicy(pin_memory=False) if offload else OffloadPolicy(),
+            "shard_placement_fn": placement_fn(
+                case.shard_placement if case else "dim0", model, mesh.size(mesh.ndim - 1)
+            ),
+            "ignored_params": ignored or None,
+        }
+
+    def after_sharding(self, model: nn.Module) -> None:
+        """What the case sets on the FSDP2 modules once every unit is sharded: the divide factor
+        of `grad_reduction: sum`, the explicit prefetch lists, and, with routed experts, the
+        reduce-scatter of parameters without a gradient (zeros)."""
+        case = self.case
+        if case is None:
+            return
+        if case.grad_reduction == "sum":
+            sum_reduction(model)
+        if case.prefetch is not None:
+            from fsdp_verify.engines.prefetch import set_prefetching
+
+            set_prefetching(model, self.wrap, case.prefetch, ignored=case.ignored)
+        if case.model.experts:
+            # A rank whose micro-batch reaches none of an expert's samples has no gradient for
+            # it, and FSDP2 would reduce-scatter fewer parameters there than on the others; zeros
+            # keep every rank's reduce-scatter the same (as a MoE trainer sets it).
+            model.set_reduce_scatter_unused_params(True)
+
+
+def sum_reduction(model: nn.Module) -> None:
+    """`grad_reduction: sum`: `set_gradient_divide_factor(1.0)` on every unit, so FSDP2 sums the
+    gradients over the shard group and the replicas (the loop divides each rank's loss by the
+    world size instead). With a factor of 1 torch 2.13 issues PREMUL_SUM(1.0) on fp32 and bf16
+    (`_get_gradient_divide_factors`), which gloo lacks; `set_force_sum_reduction_for_comms`
+    makes it SUM in both collectives and no division (`_div_if_needed` skips 1), as fp16 already
+    is: the same sum. NCCL takes PREMUL_SUM, so only gloo gets the second call."""
+    gloo = dist.get_backend() == "gloo"
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule):
+            unit.set_gradient_divide_factor(1.0)
+            if gloo:
+                unit.set_force_sum_reduction_for_comms(True)
 
 
 def policy_of(spec: PrecisionSpec) -> MixedPrecisionPolicy:

@@ -10,6 +10,7 @@ from fsdp_verify.probes.base import Probe
 from fsdp_verify.probes.buffers import BuffersProbe
 from fsdp_verify.probes.build import BuildProbe
 from fsdp_verify.probes.comm import CommProbe
+from fsdp_verify.probes.knobs import KnobsProbe
 from fsdp_verify.probes.memory import MemoryProbe
 from fsdp_verify.probes.ownership import OwnershipProbe
 from fsdp_verify.probes.precision import PrecisionProbe
@@ -18,6 +19,7 @@ from fsdp_verify.zoom.probe import ZoomProbe
 
 PROBES: list[type[Probe]] = [
     BuildProbe,
+    KnobsProbe,
     OwnershipProbe,
     RngProbe,
     BuffersProbe,

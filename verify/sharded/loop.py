@@ -58,7 +58,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     for probe in probes:
         probe.after_build(model)
     if any(getattr(probe, "stop", False) for probe in probes):
-        return trace  # the ranks built different models (the build check names how)
+        return _stopped(trace, "the ranks built different models")  # the build check names how
     if case.activation_checkpointing:
         turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
         if trace is not None and turned_off:
@@ -77,6 +77,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("probes after sharding")
     for probe in probes:
         probe.after_shard(sharded, view)
+    if any(getattr(probe, "stop", False) for probe in probes):
+        return _stopped(trace, "the engine did not apply a knob it declares")  # the knobs check names it
     for probe in probes:
         probe.after_optimizer(optimizer, view)
 
@@ -104,6 +106,13 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     if trace is not None:
         trace.meta["dtypes"] = dtypes
         trace.meta["items"] = items  # per step, rank and micro-batch: what the loss averages over
+    return trace
+
+
+def _stopped(trace: Trace | None, why: str) -> Trace | None:
+    """The run ends before its first step: only the build checks judge it (verify/runner.py)."""
+    if trace is not None:
+        trace.meta["stopped"] = why
     return trace
 
 

@@ -17,6 +17,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection, wait
@@ -65,6 +66,7 @@ class RankPool:
         # verify/sharded/arena.py) or "pipe" (a trace under 1 MB, or that directory full).
         self.last_trace_via = ""
         self.exit_codes: list[int | None] = []
+        self._stderr: list[_StderrRelay] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -90,10 +92,13 @@ class RankPool:
             up_r, up_w = os.pipe()
             cmd = [sys.executable, "-m", "fsdp_verify.sharded.worker", str(rank), str(self.world_size), str(self._dir)]
             cmd += [str(down_r), str(up_w), str(pg_timeout)]
-            proc = subprocess.Popen(cmd, pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL)
+            proc = subprocess.Popen(
+                cmd, pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
+            )
             os.close(down_r)
             os.close(up_w)
             self._procs.append(proc)
+            self._stderr.append(_StderrRelay(proc.stderr))
             self._to.append(Connection(down_w, readable=False))
             self._from.append(Connection(up_r, writable=False))
         self.starts += 1
@@ -117,7 +122,9 @@ class RankPool:
             self.exit_codes = codes  # of the last workers stopped: 0 each after a polite stop
         for conn in self._to + self._from:
             conn.close()
-        self._procs, self._to, self._from = [], [], []
+        for relay in self._stderr:
+            relay.join(1.0)
+        self._procs, self._to, self._from, self._stderr = [], [], [], []
         if self._board is not None:
             self._board.close()
             self._board = None
@@ -226,6 +233,12 @@ class RankPool:
         except subprocess.TimeoutExpired:
             code = None
         how = f"killed by signal {-code}" if code is not None and code < 0 else f"exited with code {code}"
+        self._stderr[rank].join(1.0)  # what it wrote before it died
+        said = collective_mismatch(self._stderr[rank].tail())
+        if said:
+            phases = self._phases()
+            where = ", ".join(f"rank {r} in {p!r}" for r, p in sorted(phases.items()))
+            how += f": a collective mismatch between ranks ({where}): the ranks issued different collectives, or the same one with other sizes ({said})"
         return RankFailure(
             "crash" if what == "run" else "start", rank, self._board.read(rank), f"process {how}", self._phases()
         )
@@ -261,6 +274,49 @@ class RankPool:
             path = self._dir / f"stack-{r}.txt"
             out[r] = path.read_text(errors="replace") if path.exists() else ""
         return out
+
+
+class _StderrRelay:
+    """A rank's stderr, passed on to ours as it comes (as an inherited one would be) and its last
+    few KB kept: what a rank that died said just before (gloo's message before its abort)."""
+
+    KEEP = 16384
+
+    def __init__(self, stream):
+        self._stream, self._tail = stream, bytearray()
+        self._thread = threading.Thread(target=self._relay, daemon=True)
+        self._thread.start()
+
+    def _relay(self) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            while chunk := self._stream.read1(65536):
+                with contextlib.suppress(OSError):
+                    os.write(2, chunk)
+                self._tail += chunk
+                del self._tail[: -self.KEEP]
+
+    def join(self, timeout_s: float) -> None:
+        self._thread.join(timeout_s)
+
+    def tail(self) -> str:
+        return bytes(self._tail).decode(errors="replace")
+
+
+# What a process group's backend says when the ranks' collectives do not match (gloo aborts with
+# the first; torch's own checks, TORCH_DISTRIBUTED_DEBUG=DETAIL, say the others).
+MISMATCH_SIGNS = (
+    "Received data size doesn't match expected size",
+    "Is there a distributed collective mismatch",
+    "Detected mismatch between collectives",
+)
+
+
+def collective_mismatch(stderr_tail: str) -> str:
+    """The line of a rank's last output that says its collectives did not match its peers', or ''."""
+    for line in reversed(stderr_tail.splitlines()):
+        if any(sign in line for sign in MISMATCH_SIGNS):
+            return line.strip()[-300:]
+    return ""
 
 
 # ---- one pool per world size per process (a pytest-xdist worker is a process) ---------------------

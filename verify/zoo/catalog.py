@@ -408,7 +408,8 @@ ZOO: list[ZooBug] = [
         "each rank's loss divided by the world size for a SUM reduction, but the divide factor left at"
         " FSDP2's AVG: every gradient 1/W of the average",
         "issue 28: the legitimate use of set_gradient_divide_factor, the engine's half forgotten",
-        ("grads",),
+        # named at the build, before the gradients it would make 1/W: a knob not applied (issue 37)
+        ("build",),
         pins={**_CHEAP, "grad_reduction": "sum"},
     ),
     ZooBug(

@@ -5,6 +5,7 @@ Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
 
 from __future__ import annotations
 
+import inspect
 import weakref
 from dataclasses import replace
 
@@ -239,7 +240,7 @@ def meta_init_consumes_rng(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) 
 _FLAT_CONTRACTS = Contracts(comm=False, memory=False, why="the flat engine's FlatParameters: not FSDP2's model")
 # As FSDP2 for meshes (what they were drawn with before), but no fully_shard knobs: the flat engine
 # ignores them.
-_FLAT_CAPABILITIES = Capabilities(shard_knobs=False)
+_FLAT_CAPABILITIES = Capabilities(takes=("experts",), module_takes=("unfreeze_step",))
 
 
 # ---- the bundled flat engine's bugs (seed 004; tests/test_engine_flat.py) -------------------------
@@ -640,7 +641,7 @@ def prefetch_one_unit_too_many(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     if k is None:
         return fully_shard_engine(model, mesh, spec)
     fully_shard_engine(model, mesh, replace(spec, case=spec.case.with_(prefetch=None)))
-    set_prefetching(model, spec.wrap, k, forward_k=k + 1)
+    set_prefetching(model, spec.wrap, k, forward_k=k + 1, ignored=spec.case.ignored)
     return model
 
 
@@ -847,3 +848,17 @@ rng_not_restored_on_resume = _resuming(_RngNotRestored)
 loss_scale_reset_on_resume = _resuming(_LossScaleReset)
 data_position_reset_on_resume = _resuming(_DataPositionReset)
 scheduler_not_restored_on_resume = _resuming(_SchedulerNotRestored)
+
+
+def _declare_what_fully_shard_engine_takes() -> None:
+    """Each mutant above that is a mutation of the built-in FSDP2 engine takes every knob it
+    takes (verify/engines/capabilities.py), so the zoo is drawn what `fsdp2` is drawn; those on
+    FSDP1 or the flat engine declared their own."""
+    for fn in list(globals().values()):
+        is_engine = inspect.isfunction(fn) and fn.__module__ == __name__ and not fn.__name__.startswith("_")
+        takes_a_spec = is_engine and list(inspect.signature(fn).parameters) == ["model", "mesh", "spec"]
+        if takes_a_spec and not hasattr(fn, "capabilities"):
+            fn.capabilities = fully_shard_engine.capabilities
+
+
+_declare_what_fully_shard_engine_takes()

@@ -50,8 +50,10 @@ flat_engine.contracts = Contracts(
 # views of its one buffer, and a one-row Linear (an expert, or any layer on one sample) whose weight
 # starts off a 16-byte boundary adds its products in another order (`computes_on_flat_views` above:
 # the reference computes with views laid out alike, and the cases are bit-exact).
+# It fixes what trains when it shards (a FlatParameter's requires_grad): no unfreezing, and none
+# of the loop's FSDP2 setters.
 flat_engine.capabilities = Capabilities(
-    mesh_dims=(1,), reshard_int_divides_shard=False, shard_knobs=False, unfreezes=False
+    mesh_dims=(1,), takes=("experts",), module_takes=(), reshard_int_divides_shard=False
 )
 
 

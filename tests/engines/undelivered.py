@@ -1,0 +1,43 @@
+"""Engines that declare every engine-side knob (verify/engines/capabilities.py) and drop one:
+the knobs check must name the knob ("did not apply"), not report what its absence breaks later
+(a gloo abort, a DTensor sharding-strategy error, gradients 1/W)."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from torch.distributed.fsdp import OffloadPolicy, fully_shard
+
+from fsdp_verify.engines.capabilities import FSDP2
+
+# What each knob's dropping leaves of fully_shard's arguments, or of the case after_sharding reads.
+_ARGUMENT_OFF = {"offload": ("offload_policy", OffloadPolicy()), "shard_placement": ("shard_placement_fn", None)}
+_ARGUMENT_OFF["ignored"] = ("ignored_params", None)
+_CASE_OFF = {"grad_reduction": {"grad_reduction": "avg"}, "prefetch": {"prefetch": None}}
+
+
+def _dropping(knob: str):
+    def engine(model, mesh, spec):
+        kwargs = spec.fully_shard_kwargs(model, mesh)
+        if knob in _ARGUMENT_OFF:
+            name, value = _ARGUMENT_OFF[knob]
+            kwargs[name] = value
+        for fqn in spec.wrap:
+            fully_shard(model.get_submodule(fqn), **kwargs)
+        after = replace(spec, case=spec.case.with_(**_CASE_OFF[knob])) if knob in _CASE_OFF else spec
+        after.after_sharding(model)
+        if knob == "experts":
+            model.set_reduce_scatter_unused_params(False)
+        return model
+
+    engine.capabilities = FSDP2
+    engine.__name__ = f"drops_{knob}"
+    return engine
+
+
+drops_offload = _dropping("offload")
+drops_shard_placement = _dropping("shard_placement")
+drops_ignored = _dropping("ignored")
+drops_grad_reduction = _dropping("grad_reduction")
+drops_prefetch = _dropping("prefetch")
+drops_experts = _dropping("experts")

@@ -1,0 +1,168 @@
+"""Did the engine apply what the case asked of it? Read from the module it returned, before the
+first step, for each engine-side knob the case asks for (verify/engines/capabilities.py).
+
+An engine that declares a knob and drops it would otherwise show up as something else: `ignored`
+left sharded makes the loop's all-reduce of those gradients fail inside DTensor ("does not have a
+sharding strategy registered"), a divide factor left at FSDP2's default shows as every gradient
+1/W of the reference's, unused expert parameters left out of the reduce-scatter abort gloo. Each
+is named here for what it is: "engine X did not apply `ignored`", with the evidence.
+
+What is read: DTensor placements (public) for `ignored` and `shard_placement`; FSDP2's parameter
+groups and states (private: `_fsdp_param_groups`, `offload_policy`, `gradient_divide_factor`,
+`reduce_scatter_unused_params`, `_states_to_forward_prefetch`, `_states_to_backward_prefetch`)
+for the rest, feature-tested: where a release lacks a name, that knob is not judged here (the
+records still are).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+from torch.distributed.fsdp import CPUOffloadPolicy
+from torch.distributed.tensor import DTensor, Shard
+
+from fsdp_verify.case import Case
+from fsdp_verify.engines.capabilities import ENGINE_KNOBS
+
+
+def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
+    """(knob, evidence) for each knob the case asks for, the engine declares, and the module
+    shows was not applied; [] when everything asked for is in place (or cannot be read)."""
+    out: list[tuple[str, str]] = []
+    for knob in ENGINE_KNOBS.values():
+        if knob.asked(case) and knob.name in takes:
+            evidence = _READERS[knob.name](case, model)
+            if evidence:
+                out.append((knob.name, evidence))
+    return out
+
+
+def _units(case: Case, model: nn.Module) -> list[tuple[str, object]]:
+    """(unit FQN, its FSDP2 state) for each unit of the plan the engine made an FSDP2 module."""
+    out = []
+    for fqn in case.wrap_plan:
+        module = model.get_submodule(fqn)
+        get_state = getattr(module, "_get_fsdp_state", None)
+        if callable(get_state):
+            out.append((fqn, get_state()))
+    return out
+
+
+def _groups(state) -> list | None:
+    """A unit's FSDP2 parameter groups (torch 2.13: `_fsdp_param_groups`; earlier releases one
+    `_fsdp_param_group`), or None where this release has neither name."""
+    if hasattr(state, "_fsdp_param_groups"):
+        return list(state._fsdp_param_groups)
+    if hasattr(state, "_fsdp_param_group"):
+        group = state._fsdp_param_group
+        return [group] if group is not None else []
+    return None
+
+
+def _unit_label(fqn: str) -> str:
+    return repr(fqn) if fqn else "the root"
+
+
+def _first_group_without(case: Case, model: nn.Module, attribute: str, wanted, describe) -> str:
+    """Evidence for the first unit whose parameter groups do not hold `wanted` in `attribute`."""
+    for fqn, state in _units(case, model):
+        for group in _groups(state) or []:
+            if not hasattr(group, attribute):
+                return ""  # this release keeps it elsewhere: not judged here
+            if not wanted(getattr(group, attribute)):
+                return f"unit {_unit_label(fqn)} {describe(getattr(group, attribute))}"
+    return ""
+
+
+def _ignored(case: Case, model: nn.Module) -> str:
+    from fsdp_verify.models import is_ignored
+
+    sharded = [n for n, p in model.named_parameters() if is_ignored(case.ignored, n) and isinstance(p, DTensor)]
+    if sharded:
+        return f"{sharded[0]!r} is sharded (a DTensor), though the case names it in `ignored` (fully_shard's ignored_params)"
+    return ""
+
+
+def _shard_placement(case: Case, model: nn.Module) -> str:
+    from fsdp_verify.engines.placement import shard_dim
+
+    for name, p in model.named_parameters():
+        if not isinstance(p, DTensor):
+            continue
+        shard = p.device_mesh.size(p.device_mesh.ndim - 1)
+        wanted = shard_dim(case.shard_placement, name, tuple(p.shape), shard)
+        last = p.placements[-1]
+        got = last.dim if isinstance(last, Shard) else None
+        if got != wanted:
+            return (
+                f"{name!r} is placed {last}, the case's `shard_placement: {case.shard_placement}` asks Shard({wanted})"
+            )
+    return ""
+
+
+def _offload(case: Case, model: nn.Module) -> str:
+    return _first_group_without(
+        case,
+        model,
+        "offload_policy",
+        lambda policy: isinstance(policy, CPUOffloadPolicy),
+        lambda policy: f"has offload_policy {type(policy).__name__}, not CPUOffloadPolicy",
+    )
+
+
+def _grad_reduction(case: Case, model: nn.Module) -> str:
+    return _first_group_without(
+        case,
+        model,
+        "gradient_divide_factor",
+        lambda factor: factor == 1.0,
+        lambda factor: (
+            f"divides its gradients by {'the group size (the default)' if factor is None else factor},"
+            " not 1.0 (set_gradient_divide_factor)"
+        ),
+    )
+
+
+def _experts(case: Case, model: nn.Module) -> str:
+    return _first_group_without(
+        case,
+        model,
+        "reduce_scatter_unused_params",
+        bool,
+        lambda _: (
+            "leaves parameters without a gradient out of its reduce-scatter (set_reduce_scatter_unused_params"
+            " not set): a rank no sample of an expert reaches would reduce-scatter fewer tensors than the others"
+        ),
+    )
+
+
+def _prefetch(case: Case, model: nn.Module) -> str:
+    """Not applied: no unit has an explicit list, where the case's lists are not all empty. Lists
+    set otherwise than asked (one unit too many) are applied, wrongly: the memory and
+    communication contracts judge those (the zoo's `prefetch_one_unit_too_many`)."""
+    from fsdp_verify.engines.prefetch import prefetch_lists
+
+    wanted = prefetch_lists(case.wrap_plan, [n for n, _ in model.named_parameters()], case.prefetch, case.ignored)
+    lists = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
+    units = _units(case, model)
+    if not all(hasattr(state, a) for _, state in units for a in lists):
+        return ""  # this release keeps them elsewhere: not judged here
+    if any(getattr(state, a) for _, state in units for a in lists):
+        return ""
+    asked = next(((u, f) for u, (f, b) in wanted.items() if f or b), None)
+    if asked is None:
+        return ""
+    unit, ahead = asked[0], wanted[asked[0]][0] or wanted[asked[0]][1]
+    return (
+        f"no unit has a forward or backward prefetch list; the case's `prefetch: {case.prefetch}` asks unit"
+        f" {_unit_label(unit)} to prefetch {ahead}"
+    )
+
+
+_READERS = {
+    "offload": _offload,
+    "shard_placement": _shard_placement,
+    "ignored": _ignored,
+    "grad_reduction": _grad_reduction,
+    "prefetch": _prefetch,
+    "experts": _experts,
+}
