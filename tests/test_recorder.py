@@ -156,11 +156,17 @@ def test_a_resumed_sharded_run_is_judged_against_the_run_never_stopped(runs, res
     }
     run = Run(resumed_runs / "b", "RUN")
     assert [run.world_at(c) for c in run.calls[0]] == [2, 2, 2, 1, 1]
+    # The state right after the load (1 rank) held exactly to the one saved (2 ranks): every
+    # parameter, optimizer state entry (Adam's step too) and hyperparameter, at step 2.
+    loaded = [r for r in report["records"] if r["name"].endswith("(after the load)")]
+    assert {r["step"] for r in loaded} == {2} and all(r["ok"] and r["rule"] == "exact" for r in loaded), loaded
+    assert {"params", "optim_state"} == {r["phase"] for r in loaded}
+    assert any("[step]" in r["name"] for r in loaded) and any(r["name"].startswith("param_groups.lr") for r in loaded)
 
 
-def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_first_step_after_it(
-    runs, resumed_runs, tmp_path, capsys
-):
+def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_load(runs, resumed_runs, tmp_path, capsys):
+    """At step 2, the step the run saved after: the resumed Adam holds no state where the run
+    before ended with some (before the load was compared, it showed at step 3)."""
     code, out = compare(
         runs / "ref",
         resumed_runs / "b-fresh-adam",
@@ -172,7 +178,8 @@ def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_first_step_a
     )
     assert code == 1, out
     first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
-    assert first["step"] == 3 and first["phase"] in ("params", "optim_state"), first
+    assert (first["step"], first["phase"]) == (2, "optim_state"), first
+    assert first["name"].endswith("(after the load)") and "never loaded" in out, out
 
 
 @pytest.fixture(scope="module")
@@ -313,6 +320,77 @@ def train(
         rec.step(loss=loss, logits=logits, batch={"x": x})
     rec.close()
     return rec
+
+
+def _resumed(out: Path, slip=None, steps: int = 4, save_after: int = 2) -> None:
+    """`train`'s loop recorded as two runs: out/a stops after `save_after` steps keeping its state
+    dicts (a checkpoint in memory), out/b builds the model and optimizer anew, loads them, has
+    `slip(model, optimizer, saved)` change the load, and goes on with `Recorder(resumed_from=)`."""
+    torch.manual_seed(0)
+    model, g = Inner(), torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, out=out / "a")
+    for step in range(1, steps + 1):
+        if step == save_after + 1:  # stop, and resume from what was saved
+            saved = {"model": model.state_dict(), "optim": opt.state_dict()}
+            rec.close()
+            torch.manual_seed(0)
+            model = Inner()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            if slip is not None:
+                slip(model, opt, saved)
+            rec = Recorder(model, opt, out=out / "b", resumed_from=out / "a")
+        x = torch.randn(6, 4, generator=g)
+        logits = model(x)
+        loss = logits.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss=loss, logits=logits, batch={"x": x})
+    rec.close()
+
+
+def _weight_decay_from_the_code(model, opt, saved) -> None:
+    for group in opt.param_groups:
+        group["weight_decay"] = 0.0
+
+
+def _optimizer_not_loaded(model, opt, saved) -> None:
+    opt.state.clear()
+
+
+def _one_key_not_loaded(model, opt, saved) -> None:
+    torch.manual_seed(0)
+    model.lin.weight.data.copy_(Inner().lin.weight)  # as built: its key was dropped
+
+
+@pytest.mark.parametrize(
+    "slip, name, words",
+    [
+        (None, None, None),
+        (_weight_decay_from_the_code, "param_groups.weight_decay (after the load)", "[0.0] right after the load"),
+        (_optimizer_not_loaded, "lin.bias [exp_avg] (after the load)", "never loaded"),
+        (_one_key_not_loaded, "lin.weight (after the load)", "its initial ones"),
+    ],
+    ids=["correct", "weight-decay", "optimizer-not-loaded", "key-not-loaded"],
+)
+def test_a_resumed_runs_load_is_compared_exactly_at_the_load(tmp_path, capsys, slip, name, words):
+    """In one process: the state right after the load against the state the run before closed
+    with, at the step it saved after (2); the slips are caught there, with what the values are."""
+    train(tmp_path / "ref", steps=4)
+    _resumed(tmp_path, slip)
+    code, out = compare(tmp_path / "ref", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    report = json.loads((tmp_path / "r" / "report.json").read_text())["compare"]
+    loaded = [r for r in report["records"] if r["name"].endswith("(after the load)")]
+    assert {r["step"] for r in loaded} == {2} and len(loaded) > 12, loaded
+    if slip is None:
+        assert code == 0 and all(r["ok"] for r in loaded), out
+        return
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["name"]) == (2, name), out
+    assert words in out, out
 
 
 def test_wrapper_prefixes_are_stripped():

@@ -104,7 +104,13 @@ def test_the_reference_through_a_resume_is_the_run_never_stopped(engine):
     assert records.keys() == plain.records.keys()
     for k, v in records.items():  # bit for bit; step 3's scaled gradients overflow (NaN) alike
         torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, equal_nan=True, msg=str(k))
-    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position", "loss_scale.scale"}
+    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {
+        "param_groups.lr",
+        "param_groups.weight_decay",
+        "rng",
+        "data_position",
+        "loss_scale.scale",
+    }
 
 
 def test_the_reference_carries_its_lr_schedule_through_a_resume():
@@ -250,7 +256,7 @@ def test_the_reference_of_a_user_step_through_a_resume_is_the_run_never_stopped(
     assert records.keys() == plain.records.keys()
     for k, v in records.items():
         torch.testing.assert_close(v, plain.records[k], rtol=0, atol=0, msg=str(k))
-    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"lr", "rng", "data_position"}
+    assert {k[2] for k in resumed.records if k[1] == "resumed"} >= {"param_groups.lr", "rng", "data_position"}
 
 
 def test_a_user_step_resumes_on_another_world_size_and_a_fresh_optimizer_is_caught(fsdp_pool):
@@ -292,6 +298,43 @@ def test_each_resume_mutant_is_caught_with_a_hint(mutant, changes, name, words, 
     first = verdict.first_divergence
     assert not verdict.ok and first.phase == "resumed" and first.step == 1, verdict.table()
     assert name in first.name and words in verdict.hint, (first, verdict.hint)
+
+
+# The state slips of a load, each hint tested where it fits and where it must not fire: a case
+# every one of them can show in (two layers of one width: same-shaped parameters; AdamW with
+# weight decay; 4 ranks after the resume, so rank 0 holds a part of every shard group only).
+_SLIPS = {
+    "optimizer_state_swapped_on_resume": "were swapped",
+    "optimizer_state_in_bf16_on_resume": "rounded to bf16",
+    "weights_loaded_on_rank0_only": "loaded on rank(s) [0] only",
+    "weight_decay_from_the_code_on_resume": "set after the load",
+    "fresh_optimizer_after_resume": "fresh optimizer",
+    "adam_step_reset_on_resume": "reset on resume",
+    "prefixed_key_dropped_on_resume": "its key was not loaded",
+}
+
+
+def test_each_load_slip_is_named_by_its_own_hint_and_no_other(fsdp_pool):
+    """Caught right after the load (step 1) by each mutant; each hint's words in its mutant's
+    hint only. The four slips of issue 38 among them: before, the swap and the bf16 state read
+    "a fresh optimizer", rank 0's load "its key was not loaded", and the weight decay was caught
+    a step later (97x) with no hint."""
+    case = mlp_case(2, steps=3, resume_after=1, resume_world_size=4, optim=OptimSpec(name="adamw", weight_decay=0.1))
+    case = case.with_(**{"model.widths": (16, 33, 33, 8)})
+    assert check_case(case, pool=fsdp_pool(2)).ok
+    hints = {}
+    for mutant in _SLIPS:
+        verdict = check_case(case.with_(engine=MUTANTS + mutant), pool=fsdp_pool(2))
+        first = verdict.first_divergence
+        assert not verdict.ok and (first.step, first.phase) == (1, "resumed"), (mutant, verdict.table())
+        hints[mutant] = verdict.hint
+    for mutant, words in _SLIPS.items():
+        fired = [m for m, said in hints.items() if words in said]
+        assert fired == [mutant], (words, {m: hints[m] for m in fired or hints})
+    assert "rank(s) [1, 2, 3] differ" in hints["weights_loaded_on_rank0_only"]
+    assert "is [0.0]" in hints["weight_decay_from_the_code_on_resume"]
+    swapped = hints["optimizer_state_swapped_on_resume"]
+    assert "layers.0.linear.bias" in swapped and "layers.1.linear.bias" in swapped, swapped
 
 
 # ---- the full model exported as safetensors --------------------------------------------------------

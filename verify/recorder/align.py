@@ -4,10 +4,12 @@ so a reference recorded on one process and a sharded run on W line up record by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_verify.compare.tolerance import measure
 from fsdp_verify.recorder.store import Run
 
 
@@ -41,7 +43,7 @@ class Step:
     modules: dict[str, Rows] = field(default_factory=dict)  # Recorder(modules=...): in the order they ran
 
 
-def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
+def reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
     out: dict[str, Rows] = {}
     filled: dict[str, torch.Tensor] = {}
     for t, h in zip(tensors, headers):
@@ -111,7 +113,7 @@ def load_step(run: Run, call: int, opt_before: int) -> Step:
     for k in step.opt_steps:
         kinds = sorted({key.split("/", 1)[1] for h in headers for key in h if key.startswith(f"opt{k}/")})
         for kind in kinds:
-            step.groups[(k, kind)] = _reassemble(tensors, headers, f"opt{k}/{kind}")
+            step.groups[(k, kind)] = reassemble(tensors, headers, f"opt{k}/{kind}")
     return step
 
 
@@ -122,3 +124,22 @@ def steps(run: Run):
         step = load_step(run, call, before)
         yield step
         before += len([k for k in step.opt_steps if k > 0])
+
+
+def deviation(ref, got) -> float:
+    """Normwise: the largest change relative to the largest magnitude. For row fingerprints, the
+    row norms relative to the largest row norm, and the row sums relative to the largest value a
+    row's sum can take at that norm (sqrt(row length) x norm): both at most the elements'
+    relative change, so one rule fits both."""
+    if isinstance(ref, float):
+        if ref == got:
+            return 0.0
+        return abs(ref - got) / abs(ref) if ref else math.inf
+    if isinstance(ref, torch.Tensor):
+        return measure(ref, got).normwise
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
+    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
+    if scale == 0:
+        return 0.0 if d_norm == d_sum == 0 else math.inf
+    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))

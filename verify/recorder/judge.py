@@ -9,9 +9,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.compare.tolerance import measure
-from fsdp_verify.recorder import datacheck, rules
-from fsdp_verify.recorder.align import Rows, Step, steps
+from fsdp_verify.recorder import datacheck, loadcheck, rules
+from fsdp_verify.recorder.align import Rows, Step, deviation, steps
 from fsdp_verify.recorder.store import Run, RunError
 
 PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state")
@@ -25,25 +24,6 @@ COMPARATORS = {
     "optim_state": "OptimStateFingerprint",
 }
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def deviation(ref, got) -> float:
-    """Normwise: the largest change relative to the largest magnitude. For row fingerprints, the
-    row norms relative to the largest row norm, and the row sums relative to the largest value a
-    row's sum can take at that norm (sqrt(row length) x norm): both at most the elements'
-    relative change, so one rule fits both."""
-    if isinstance(ref, float):
-        if ref == got:
-            return 0.0
-        return abs(ref - got) / abs(ref) if ref else math.inf
-    if isinstance(ref, torch.Tensor):
-        return measure(ref, got).normwise
-    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
-    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
-    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
-    if scale == 0:
-        return 0.0 if d_norm == d_sum == 0 else math.inf
-    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
 
 
 def _records(step: Step, order: list[int] | None) -> dict[tuple[str, str], object]:
@@ -207,8 +187,16 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         result.notes.append(
             f"RUN_SHARDED resumed after step {k}: steps 1-{k} from {got.before.path} (world size"
             f" {got.before.world_size}), steps {k + 1}-{got.calls[0][-1]} from {got.path} (world size"
-            f" {got.world_size}); a load that lost something shows from step {k + 1} on"
+            f" {got.world_size}); the state right after the load is held exactly to the one it saved, at step {k}"
         )
+    # The loads of a resumed run (either side): compared once their step's records are in.
+    loads: dict[int, list[Finding]] = {}
+    for label, run in (("RUN_REF", ref), ("", got)):
+        found, note = loadcheck.check(run, label)
+        if note:
+            result.notes.append(note)
+        if run.before is not None:
+            loads.setdefault(run.resumed_after, []).extend(found)
     unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
@@ -280,6 +268,9 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                     **base,
                 )
             )
+        result.findings.extend(loads.pop(r_step.call, []))  # the state loaded after this step
+    for found in loads.values():  # a load at a step neither run compared: after the rest
+        result.findings.extend(found)
     if mismatched:
         result.notes.append(f"{mismatched} records were not judged: the runs ran different precision policies")
     if one_sided:

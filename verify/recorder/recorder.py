@@ -31,7 +31,8 @@ from fsdp_verify.compare.tolerance import unit_roundoff
 from fsdp_verify.recorder.fingerprints import local_view, row_stats, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
-from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_step
+from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_state, write_step
+from fsdp_verify.training.optim import param_groups_state, schedule_state
 
 
 def _dist() -> tuple[int, int]:
@@ -119,7 +120,10 @@ class Recorder:
       (docs/zoom.md); each call's rows in order, a recomputation in backward not counted.
     resumed_from: the run directory the run this one resumes recorded (closed), for a loop that
       loaded a checkpoint: its steps and optimizer steps are counted on from where that run
-      stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load.
+      stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load:
+      the state it finds (parameters, optimizer state, param groups) is compared exactly with
+      the state the run before closed with (its checkpoint's, saved at its end).
+    scheduler: the lr scheduler, if the loop has one: its position is part of that state.
     """
 
     def __init__(
@@ -133,12 +137,13 @@ class Recorder:
         perturb: int | None = None,
         modules: Iterable[str] = (),
         resumed_from: str | Path | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
     ):
         self.out = Path(out)
         self.resumed_from = resumed_from_meta(resumed_from) if resumed_from is not None else None
         self.rank, self.world_size = _dist()
         self.full_steps, self.full_params = set(full_steps), list(full_params)
-        self.optimizer = optimizer
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.params: list[tuple[str, nn.Parameter]] = []
         seen: dict[str, str] = {}
         for fqn, p in model.named_parameters():
@@ -184,8 +189,9 @@ class Recorder:
                 self._hooks.append(module.register_forward_hook(self._module_output(name)))
         if self.module_patterns and not self._outputs:
             raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
-        if self.resumed_from is not None:  # the state it loaded is the last the run before recorded
+        if self.resumed_from is not None:  # the state it loaded: `compare` holds it to the one saved
             self._write_meta()
+            self._state("at_load")
             return
         self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
         self._header["opt_steps"].append(0)
@@ -254,6 +260,29 @@ class Recorder:
             self.dtypes.setdefault("modules", set()).add(_dtype(t))
 
         return hook
+
+    @torch.no_grad()
+    def _state(self, when: str) -> None:
+        """The whole state now, to compare exactly across a resume (the state right after a
+        load against the one the run before ended with, which it saved): every parameter and
+        optimizer state tensor (Adam's scalar `step` too) fingerprinted per row in float64, and
+        in the header the param groups' hyperparameters and the schedule's position. One pass
+        over the shards, at the load and at close()."""
+        kept = self._pending, self._header, {k: set(v) for k, v in self.dtypes.items()}
+        self._pending, self._header = {}, {}
+        by_key: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in self.params:
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    by_key.setdefault(key, []).append((name, value))
+        groups = [(f"{when}/params", self.params)] + [(f"{when}/optim.{k}", v) for k, v in sorted(by_key.items())]
+        self._groups(groups, full=False, exact=True)
+        hyper = {**param_groups_state(self.optimizer)}
+        if self.scheduler is not None:
+            hyper.update(schedule_state(self.scheduler))
+        self._header["hyperparameters"] = {k: v.tolist() for k, v in hyper.items()}
+        write_state(self.out, self.rank, when, self._pending, self._header)
+        self._pending, self._header, self.dtypes = kept
 
     @torch.no_grad()
     def _before_optimizer(self, optimizer, args, kwargs) -> None:
@@ -358,11 +387,15 @@ class Recorder:
         )
 
     def close(self) -> None:
-        """Wait for the last step's file, write meta.json, remove the optimizer hooks."""
+        """Wait for the last step's file, write the state the run ends with (what a checkpoint
+        saved at its end holds, for the run that resumes from it) and meta.json, remove the
+        optimizer hooks."""
         if self._written is not None:
             self._written.result()
             self._written = None
         self._writer.shutdown(wait=True)
+        if self._hooks:  # once: a second close() finds the state written
+            self._state("at_close")
         self._write_meta()
         for h in self._hooks:
             h.remove()

@@ -123,6 +123,9 @@ class Checkpointer:
 
 
 STEPPED = "stepped."
+# trace.meta key: the resumed run's param groups' hyperparameters as its optimizer was built,
+# before the load (`param_groups_state`, as lists).
+FRESH_PARAM_GROUPS = "fresh_param_groups"
 
 
 def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:

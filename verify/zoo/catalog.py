@@ -537,6 +537,50 @@ ZOO += [
         ("resumed",),
         pins=dict(_RESUME),
     ),
+    # Slips of a loop's load that a user brought (issue 38): each named right after the load,
+    # by a hint that tests its cause against the records (verify/hints.py).
+    ZooBug(
+        "optimizer_state_swapped_on_resume",
+        _mutant("optimizer_state_swapped_on_resume"),
+        "the optimizer state of two parameters of the same shape lands on each other",
+        "a state dict keyed by position loaded into an optimizer listing its parameters in another order (issue 38)",
+        ("resumed",),
+        # two layers of the same output width: their biases (and, square, their weights) alike
+        pins={
+            **_RESUME,
+            "optim.name": st.sampled_from(("adam", "adamw")),
+            "model.widths": st.tuples(st.integers(1, 16), st.integers(2, 16)).map(lambda t: (t[0], t[1], t[1])),
+            "model.frozen": (),
+        },
+    ),
+    ZooBug(
+        "optimizer_state_in_bf16_on_resume",
+        _mutant("optimizer_state_in_bf16_on_resume"),
+        "every float optimizer state rounded through bf16 by the load",
+        "a checkpoint that stored the optimizer's moments in bf16 (issue 38)",
+        ("resumed",),
+        pins={**_RESUME, "optim.name": st.sampled_from(("adam", "adamw"))},
+    ),
+    ZooBug(
+        "weights_loaded_on_rank0_only",
+        _mutant("weights_loaded_on_rank0_only"),
+        "only rank 0 takes the loaded weights; the other ranks keep the fresh model's shards",
+        "an `if rank == 0` left from a full-state-dict load whose broadcast was removed (issue 38)",
+        ("resumed",),
+        pins=dict(_RESUME),
+    ),
+    ZooBug(
+        "weight_decay_from_the_code_on_resume",
+        _mutant("weight_decay_from_the_code_on_resume"),
+        "the resumed optimizer's param groups take the code's weight_decay (0) over the saved one",
+        "a loop that re-applies its optimizer config after the load (issue 38)",
+        ("resumed",),
+        pins={
+            **_RESUME,
+            "optim.name": st.sampled_from(("adamw", "sgd")),
+            "optim.weight_decay": st.sampled_from((0.01, 0.1)),
+        },
+    ),
     ZooBug(
         "scheduler_not_restored_on_resume",
         _mutant("scheduler_not_restored_on_resume"),

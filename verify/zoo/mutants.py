@@ -19,6 +19,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as _DefaultAllGather
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _DefaultReduceScatter
+from torch.distributed.tensor import DTensor
 
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
@@ -841,6 +842,68 @@ class _SchedulerNotRestored(Checkpointer):
         return {k: v for k, v in trainer.items() if not k.startswith("schedule.")}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (the tensor itself otherwise), to change in place."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _OptimStateSwapped(Checkpointer):
+    """Loads everything, but the optimizer state of two parameters of the same shape lands on
+    each other: a state dict keyed by position (`optimizer.state_dict()`'s integer ids) loaded
+    into an optimizer whose parameters are listed in another order (built from a dict of
+    parameter groups, or after a refactor moved a layer). Same shapes, so nothing complains."""
+
+    def after_load(self, optimizer, trainer):
+        seen: dict[tuple[int, ...], nn.Parameter] = {}
+        for _, p in self.module.named_parameters():
+            if not optimizer.state.get(p):
+                continue
+            other = seen.setdefault(tuple(p.shape), p)
+            if other is not p:
+                optimizer.state[p], optimizer.state[other] = optimizer.state[other], optimizer.state[p]
+                break
+        return trainer
+
+
+class _OptimStateInBf16(Checkpointer):
+    """Loads everything, the optimizer's float state rounded through bf16 (a checkpoint that
+    stored Adam's moments in bf16 to save space, read back into fp32 state)."""
+
+    def after_load(self, optimizer, trainer):
+        with torch.no_grad():
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        local = _local(value)
+                        local.copy_(local.to(torch.bfloat16).to(local.dtype))
+        return trainer
+
+
+class _LoadedOnRank0Only(Checkpointer):
+    """Loads the optimizer on every rank but the model's weights on rank 0 only: the other ranks
+    keep the shards of the freshly built model (an `if rank == 0:` left over from a loop that
+    loaded a full state dict on rank 0 and broadcast it, the broadcast since removed)."""
+
+    def load(self, path, optimizer):
+        fresh = [] if dist.get_rank() == 0 else [_local(p).detach().clone() for p in self.module.parameters()]
+        trainer = super().load(path, optimizer)
+        with torch.no_grad():
+            for p, before in zip(self.module.parameters(), fresh):
+                _local(p).copy_(before)
+        return trainer
+
+
+class _WeightDecayFromTheCode(Checkpointer):
+    """Loads everything, then applies the loop's own optimizer settings to the param groups
+    (`for g in optimizer.param_groups: g.update(config)`), whose `weight_decay` is 0: the saved
+    one is overwritten, and the run goes on without weight decay."""
+
+    def after_load(self, optimizer, trainer):
+        for group in optimizer.param_groups:
+            group["weight_decay"] = 0.0
+        return trainer
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
@@ -848,6 +911,10 @@ rng_not_restored_on_resume = _resuming(_RngNotRestored)
 loss_scale_reset_on_resume = _resuming(_LossScaleReset)
 data_position_reset_on_resume = _resuming(_DataPositionReset)
 scheduler_not_restored_on_resume = _resuming(_SchedulerNotRestored)
+optimizer_state_swapped_on_resume = _resuming(_OptimStateSwapped)
+optimizer_state_in_bf16_on_resume = _resuming(_OptimStateInBf16)
+weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
+weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
 
 
 def _declare_what_fully_shard_engine_takes() -> None:
