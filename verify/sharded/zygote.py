@@ -161,11 +161,6 @@ class RankProcess:
 
 
 # ---- the zygote process -----------------------------------------------------------------------
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):  # Linux: the kernel kills us with the parent
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-
-
 def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -> None:
     """In the forked child: drop the zygote's handles, take the rank's environment, run the rank."""
     code = 1
@@ -184,7 +179,10 @@ def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -
 
 
 def main(fd: int) -> None:
-    _die_with_parent()
+    # Dies with the pool's process (before the imports, which take seconds). No watcher thread, as
+    # a rank has (worker.py): the zygote forks, so it stays one thread.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     for module in WARM:
         importlib.import_module(module)
