@@ -81,9 +81,10 @@ class RankPool:
         self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-", dir=memory_dir()))
         self._board = PhaseBoard(str(self._dir / "phases"), self.world_size, create=True)
         pg_timeout = max(self.timeout_s * 4, 60.0)  # the process group's own timeout acts after ours
+        # this xdist worker's own GPUs when CUDA is present (verify/sharded/devices.py)
+        env = {**os.environ, "PYTHONPATH": _import_path(), **pool_env(self.world_size)}
         if self._zygote is None:
-            self._zygote = Zygote({**os.environ, "PYTHONPATH": _import_path()}, self.start_timeout_s)
-        env = pool_env(self.world_size)  # this xdist worker's own GPUs when CUDA is present (devices.py)
+            self._zygote = Zygote({**os.environ, "PYTHONPATH": env["PYTHONPATH"]}, self.start_timeout_s)
         for rank in range(self.world_size):
             down_r, down_w = os.pipe()
             up_r, up_w = os.pipe()

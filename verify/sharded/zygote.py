@@ -78,7 +78,8 @@ class Zygote:
         self._sock = self._conn = self._proc = None
 
     def spawn(self, args: list[str], fds: tuple[int, int], env: dict[str, str]) -> RankProcess:
-        """Fork a rank running `worker.main(args)` with the pipe ends `fds` and `env` added."""
+        """Fork a rank running `worker.main(args)` with the pipe ends `fds`, its environment `env`
+        (its PYTHONPATH put first on its sys.path)."""
         if not self.alive:
             self.close()
             self.start()
@@ -169,7 +170,11 @@ def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -
             handle.close() if hasattr(handle, "close") else os.close(handle)
         signal.set_wakeup_fd(-1)
         signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # The pool's environment and import path now, not the zygote's at its start: a rank
+        # sees what a process started now would (a variable set, a path added since).
+        os.environ.clear()
         os.environ.update(env)
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         from fsdp_verify.sharded import worker
 
         worker.main([*args[:3], str(fds[0]), str(fds[1]), args[3]])
