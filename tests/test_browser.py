@@ -208,3 +208,28 @@ def test_a_zoomed_check_page_draws_the_module_tree_and_the_op_table(browser, tmp
     # The chain on the first screen too, in the failure box.
     assert "forward of module 'blocks.1'" in browser.find_element("id", "failures").text
     assert not_blank(shot(browser, "check-zoom"))
+
+
+def test_a_many_failure_sweep_shows_each_cause_once_with_its_tracebacks_folded(browser, reports):
+    """7 failing cases of 3 causes (tests/engines/many_causes.py): the failure box says so first,
+    a cause a block with its count, smallest case and replay line, every traceback folded (and
+    there on a click), the whole box on the first screen."""
+    seen = open_page(browser, reports / "causes-nights" / "2026-12-02" / "sweep" / "report.html")
+    assert seen["errors"] == [] and seen["requests"] == []
+    assert browser.find_element("id", "causes-headline").text == "7 failing cases, 3 causes"
+    causes = browser.find_elements("css selector", "#failures .cause")
+    assert sorted(int(c.get_attribute("data-count")) for c in causes) == [2, 2, 3]
+    for cause in causes:
+        assert "Smallest: " in cause.text and "Replay: fsdp-verify repro " in cause.text
+        members = cause.find_element("css selector", "details.members")
+        assert members.get_attribute("open") is None
+        assert not members.find_element("tag name", "pre").is_displayed()
+    box = browser.execute_script(
+        "const r = document.getElementById('failures').getBoundingClientRect(); return r.bottom + window.scrollY"
+    )
+    assert box < browser.execute_script("return window.innerHeight") and box < min(p["top"] for p in seen["plots"])
+    assert not_blank(shot(browser, "sweep-causes"))
+    raised = next(c for c in causes if "a rank raised" in c.text)
+    assert "Traceback" not in raised.text
+    raised.find_element("css selector", "details.members summary").click()
+    assert "Traceback (most recent call last)" in raised.find_element("css selector", "details.members pre").text

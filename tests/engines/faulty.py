@@ -94,3 +94,12 @@ def ranks_all_reduce_different_sizes(model, mesh, spec):
     size = 1000 * (1 + dist.get_rank())  # large enough for gloo's checked path (a tiny one hangs)
     model.register_forward_pre_hook(lambda *_: dist.all_reduce(torch.ones(size)))
     return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_aborts_with_bf16_params(model, mesh, spec):
+    """FSDP2, but rank 1 aborts (SIGABRT, as a failed C++ check does) in the first forward of a
+    case with bf16 parameters: a crash on some draws only, so a search shrinks through crash after
+    crash (the fail-fast measurements of issue 38)."""
+    if dist.get_rank() == 1 and spec.mp_policy.param_dtype == torch.bfloat16:
+        model.register_forward_pre_hook(lambda *_: os.abort())
+    return fully_shard_engine(model, mesh, spec)
