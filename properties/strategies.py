@@ -660,7 +660,6 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
-            ignored=(),  # an ignored parameter is not modelled across a resume (Case refuses it)
             **{"data.batch_size": batch},
         )
     except CaseError:
