@@ -87,6 +87,21 @@ def test_fsdp1_modelled_names_the_known_gaps():
         assert not fsdp1_modelled(tied.with_(**no_shard_mesh))
 
 
+def test_fsdp1_no_shard_unfreezes_are_drawn_except_where_fsdp1_loses_the_gradient():
+    """Two PyTorch bugs under NO_SHARD (tests/upstream/): no-sync micro-batches drop an unfrozen
+    parameter's accumulated gradient; a root unit frozen whole through a forward never trains."""
+    mlp = ModelSpec(kind="mlp", widths=(2, 2, 2), frozen=("layers.1.linear.weight",))
+    base = Case(model=mlp, world_size=1, engine="fsdp1", wrap=("layers.0", ""), steps=2, unfreeze_step=2)
+    assert fsdp1_modelled(base)  # the root keeps a trainable parameter (its bias)
+    assert fsdp1_modelled(base.with_(**{"model.frozen": ("layers.0",)}))  # a whole unit, not the root
+    assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))
+    whole_root = base.with_(**{"model.frozen": ("layers.1",)})
+    for no_shard_mesh in ({}, {"world_size": 2, "mesh_shape": (2, 1)}):
+        assert not fsdp1_modelled(whole_root.with_(**no_shard_mesh))
+    assert fsdp1_modelled(whole_root.with_(world_size=2))  # FULL_SHARD unfreezes it
+    assert fsdp1_modelled(whole_root.with_(unfreeze_step=None))  # frozen throughout
+
+
 @settings(max_examples=60, deadline=None, database=None)
 @given(
     cases(

@@ -39,12 +39,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
@@ -52,7 +52,21 @@ _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(No
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.Size))
 # What describes a tensor's layout or the ranks holds no storage of its own (a mesh's rank grid
 # is an integer tensor, never counted): a fifth of a walk's objects on FSDP2's medium Transformer.
-_LAYOUT = (DTensorSpec, TensorMeta, Placement, DeviceMesh, RemovableHandle)
+# DTensorSpec and TensorMeta are private: a release without them has its walk descend into them
+# (a shape and a mesh, no storage: slower, the same count).
+_LAYOUT = (
+    *(
+        t
+        for t in (
+            private_name("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+            private_name("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+        )
+        if t is not None
+    ),
+    Placement,
+    DeviceMesh,
+    RemovableHandle,
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +144,9 @@ def _kind(t: type, stop: tuple[type, ...]) -> int:
 def _needs_backward(output: Any) -> bool:
     """Whether autograd will run backward through a unit: some output requires grad (a fact of
     the model, its frozen parameters and its inputs, not of the engine)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]
+    )
 
 
 def _filled(cell: types.CellType) -> bool:

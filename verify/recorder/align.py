@@ -41,6 +41,9 @@ class Step:
     hashes: list[torch.Tensor] | None = None  # per rank, samples in order
     groups: dict[tuple[int, str], dict[str, Rows]] = field(default_factory=dict)  # (opt step, kind) -> name -> rows
     modules: dict[str, Rows] = field(default_factory=dict)  # Recorder(modules=...): in the order they ran
+    # Under a coarse policy, before the first optimizer step: per parameter and row, the norms the
+    # backward passes rounded to param_dtype, averaged over the ranks as the gradients are.
+    rounding: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
 def reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
@@ -110,6 +113,12 @@ def load_step(run: Run, call: int, opt_before: int) -> Step:
                 torch.cat([t[f"module/{name}/row_sq"] for t in tensors]),
                 row_len,
             )
+    if all("rounding/row_norm" in t for t in tensors):
+        for t, h in zip(tensors, headers):
+            for name, part in zip(
+                [n for n, _ in h["rounding"]], t["rounding/row_norm"].split([r for _, r in h["rounding"]])
+            ):
+                step.rounding[name] = step.rounding.get(name, 0) + part / len(tensors)
     for k in step.opt_steps:
         kinds = sorted({key.split("/", 1)[1] for h in headers for key in h if key.startswith(f"opt{k}/")})
         for kind in kinds:

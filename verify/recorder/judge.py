@@ -140,6 +140,16 @@ def mixed_pairing(ref: Run, got: Run) -> tuple[torch.dtype, torch.dtype] | str |
     )
 
 
+def _spread(ref: Rows, ref_step: Step, got_step: Step, name: str) -> float:
+    """S of rules.bound_rounded: the largest row's magnitudes rounded by both runs, against the
+    largest row norm of the reference's gradient (the normwise scale)."""
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    rounded = ref_step.rounding[name] + got_step.rounding[name]
+    if scale == 0 or rounded.shape != ref.norms.shape:
+        return 0.0  # nothing to scale by, or recorded for another shape: the plain bound
+    return float(rounded.max()) / scale
+
+
 def _check_pair(ref: Run, other: Run, what: str) -> None:
     a, b = {p[0]: p[1] for p in ref.meta[0]["params"]}, {p[0]: p[1] for p in other.meta[0]["params"]}
     if a.keys() != b.keys():
@@ -241,6 +251,8 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             elif isinstance(pairing, str):
                 tol = rules.unjudged(dtype, world, why="the runs ran different precision policies (see the note)")
                 mismatched += 1
+            elif before_update and phase == "grads" and name in r_step.rounding and name in g_step.rounding:
+                tol = rules.bound_rounded(dtype, world, reduce_dtype, _spread(a, r_step, g_step, name), param_dtype)
             elif before_update:
                 tol = rules.bound(dtype, world, reduce_dtype)
             elif key in cal_rec:

@@ -28,7 +28,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.compare.tolerance import unit_roundoff
-from fsdp_verify.recorder.fingerprints import local_view, row_stats, sample_hashes, total_stats
+from fsdp_verify.recorder.fingerprints import as_rows, local_view, row_stats, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
 from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_state, write_step
@@ -164,6 +164,10 @@ class Recorder:
         coarse = [p["param_dtype"] for p in self.precision["policies"] if p["param_dtype"]]
         rounded = max((getattr(torch, d) for d in coarse), key=unit_roundoff, default=None)
         self.perturbation = GradientPerturbation(seed, rounded) if seed is not None else None
+        # Under a coarse policy: the magnitudes each backward rounded to param_dtype (rules.py's
+        # bound under a policy; a gradient whose terms cancel is rounded at its partial sums').
+        self._rounded: dict[str, torch.Tensor] = {}
+        self._watched: set[int] = set()
         self.call = 0  # rec.step calls so far (the run resumed from's among them)
         self.opt_step = 0  # optimizer steps so far (likewise)
         if self.resumed_from is not None:
@@ -189,6 +193,8 @@ class Recorder:
                 self._hooks.append(module.register_forward_hook(self._module_output(name)))
         if self.module_patterns and not self._outputs:
             raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
+        if rounded is not None:
+            self._watch_rounding(model)
         if self.resumed_from is not None:  # the state it loaded: `compare` holds it to the one saved
             self._write_meta()
             self._state("at_load")
@@ -261,6 +267,42 @@ class Recorder:
 
         return hook
 
+    def _watch_rounding(self, model: nn.Module) -> None:
+        """Before the first optimizer step, the row norms of every unsharded gradient a backward
+        rounds to param_dtype, summed over the backward passes: the magnitude the rounding is
+        relative to (each rank's partial gradient here, the whole batch's on a one-rank
+        reference). Read in a post-accumulate-grad hook on the unsharded parameter, which FSDP2
+        puts in the module's place before its forward (public hooks only; a rounded gradient's
+        magnitude stands for the unrounded one's within a factor 1 + u)."""
+        names = {id(p): name for name, p in self.params}
+        for module in model.modules():
+            owned = [(attr, names[id(p)]) for attr, p in module._parameters.items() if p is not None and id(p) in names]
+            if owned:
+                self._hooks.append(module.register_forward_pre_hook(self._watch_unsharded(owned)))
+
+    def _watch_unsharded(self, owned: list[tuple[str, str]]):
+        def hook(module, _args) -> None:
+            if self.opt_step > 0:
+                return
+            for attr, name in owned:
+                t = module._parameters.get(attr)
+                if t is None or not t.requires_grad or hasattr(t, "placements") or id(t) in self._watched:
+                    continue  # frozen, still sharded (no unshard ran), or watched already
+                self._watched.add(id(t))
+                self._hooks.append(t.register_post_accumulate_grad_hook(self._rounding_of(name)))
+
+        return hook
+
+    def _rounding_of(self, name: str):
+        @torch.no_grad()
+        def hook(unsharded: torch.Tensor) -> None:
+            if self.opt_step > 0 or unsharded.grad is None:
+                return
+            norms = torch.linalg.vector_norm(as_rows(unsharded.grad), 2, dim=1, dtype=torch.float64).cpu()
+            self._rounded[name] = self._rounded[name] + norms if name in self._rounded else norms
+
+        return hook
+
     @torch.no_grad()
     def _state(self, when: str) -> None:
         """The whole state now, to compare exactly across a resume (the state right after a
@@ -286,6 +328,11 @@ class Recorder:
 
     @torch.no_grad()
     def _before_optimizer(self, optimizer, args, kwargs) -> None:
+        if self.opt_step == 0 and self._rounded:  # stored with the first optimizer step's gradients
+            names = sorted(self._rounded)
+            self._pending["rounding/row_norm"] = torch.cat([self._rounded[n] for n in names])
+            self._header["rounding"] = [[n, int(self._rounded[n].numel())] for n in names]
+            self._rounded = {}
         self.opt_step += 1
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         if self.perturbation is not None:

@@ -17,6 +17,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fsdp_verify.torch_support import COMM_CONTRACT, ZOO_COMM, part_off_note
+
 MULTI_RANK = (2, 3, 4)
 
 
@@ -31,6 +33,13 @@ class ZooBug:
     precisions: tuple[str, ...] = ("fp32", "bf16")
     model_kinds: tuple[str, ...] = ("mlp",)
     pins: dict[str, Any] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()  # parts of the toolkit a torch may lack (torch_support: ZOO_COMM)
+
+    def off_here(self) -> str | None:
+        """Why this torch cannot show the bug (a part it needs is off: its mutant cannot be built,
+        or the contract that catches it is off), or None."""
+        needs = self.needs + ((COMM_CONTRACT,) if "comm" in self.catchers else ())
+        return next((why for why in map(part_off_note, needs) if why), None)
 
     def strategy(self, world_sizes: tuple[int, ...] | None = None):
         """The pinned case strategy; `world_sizes` narrows the bug's own (e.g. to 2 in CI)."""
@@ -222,6 +231,7 @@ ZOO: list[ZooBug] = [
         # are bit for bit the correct engine's, so only the contract can tell.
         world_sizes=(2,),
         pins=dict(_CHEAP),
+        needs=(ZOO_COMM,),
     ),
     ZooBug(
         "all_gather_in_fp32",
@@ -231,6 +241,7 @@ ZOO: list[ZooBug] = [
         ("comm",),
         precisions=("bf16",),
         pins=dict(_CHEAP),
+        needs=(ZOO_COMM,),
     ),
     ZooBug(
         "retains_full_params",
