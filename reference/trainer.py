@@ -14,6 +14,7 @@ each a screen long, so that a new knob changes one phase and the reference stays
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,6 +30,7 @@ from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
+from fsdp_verify.reference import expert_parallel
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
@@ -76,7 +78,8 @@ def train_reference(
         run.unfreeze(step)
         state = run.begin_step(step)
         for m, group in enumerate(state.groups):
-            passes = run.rank_passes(state, group, m)  # each emulated rank's forward and backward
+            with expert_parallel.global_routing(run, state, group):  # an aux loss's counts: the micro-batch's
+                passes = run.rank_passes(state, group, m)  # each emulated rank's forward and backward
             rank_grads = run.collect(state, m, group, passes)
             run.reduce(state, m, rank_grads)
         run.hand_grads_to_params(state)
@@ -377,6 +380,8 @@ class _Run:
         """Micro-batch m's gradients averaged over the ranks into the fp32 master gradients: at
         once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch;
         the `ignored` parameters' as the loop reduces them (`reduce_ignored`)."""
+        if self.emulates_ep():  # each ep rank's experts: its group's gradients added (reference/expert_parallel.py)
+            rank_grads = expert_parallel.ep_sums(self.case, rank_grads)
         if self.case.ignored:
             rank_grads = self.reduce_ignored(state, m, rank_grads)
         if not self.case.sync_every_microbatch:
@@ -396,7 +401,12 @@ class _Run:
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
-            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
+            hsdp = (
+                functools.partial(expert_parallel.average, hsdp_average=_hsdp_average)
+                if self.emulates_ep()
+                else _hsdp_average
+            )
+            averaged = hsdp(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
             for n, avg in averaged.items():
                 state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
             return
@@ -446,12 +456,20 @@ class _Run:
             and self.emulate
         )
 
+    def emulates_ep(self) -> bool:
+        """Expert parallelism's reduction emulated (reference/expert_parallel.py): FSDP2's own
+        arithmetic, every rank emulated; the calibration runs sum the ranks' expert gradients in
+        their own orders, as any other gradient's."""
+        return self.case.ep > 1 and self.order == "ring" and self.layout is None and self.emulate
+
     def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
         """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's
         buffers, FSDP2's HSDP on a 2-D mesh, or each parameter in `order`), moved by the
         perturbation when there is one."""
         if self.layout is not None:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
+        elif self.emulates_ep():
+            averaged = expert_parallel.average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
         elif self.order == "ring" and len(rank_grads) == self.case.world_size:
             averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
         else:
@@ -517,6 +535,7 @@ class _Run:
                 self.optimizer.step()
             self.scaler.update(skip)
         step_scheduler(self.scheduler)
+        expert_parallel.update_router_biases(self.model)  # as the loop moves them after its step
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- the records ------------------------------------------------------------------------------
@@ -618,6 +637,7 @@ def _hsdp_average(
     divide: tuple[float, float],
     partial: dict[str, list[torch.Tensor]] | None = None,
     all_reduce: bool = True,
+    staged: bool | None = None,
 ) -> dict[str, torch.Tensor]:
     """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
     (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
@@ -643,7 +663,9 @@ def _hsdp_average(
     pre, post = divide
     # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
     # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
-    staged = pre == 1 and post != 1
+    # `staged=False`: a unit whose divide factor is set, its sum forced (expert parallelism's
+    # experts: reference/expert_parallel.py): SUM, SUM, then `post`.
+    staged = pre == 1 and post != 1 if staged is None else staged
     units: dict[str, list[str]] = {}
     for n in rank_grads[0]:
         units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)

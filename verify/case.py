@@ -303,6 +303,12 @@ class Case:
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
 
+    # Expert parallelism (docs/expert-parallel.md): the grouped experts (`model.top_k`) sharded
+    # over an `ep` mesh dim of this many ranks, carved out of the shard dim, tokens moved by
+    # all-to-all; FSDP shards the dense parameters over every data-parallel rank and the experts
+    # over what is left (torchtitan's order). 1: every rank holds every expert.
+    ep: int = 1
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -321,6 +327,7 @@ class Case:
         "resume_world_size",
         "resume_mesh_shape",
         "resume_engine",
+        "ep",
     )
 
     def __post_init__(self) -> None:
@@ -432,6 +439,9 @@ class Case:
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
+        from fsdp_verify.engines.expert_parallel import check_experts
+
+        check_experts(self)
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -700,7 +710,7 @@ class Case:
         plan = self.wrap_plan
         check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
         check(
-            not any(u.startswith("moe.experts") for u in plan),
+            not any(u.startswith("moe.experts") for u in plan) or self.model.grouped_experts is not None,
             "wrap",
             "no routed expert as a unit of its own (a rank that routes no sample to it would skip its"
             " all-gather while the others run it)",
@@ -863,6 +873,9 @@ def check_field_value(name: str, value: Any) -> None:
         return
     if name == "ignored" and isinstance(value, tuple) and all(isinstance(n, str) and n for n in value):
         return  # names, judged against the drawn model (the drawn Case refuses one that names none)
+    if name == "ep":  # wrong beside a model without grouped experts or a mesh it does not divide
+        check(is_int(value) and value >= 1, "ep", "a positive integer (1: no expert parallelism)", value)
+        return
     head, _, tail = name.partition(".")
     try:
         if tail and head in _SPECS:

@@ -9,6 +9,8 @@ Case implies for FSDP2 (seed 001), per unit, step and micro-batch:
 | backward | reduce_scatter | reduce_dtype (else param's)   | S        | S x padded shards with grads |
 | backward | all_reduce     | reduce_dtype, 2-D mesh only   | R        | padded shards with grads     |
 | clip     | all_reduce     | fp32                          | S        | 4 B x parameters with grads  |
+| forward  | all_reduce     | int64, grouped experts with   | W        | 8 B x experts                |
+|          |                | a load-balancing loss         |          |                              |
 
 S is the shard group (the mesh's last dimension), R the replicas (HSDP's first), k an int
 `reshard_after_forward` (1 means False, S means True). A parameter's shard is dim 0 padded up to
@@ -305,6 +307,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 if replicas_synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
                     out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
+        out += _routing_counts(case, step)
         if case.world_size > 1:  # the loop's all-reduce of each ignored gradient, after the last backward
             for n, shape in ignored_params(case, got):
                 if n in with_grad:
@@ -313,6 +316,23 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                     out.append(Collective(step, m, "backward", "all_reduce", "fp32", case.world_size, 4 * numel, n))
         if case.clip_norm is not None and shard > 1 and with_grad:
             out.append(Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>"))
+    return out
+
+
+def _routing_counts(case: Case, step: int) -> list[Collective]:
+    """A load-balancing loss's forward all-reduce of the grouped experts' counts over every rank
+    (int64, one per expert: verify/models/moe.py), each micro-batch; once more in backward where
+    activation checkpointing recomputes the `moe` unit's forward. (Its router bias's all-reduce
+    runs after the optimizer step, outside the measured windows.)"""
+    model = case.model
+    if not (model.grouped_experts and model.aux_loss) or case.world_size == 1:
+        return []
+    counts = 8 * model.experts
+    recomputed = case.activation_checkpointing and "moe" in case.wrap_plan
+    out = []
+    for m in range(case.microbatches):
+        for phase in ("forward", "backward") if recomputed else ("forward",):
+            out.append(Collective(step, m, phase, "all_reduce", "int64", case.world_size, counts, "moe:counts"))
     return out
 
 

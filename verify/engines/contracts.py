@@ -65,6 +65,13 @@ def _held_to(case) -> Contracts:
     if getattr(case, "step", None) is not None:
         return USER_STEP
     declared = engine_contracts(case.engine)
+    if getattr(case, "ep", 1) > 1 and (declared.comm or declared.memory):
+        # The token dispatch's all-to-alls carry as many rows as the routing sends each rank, and
+        # the experts' shards sit on two meshes (efsdp, ep): neither model describes them yet.
+        why = (
+            "expert parallelism's all-to-all dispatch and the experts' shards over the ep mesh are not in the contracts"
+        )
+        return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "prefetch", None) is not None and (declared.comm or declared.memory):
         # Explicit prefetching is modelled on the built-in models' run order and knobs measured
         # with it; the closing sweeps (seeds 20263951-3) had 16 contract false alarms outside that:

@@ -13,9 +13,10 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    kwargs = spec.fully_shard_kwargs(model, mesh)
+    kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        unit = model.get_submodule(fqn)
+        fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
     spec.after_sharding(model)
     return model
 

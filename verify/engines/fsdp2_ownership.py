@@ -41,7 +41,8 @@ def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[i
                 fqn = f"{prefix}.{info.param_name}" if prefix else info.param_name
                 local = fp.sharded_param.to_local().numel()
                 padding = math.prod(fp.padded_sharded_param_size) - local
-                units, shape, _, _ = held.get(fqn, ([], tuple(fp._orig_size), 0, 0))
+                # the global shape: a DTensor on another mesh (the ep dim) has a local `_orig_size`
+                units, shape, _, _ = held.get(fqn, ([], tuple(fp.sharded_param.shape), 0, 0))
                 held[fqn] = (units + [unit_name], shape, local, padding)
                 owned_ids.add(id(fp.sharded_param))
     unmanaged = [n for n, p in root.named_parameters() if id(p) not in owned_ids]

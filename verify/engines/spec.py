@@ -50,6 +50,24 @@ class ShardSpec:
             case=case,
         )
 
+    def expert_parallel(self, model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+        """With `ep`: the grouped experts distributed over mesh["ep"] with all-to-all token
+        dispatch (verify/engines/expert_parallel.py, torchtitan's ExpertParallel), and the mesh
+        to `fully_shard` the dense parameters over; the experts' own comes from `unit_kwargs`.
+        Without: nothing applied, `mesh` itself."""
+        if self.case is None or self.case.ep == 1:
+            return mesh
+        from fsdp_verify.engines.expert_parallel import apply_expert_parallel
+
+        return apply_expert_parallel(model, mesh)
+
+    @staticmethod
+    def unit_kwargs(unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+        """`fully_shard_kwargs` for one unit: the experts under expert parallelism are sharded
+        over the ranks their ep dim leaves (`expert_parallel` names that mesh on them)."""
+        mesh = getattr(unit, "fsdp_mesh", None)
+        return kwargs if mesh is None else {**kwargs, "mesh": mesh}
+
     def fully_shard_kwargs(self, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
         """`fully_shard`'s keyword arguments for every unit of the plan: the mesh, the policy,
         `reshard_after_forward`, and the case's `offload_policy`, `shard_placement_fn` and
@@ -82,6 +100,10 @@ class ShardSpec:
             return
         if case.grad_reduction == "sum":
             sum_reduction(model)
+        elif case.ep > 1:
+            from fsdp_verify.engines.expert_parallel import experts_divide_factor
+
+            experts_divide_factor(model, case.world_size)
         if case.prefetch is not None:
             from fsdp_verify.engines.prefetch import set_prefetching
 

@@ -35,7 +35,7 @@ def _construct(spec: ModelSpec) -> nn.Module:
     if spec.is_custom:
         return custom.construct(spec)
     if spec.kind == "mlp":
-        return MLP(spec.widths, dropout=spec.dropout, experts=spec.experts)
+        return MLP(spec.widths, dropout=spec.dropout, experts=spec.experts, moe=spec.grouped_experts)
     return Transformer(
         vocab_size=spec.vocab_size,
         dim=spec.dim,
@@ -127,4 +127,7 @@ def default_wrap_plan(spec: ModelSpec) -> tuple[str, ...]:
     root only (name its blocks with `--wrap CLASS`)."""
     if spec.is_custom:
         return ("",)
-    return tuple(f"layers.{i}" for i in range(spec.n_blocks)) + ("",)
+    # The grouped experts are a unit of their own (as expert parallelism needs them: their
+    # parameters live on another mesh than the dense ones).
+    experts = ("moe.experts",) if spec.grouped_experts is not None else ()
+    return experts + tuple(f"layers.{i}" for i in range(spec.n_blocks)) + ("",)

@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.models.layers import Linear
+from fsdp_verify.models.moe import GroupedMoE
 
 
 class MLPBlock(nn.Module):
@@ -48,14 +49,20 @@ class RoutedExperts(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, widths: tuple[int, ...], dropout: float = 0.0, experts: int = 0):
+    def __init__(self, widths: tuple[int, ...], dropout: float = 0.0, experts: int = 0, moe: dict | None = None):
         super().__init__()
         n = len(widths) - 1
         self.layers = nn.ModuleList(
             MLPBlock(widths[i], widths[i + 1], activation=i < n - 1, dropout=dropout) for i in range(n)
         )
-        # After the first block (docs/optimizers-and-schedules.md); none by default.
-        self.moe = RoutedExperts(widths[1], experts) if experts else None
+        # After the first block (docs/optimizers-and-schedules.md); none by default. `moe`: the
+        # grouped experts' routing (top_k, capacity_factor, aux_loss, router_bias; models/moe.py)
+        # instead of the per-expert loop.
+        self.moe: nn.Module | None = None
+        if experts and moe:
+            self.moe = GroupedMoE(widths[1], experts, **moe)
+        elif experts:
+            self.moe = RoutedExperts(widths[1], experts)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         for i, layer in enumerate(self.layers):
@@ -67,9 +74,11 @@ class MLP(nn.Module):
     @torch.no_grad()
     def init_weights(self, generator: torch.Generator) -> None:
         linears = [layer.linear for layer in self.layers]
-        if self.moe is not None:  # after the blocks: a model without experts draws what it drew
+        if isinstance(self.moe, RoutedExperts):  # after the blocks: a model without experts draws what it drew
             linears += [self.moe.gate, *self.moe.experts]
         for linear in linears:
             bound = 1.0 / math.sqrt(linear.in_features)
             linear.weight.uniform_(-bound, bound, generator=generator)
             linear.bias.uniform_(-bound, bound, generator=generator)
+        if isinstance(self.moe, GroupedMoE):
+            self.moe.init_weights(generator)

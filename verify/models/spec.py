@@ -45,10 +45,32 @@ class ModelSpec:
     shrinkable: tuple[str, ...] = ()
     # MLP: routed experts after the first block, each sample sent to one (docs/optimizers-and-schedules.md).
     experts: int = 0
+    # The grouped experts' routing (verify/models/moe.py, docs/expert-parallel.md): each sample
+    # sent to its `top_k` experts, all experts in one (experts, dim, dim) weight, as expert
+    # parallelism shards them. None: the per-expert loop above (top-1).
+    top_k: int | None = None
+    # At most ceil(capacity_factor * tokens * top_k / experts) assignments an expert and rank, the
+    # rest dropped; None: dropless.
+    capacity_factor: float | None = None
+    # The load-balancing loss's coefficient (over the global micro-batch); 0: none.
+    aux_loss: float = 0.0
+    # Aux-loss-free balancing: the router bias's step per optimizer step (DeepSeek-V3); 0: none.
+    router_bias: float = 0.0
 
     # Fields of a custom model, left out of the JSON (and so of the Case hash) while at their
     # defaults: a built-in case keeps the hash and the file it had before they existed.
-    OPTIONAL_FIELDS = ("factory", "kwargs", "init_fn", "output_fn", "shrinkable", "experts")
+    OPTIONAL_FIELDS = (
+        "factory",
+        "kwargs",
+        "init_fn",
+        "output_fn",
+        "shrinkable",
+        "experts",
+        "top_k",
+        "capacity_factor",
+        "aux_loss",
+        "router_bias",
+    )
     BUILTIN_FIELDS = ("widths", "vocab_size", "dim", "n_layers", "n_heads", "ffn_hidden", "tie_embeddings")
 
     def __hash__(self) -> int:  # kwargs is a dict: hash the canonical JSON of every field
@@ -82,6 +104,7 @@ class ModelSpec:
             "0, or a positive number of experts for an MLP",
             self.experts,
         )
+        self._validate_grouped_experts(prefix)
         if self.kind != "custom":
             check(self.factory is None, f"{prefix}.factory", "null unless kind is 'custom'", self.factory)
         check(
@@ -90,6 +113,43 @@ class ModelSpec:
             "a probability in [0, 1)",
             self.dropout,
         )
+
+    def _validate_grouped_experts(self, prefix: str) -> None:
+        k = self.top_k
+        check(
+            k is None or (is_int(k) and 1 <= k <= max(self.experts, 1) and self.experts > 0),
+            f"{prefix}.top_k",
+            f"null, or with routed experts a number of experts per sample in [1, experts={self.experts}]",
+            k,
+        )
+        grouped = k is not None
+        cf = self.capacity_factor
+        check(
+            cf is None or (grouped and is_number(cf) and cf > 0),
+            f"{prefix}.capacity_factor",
+            "null (dropless), or with top_k a positive factor",
+            cf,
+        )
+        for name in ("aux_loss", "router_bias"):
+            value = getattr(self, name)
+            check(
+                is_number(value) and value >= 0 and (value == 0 or grouped),
+                f"{prefix}.{name}",
+                "0, or with top_k a non-negative coefficient",
+                value,
+            )
+
+    @property
+    def grouped_experts(self) -> dict | None:
+        """The grouped experts' routing as `GroupedMoE` takes it, or None (the per-expert loop)."""
+        if not self.experts or self.top_k is None:
+            return None
+        return {
+            "top_k": self.top_k,
+            "capacity_factor": self.capacity_factor,
+            "aux_loss": self.aux_loss,
+            "router_bias": self.router_bias,
+        }
 
     def _validate_custom(self, prefix: str) -> None:
         check(is_import_path(self.factory), f"{prefix}.factory", IMPORT_PATH, self.factory)

@@ -20,6 +20,7 @@ from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.engines.view import EngineView, view_of
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
+from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
@@ -65,6 +66,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_build(model)
     if any(getattr(probe, "stop", False) for probe in probes):
         return _stopped(trace, "the ranks built different models")  # the build check names how
+    for moe in moe_layers(model):  # its aux loss and router bias count over the data-parallel ranks
+        moe.count_group = dist.group.WORLD
     if case.activation_checkpointing:
         turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
         if trace is not None and turned_off:
@@ -203,6 +206,8 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         else:
             optimizer.step()
         step_scheduler(scheduler)
+        for moe in moe_layers(sharded):  # the router biases move by the step's counts (DeepSeek-V3)
+            moe.update_router_bias()
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
     if ctx.resume is not None and "export" in ctx.resume:

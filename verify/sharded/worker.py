@@ -75,13 +75,19 @@ class MeshCache:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self._meshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
 
-    def get(self, shape: tuple[int, ...]) -> DeviceMesh:
-        if shape not in self._meshes:
-            names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-        return self._meshes[shape]
+    def get(self, shape: tuple[int, ...], ep: int = 1) -> DeviceMesh:
+        """The data-parallel mesh `shape`, its dims named (shard,) or (replicate, shard); with
+        `ep` > 1 the shard dim split into ("efsdp", "ep") and "shard" their flattening
+        (verify/engines/expert_parallel.py): made here, once, as its groups outlive a case."""
+        if (shape, ep) not in self._meshes:
+            from fsdp_verify.engines.expert_parallel import flatten_shard, mesh_layout
+
+            dims, names = mesh_layout(shape, ep)
+            mesh = init_device_mesh(self.device_type, dims, mesh_dim_names=names)
+            self._meshes[shape, ep] = flatten_shard(mesh)
+        return self._meshes[shape, ep]
 
 
 def _die_with_parent() -> None:
@@ -181,7 +187,7 @@ def run_case(
     clock.mark("decode case")
     case = Case.from_json(case_json)
     clock.mark("mesh")
-    mesh = meshes.get(case.mesh)
+    mesh = meshes.get(case.mesh, case.ep)
     ctx = RankContext(
         rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir, resume=resume
     )

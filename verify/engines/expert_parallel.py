@@ -1,0 +1,223 @@
+"""Expert parallelism composed with FSDP2, as torchtitan applies it (its `ExpertParallel` style
+and `apply_fsdp`; docs/expert-parallel.md).
+
+The mesh: with `ep` the worker splits the shard dim S into (S / ep, ep), named ("efsdp", "ep")
+or ("replicate", "efsdp", "ep"), and flattens the two into "shard". FSDP2 shards the dense
+parameters over ("shard",) or ("replicate", "shard"), every data-parallel rank as without ep;
+the grouped experts' parameters are first distributed Shard(0) over "ep" (each rank of an ep
+group holds experts / ep of them), then sharded by FSDP2 over ("efsdp",) or ("replicate",
+"efsdp"): what is left. Every rank still trains on its own samples; the ep ranks exchange the
+tokens routed to each other's experts with an all-to-all before the experts and back after.
+
+The experts' unit reduces over fewer ranks than the dense ones, yet its gradient is a sum over
+every rank's tokens: an expert's gradient on an ep rank already adds the ep group's tokens, the
+reduce-scatter over "efsdp" and the all-reduce over "replicate" add the rest, and the total is
+divided by the data-parallel world size, not by the experts' mesh (`set_gradient_divide_factor`,
+as torchtitan sets it; on gloo, which has no PREMUL_SUM, with the sum forced, as
+`spec.sum_reduction` explains).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.tensor import DTensor, Shard, distribute_module, distribute_tensor
+
+from fsdp_verify.validation import check, is_int
+
+EP, EXPERTS_SHARD, SHARD = "ep", "efsdp", "shard"
+
+
+# ---- the case -----------------------------------------------------------------------------------
+def check_experts(case) -> None:
+    """The grouped experts' settings beside the loop, and the case's `ep`: a degree that divides
+    the experts and the shard dim, over the grouped experts in a unit of their own, beside only
+    what the reference models with it."""
+    model = case.model
+    if model.router_bias:
+        # The loop moves the bias after its optimizer step; a user's step steps its own, and a
+        # checkpointed forward, recomputed in backward, would count its assignments twice.
+        check(case.step is None, "model.router_bias", "0 with a user's step (the loop updates the bias)", 1)
+        check(
+            not case.activation_checkpointing,
+            "model.router_bias",
+            "0 under activation checkpointing (a recomputed forward counts its assignments twice)",
+            model.router_bias,
+        )
+    ep = case.ep
+    check(is_int(ep) and ep >= 1, "ep", "a positive integer (1: no expert parallelism)", ep)
+    if ep == 1:
+        return
+    check(
+        model.grouped_experts is not None,
+        "ep",
+        f"1 unless the model has grouped routed experts (an MLP with --experts N --top-k K): ep={ep} shards them",
+        ep,
+    )
+    check(model.experts % ep == 0, "ep", f"a divisor of the experts ({model.experts})", ep)
+    shard = case.mesh[-1]
+    check(
+        shard % ep == 0,
+        "ep",
+        f"a divisor of the shard dimension {shard} (mesh {case.mesh}): the ep ranks are carved out of it",
+        ep,
+    )
+    check(
+        "moe.experts" in case.wrap_plan,
+        "wrap",
+        f"a plan with 'moe.experts' as a unit of its own with ep={ep} (its parameters live on the ep mesh)",
+        case.wrap_plan,
+    )
+    if shard == ep:
+        low = case.precision.reduce_dtype or case.precision.param_dtype
+        check(
+            low != "fp16",
+            "precision.reduce_dtype",
+            f"not fp16 with ep={ep} equal to the shard dimension: FSDP2 (torch 2.13) divides the experts'"
+            " gradients twice over a reduce-scatter group of one"
+            " (tests/upstream/test_fsdp2_divide_factor_shard_group_of_one.py)",
+            low,
+        )
+    # What the reference does not model beside expert parallelism yet: refused, naming the field.
+    for name, value, off, why in (
+        ("step", case.step, None, "a user's step (its own collectives are not modelled)"),
+        ("shard_placement", case.shard_placement, "dim0", "Shard(1) placements of the experts"),
+        ("clip_norm", case.clip_norm, None, "a clip (the experts' norm over two meshes is not modelled yet)"),
+        ("resume_after", case.resume_after, None, "a resume (not modelled yet)"),
+        ("offload", case.offload, False, "CPU offload of the experts"),
+    ):
+        check(value == off, name, f"{off!r} with ep={ep}: {why} beside expert parallelism is not modelled", value)
+
+
+# ---- the mesh -----------------------------------------------------------------------------------
+def mesh_layout(mesh: tuple[int, ...], ep: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
+    """The shape and dim names of every rank's mesh for the data-parallel `mesh` and `ep`."""
+    names = (SHARD,) if len(mesh) == 1 else ("replicate", SHARD)
+    if ep == 1:
+        return tuple(mesh), names
+    return (*mesh[:-1], mesh[-1] // ep, ep), names[:-1] + (EXPERTS_SHARD, EP)
+
+
+def flatten_shard(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh` with ("efsdp", "ep") flattened into "shard" (its dense parameters' shard dim)."""
+    if EP in (mesh.mesh_dim_names or ()):
+        mesh[EXPERTS_SHARD, EP]._flatten(SHARD)
+    return mesh
+
+
+def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards the dense parameters over: every data-parallel rank."""
+    names = mesh.mesh_dim_names or ()
+    if EP not in names:
+        return mesh
+    return mesh["replicate", SHARD] if "replicate" in names else mesh[SHARD]
+
+
+def experts_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """The mesh FSDP2 shards the experts over: the data-parallel ranks the ep dim leaves."""
+    names = mesh.mesh_dim_names or ()
+    return mesh["replicate", EXPERTS_SHARD] if "replicate" in names else mesh[EXPERTS_SHARD]
+
+
+# ---- the style ----------------------------------------------------------------------------------
+class _AllToAll(torch.autograd.Function):
+    """`all_to_all_single` of rows, and in backward the same exchange the other way."""
+
+    @staticmethod
+    def forward(ctx, x, out_splits: list[int], in_splits: list[int], group):
+        ctx.splits, ctx.group = (out_splits, in_splits), group
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        dist.all_to_all_single(out, x.contiguous(), out_splits, in_splits, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        out_splits, in_splits = ctx.splits
+        back = grad.new_empty((sum(in_splits), *grad.shape[1:]))
+        dist.all_to_all_single(back, grad.contiguous(), in_splits, out_splits, group=ctx.group)
+        return back, None, None, None
+
+
+class ExpertParallel:
+    """torchtitan's ExpertParallel for `GroupedExperts(x, counts)`: its parameters distributed
+    Shard(0) over the ep mesh; before its forward, each rank's rows (sorted by expert, `counts`
+    per expert) sent to the ep rank holding their expert and regrouped there expert by expert,
+    sources in rank order within each (`counts` becomes (local experts, ep)); after it, the rows
+    put back in the order they came and returned."""
+
+    def __init__(self) -> None:
+        self.in_splits: list[int] = []
+        self.out_splits: list[int] = []
+        self.order: torch.Tensor | None = None  # received row -> its place expert by expert
+
+    def partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
+        for name, param in list(module.named_parameters(recurse=False)):
+            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)])))
+
+    def dispatch(self, _module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
+        x, counts = inputs
+        ep, group = mesh.size(), mesh.get_group()
+        per_expert = counts.reshape(-1)
+        local = per_expert.numel() // ep
+        with torch.no_grad():
+            received = torch.empty_like(per_expert)
+            dist.all_to_all_single(received, per_expert, group=group)  # (source, local expert)
+        self.in_splits = per_expert.view(ep, local).sum(1).tolist()
+        self.out_splits = received.view(ep, local).sum(1).tolist()
+        rows = _AllToAll.apply(x, self.out_splits, self.in_splits, group)
+        # Regroup expert by expert, sources in rank order within each (GroupedLinear's layout).
+        by_source = received.view(ep, local)
+        starts = torch.cumsum(by_source.reshape(-1), 0) - by_source.reshape(-1)
+        self.order = torch.cat(
+            [
+                torch.arange(int(starts[s * local + e]), int(starts[s * local + e] + by_source[s, e]))
+                for e in range(local)
+                for s in range(ep)
+            ]
+            or [torch.zeros(0, dtype=torch.long)]
+        )
+        return rows[self.order], by_source.t().contiguous()
+
+    def combine(self, _module: nn.Module, out: torch.Tensor, mesh: DeviceMesh) -> torch.Tensor:
+        back = torch.empty_like(out).index_copy(0, self.order, out)  # the rows in the order they came
+        return _AllToAll.apply(back, self.in_splits, self.out_splits, mesh.get_group())
+
+    def apply(self, module: nn.Module, mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(module, mesh, self.partition, input_fn=self.dispatch, output_fn=self.combine)
+
+
+def grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    from fsdp_verify.models.moe import GroupedExperts
+
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+
+
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+    """Every grouped experts module of `model` distributed over mesh["ep"] (`ExpertParallel`),
+    each told the mesh FSDP2 shards it over (`fsdp_mesh`, what `ShardSpec.unit_kwargs` hands
+    it); returns the dense parameters' mesh."""
+    for _, experts in grouped_experts(model):
+        ExpertParallel().apply(experts, mesh[EP])
+        experts.fsdp_mesh = experts_mesh(mesh)
+    return dense_mesh(mesh)
+
+
+def on_ep_mesh(param: torch.Tensor) -> bool:
+    return isinstance(param, DTensor) and EP in (param.device_mesh.mesh_dim_names or ())
+
+
+def experts_divide_factor(model: nn.Module, world: int) -> None:
+    """The experts' units divide their gradients by the data-parallel world size (see the module
+    docstring). On gloo, which has no PREMUL_SUM, the sum is forced where the experts' reduce-
+    scatter group has two ranks or more; a group of one issues no reduce-scatter, and a forced sum
+    there would divide twice (torch 2.13: tests/upstream/test_fsdp2_divide_factor_shard_group_of_one.py)."""
+    gloo = dist.get_backend() == "gloo"
+    for unit in model.modules():
+        if isinstance(unit, FSDPModule) and any(on_ep_mesh(p) for p in unit.parameters(recurse=False)):
+            unit.set_gradient_divide_factor(float(world))
+            mesh = getattr(unit, "fsdp_mesh", None)
+            if gloo and (mesh is None or mesh.size(mesh.ndim - 1) > 1):
+                unit.set_force_sum_reduction_for_comms(True)
