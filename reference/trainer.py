@@ -406,7 +406,9 @@ class _Run:
                 if self.emulates_ep()
                 else _hsdp_average
             )
-            averaged = hsdp(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
+            averaged = hsdp(
+                rank_grads, self.case, self.reduce_dtype, self.divide, partial=state.partial, all_reduce=last
+            )
             for n, avg in averaged.items():
                 state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
             return

@@ -175,6 +175,7 @@ DATA = "data"
 SCALE = "fp16 dynamic loss scaling"
 CODE = "engine and your code"
 RESUME = "checkpoint and resume (docs/resume.md)"
+EP = "expert parallelism (docs/expert-parallel.md)"
 
 FLAGS: tuple[Flag, ...] = (
     # model
@@ -248,6 +249,40 @@ FLAGS: tuple[Flag, ...] = (
         "MLP: routed experts after the first block, top-1 per sample; 0 = none",
         int,
         "N",
+    ),
+    Flag(
+        "--top-k",
+        "model.top_k",
+        MODEL,
+        "MLP experts grouped as expert parallelism shards them (one weight of all experts), each sample sent to its"
+        " K best; none = the per-expert loop (top-1)",
+        or_none(integer),
+        "K",
+    ),
+    Flag(
+        "--capacity-factor",
+        "model.capacity_factor",
+        MODEL,
+        "grouped experts: at most ceil(F x tokens x K / experts) assignments an expert takes on a rank, the rest"
+        " dropped; none = dropless",
+        or_none(number),
+        "F",
+    ),
+    Flag(
+        "--aux-loss",
+        "model.aux_loss",
+        MODEL,
+        "grouped experts: the load-balancing loss's coefficient, over the global micro-batch; 0 = none",
+        number,
+        "C",
+    ),
+    Flag(
+        "--router-bias",
+        "model.router_bias",
+        MODEL,
+        "grouped experts: aux-loss-free balancing, the router bias's step per optimizer step (DeepSeek-V3); 0 = none",
+        number,
+        "R",
     ),
     Flag(
         "--frozen",
@@ -557,6 +592,15 @@ FLAGS: tuple[Flag, ...] = (
         "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME",
         metavar="ENGINE",
         draw=None,
+    ),
+    Flag(
+        "--ep",
+        "ep",
+        EP,
+        "the expert-parallel degree: the grouped experts (--top-k) sharded over an ep dim carved out of the shard"
+        " dim, tokens moved by all-to-all; 1 = none (default)",
+        integer,
+        "N",
     ),
     # checkpoint and resume: drawn together by fuzz/sweep --resume (their values depend on the
     # steps, world size and engine drawn), so no draw option of their own

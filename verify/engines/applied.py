@@ -21,15 +21,15 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_verify.case import Case
-from fsdp_verify.engines.capabilities import ENGINE_KNOBS
+from fsdp_verify.engines.capabilities import TAKEABLE
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
     """(knob, evidence) for each knob the case asks for, the engine declares, and the module
     shows was not applied; [] when everything asked for is in place (or cannot be read)."""
     out: list[tuple[str, str]] = []
-    for knob in ENGINE_KNOBS.values():
-        if knob.asked(case) and knob.name in takes:
+    for knob in TAKEABLE.values():
+        if knob.asked(case) and knob.name in takes and knob.name in _READERS:
             evidence = _READERS[knob.name](case, model)
             if evidence:
                 out.append((knob.name, evidence))
@@ -158,7 +158,40 @@ def _prefetch(case: Case, model: nn.Module) -> str:
     )
 
 
+def _ep(case: Case, model: nn.Module) -> str:
+    """Expert parallelism: the grouped experts' parameters on a mesh with an "ep" dim, and their
+    units dividing by the data-parallel size (verify/engines/expert_parallel.py)."""
+    from fsdp_verify.engines.expert_parallel import grouped_experts, on_ep_mesh
+
+    for fqn, experts in grouped_experts(model):
+        for name, p in experts.named_parameters(recurse=False):
+            if not on_ep_mesh(p):
+                return (
+                    f"{fqn}.{name!r} is not distributed over an 'ep' mesh dim (ExpertParallel's Shard(0)): every rank"
+                    f" holds every expert though the case asks for ep={case.ep}"
+                )
+    return "" if case.grad_reduction == "sum" else _experts_divide(case, model)
+
+
+def _experts_divide(case: Case, model: nn.Module) -> str:
+    """The experts' unit divides by the data-parallel size, not by its own smaller mesh."""
+    from fsdp_verify.engines.expert_parallel import grouped_experts
+
+    for fqn, experts in grouped_experts(model):
+        get_state = getattr(experts, "_get_fsdp_state", None)
+        for group in (_groups(get_state()) or []) if callable(get_state) else []:
+            factor = getattr(group, "gradient_divide_factor", float(case.world_size))
+            if factor != float(case.world_size):
+                return (
+                    f"unit {_unit_label(fqn)} divides its gradients by"
+                    f" {'the size of its own mesh (the default)' if factor is None else factor}, not by the"
+                    f" data-parallel size {case.world_size} its gradient sums over (set_gradient_divide_factor)"
+                )
+    return ""
+
+
 _READERS = {
+    "ep": _ep,
     "offload": _offload,
     "shard_placement": _shard_placement,
     "ignored": _ignored,

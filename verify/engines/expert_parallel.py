@@ -155,7 +155,9 @@ class ExpertParallel:
 
     def partition(self, _name: str, module: nn.Module, mesh: DeviceMesh) -> None:
         for name, param in list(module.named_parameters(recurse=False)):
-            module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, mesh, [Shard(0)])))
+            # Frozen stays frozen: `nn.Parameter` alone would make it trainable again.
+            sharded = distribute_tensor(param.data, mesh, [Shard(0)])
+            module.register_parameter(name, nn.Parameter(sharded, requires_grad=param.requires_grad))
 
     def dispatch(self, _module: nn.Module, inputs: tuple, mesh: DeviceMesh) -> tuple:
         x, counts = inputs

@@ -39,11 +39,20 @@ from torch.distributed.tensor import DTensor
 from fsdp_verify.models.layers import Linear
 
 
+def _own(t: torch.Tensor) -> torch.Tensor:
+    """`t` in a buffer of its own. A CPU matmul's (and a sum's) rounding depends on where its
+    operands start in memory (measured on torch 2.13: the same chunk at another offset of its
+    tensor gave logits 6e-8 apart at dim 33), and a chunk sits at one offset on the rank that
+    routed it and at another on the ep rank that computes it: copied, it starts alike on both."""
+    return t.clone(memory_format=torch.contiguous_format)
+
+
 class GroupedLinear(torch.autograd.Function):
-    """`F.linear` of each chunk with its expert's weight and bias. `counts[e][s]`: rows of expert
-    e from source s, laid out expert by expert, sources in order within each. Backward: each
-    chunk's input gradient as F.linear's; an expert's weight and bias gradients the chunks' in
-    source order (first chunk, then `+=` each next), in the parameters' dtype."""
+    """`F.linear` of each chunk with its expert's weight and bias, each operand in a buffer of its
+    own (`_own`). `counts[e][s]`: rows of expert e from source s, laid out expert by expert,
+    sources in order within each. Backward: each chunk's input gradient as F.linear's; an
+    expert's weight and bias gradients the chunks' in source order (first chunk, then `+` each
+    next), in the parameters' dtype."""
 
     @staticmethod
     def forward(ctx, x, weight, bias, counts: list[list[int]]):
@@ -52,8 +61,9 @@ class GroupedLinear(torch.autograd.Function):
         out = x.new_empty((x.shape[0], weight.shape[1]))
         start = 0
         for e, per_source in enumerate(counts):
+            w, b = _own(weight[e]), _own(bias[e])
             for n in per_source:
-                out[start : start + n] = F.linear(x[start : start + n], weight[e], bias[e])
+                out[start : start + n] = F.linear(_own(x[start : start + n]), w, b)
                 start += n
         return out
 
@@ -66,10 +76,11 @@ class GroupedLinear(torch.autograd.Function):
         grad_b = torch.zeros((weight.shape[0], weight.shape[1]), dtype=weight.dtype) if need_b else None
         start = 0
         for e, per_source in enumerate(ctx.counts):
+            w = _own(weight[e])
             for s, n in enumerate(per_source):
-                dy, xs = grad_out[start : start + n], x[start : start + n]
+                dy, xs = _own(grad_out[start : start + n]), _own(x[start : start + n])
                 if grad_x is not None:
-                    grad_x[start : start + n] = dy @ weight[e]
+                    grad_x[start : start + n] = dy @ w
                 if grad_w is not None:
                     chunk = dy.t() @ xs
                     grad_w[e] = chunk if s == 0 else grad_w[e] + chunk
