@@ -630,6 +630,7 @@ def cases(
         drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
     else:
         drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+    drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     if resume:  # docs/resume.md
         return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp))
     return drawn
@@ -726,6 +727,73 @@ def _model_keywords(
             changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)
         custom_model = replace(custom_model, **changes)
     return model_kinds, custom_model, pins
+
+
+GROUPED_FIELDS = ("model.top_k", "model.capacity_factor", "model.aux_loss", "model.router_bias")
+# What Case refuses beside ep > 1 (verify/engines/expert_parallel.py), with its value when off.
+_OFF_BESIDE_EP = {"clip_norm": None, "shard_placement": "dim0", "offload": False}
+
+
+@st.composite
+def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
+    """`case`'s routed experts as grouped experts (verify/models/moe.py: top-k, capacity, the
+    load-balancing loss, the router bias) and sharded over an ep dim (docs/expert-parallel.md),
+    drawn after everything else so that a seed's earlier draws stay what they were. Only where
+    routed experts were drawn, so only for an engine that takes them (`experts`); an ep degree
+    only for one that takes `ep` (`_knob_pins` pins it to 1 otherwise). Beside ep > 1, what the
+    reference does not model there yet is drawn off (a clip, Shard(1) placements, offload)."""
+    model = case.model
+    if not model.experts or model.kind != "mlp" or case.resume_after is not None:
+        assume(all(pins.get(name) in (None, 0, 0.0) for name in GROUPED_FIELDS) and pins.get("ep", 1) == 1)
+        return case
+    top_k = draw(_pinned(pins, "model.top_k", st.one_of(st.none(), st.integers(1, min(2, model.experts)))))
+    if top_k is not None and "model.experts" not in pins:
+        # four experts too: what ep degrees of 2 and 4 divide (the loop's draw offers 2 and 3)
+        model = replace(model, experts=draw(st.sampled_from(sorted({model.experts, 4}))))
+    if top_k is None:
+        assume(all(pins.get(name) in (None, 0, 0.0) for name in GROUPED_FIELDS[1:]) and pins.get("ep", 1) == 1)
+        return case
+    # The aux loss's gradient is added unscaled (DeepSeek's AddAuxiliaryLoss): Case refuses it
+    # beside a loss divided by the world size or multiplied by a loss scale.
+    aux_takes = case.grad_reduction == "avg" and case.loss_scaling is None
+    grouped = replace(
+        model,
+        top_k=top_k,
+        capacity_factor=draw(_pinned(pins, "model.capacity_factor", st.sampled_from((None, 0.5, 1.0, 1.5)))),
+        aux_loss=draw(_pinned(pins, "model.aux_loss", st.sampled_from((0.0, 0.01, 0.1) if aux_takes else (0.0,)))),
+        # a checkpointed forward would count its assignments twice (Case refuses it)
+        router_bias=draw(
+            _pinned(
+                pins, "model.router_bias", st.sampled_from((0.0,) if case.activation_checkpointing else (0.0, 0.01))
+            )
+        ),
+        # the per-expert loop's parameter names mean nothing to the grouped experts
+        frozen=tuple(f for f in model.frozen if not f.startswith("moe.experts.")),
+    )
+    # ep > 1 turns off what is not modelled beside it, unless a pin asked for it
+    pinned_on = any(name in pins and getattr(case, name) != off for name, off in _OFF_BESIDE_EP.items())
+    degrees = [] if pinned_on else _ep_degrees(case, grouped)  # half the draws parallel where any fits; shrinks to 1
+    ep = draw(_pinned(pins, "ep", st.one_of(st.just(1), st.sampled_from(degrees)) if degrees else st.just(1)))
+    changes: dict[str, Any] = {"model": grouped, "ep": ep}
+    if not grouped.frozen:
+        changes["unfreeze_step"] = None
+    if ep > 1:
+        changes.update(_OFF_BESIDE_EP)
+        if case.wrap is not None and "moe.experts" not in case.wrap_plan:
+            changes["wrap"] = _order(set(case.wrap_plan[:-1]) | {"moe.experts"})
+    try:
+        return case.with_(**changes)
+    except CaseError:
+        assume(False)
+        raise
+
+
+def _ep_degrees(case: Case, model: ModelSpec) -> list[int]:
+    """Every degree above 1 that divides the experts and the shard dim; not the whole shard dim
+    under an fp16 reduction (Case refuses it: FSDP2 divides twice over a group of one)."""
+    shard = case.mesh[-1]
+    fp16 = (case.precision.reduce_dtype or case.precision.param_dtype) == "fp16"
+    return [d for d in range(2, shard + 1) if shard % d == 0 and model.experts % d == 0 and not (fp16 and d == shard)]
 
 
 def _shard1_takes(rsf: bool | int, shard: int) -> bool:

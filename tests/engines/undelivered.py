@@ -41,3 +41,28 @@ drops_ignored = _dropping("ignored")
 drops_grad_reduction = _dropping("grad_reduction")
 drops_prefetch = _dropping("prefetch")
 drops_experts = _dropping("experts")
+
+
+def drops_ep(model, mesh, spec):
+    """Declares ep, shards the grouped experts over every rank like the dense parameters: each
+    rank computes every expert (right numbers, no expert parallelism)."""
+    from fsdp_verify.engines.expert_parallel import dense_mesh
+
+    kwargs = spec.fully_shard_kwargs(model, dense_mesh(mesh))
+    for fqn in spec.wrap:
+        fully_shard(model.get_submodule(fqn), **kwargs)
+    spec.after_sharding(model)
+    return model
+
+
+def drops_ep_divide_factor(model, mesh, spec):
+    """Declares ep and applies it, but leaves the experts' unit dividing by its own mesh."""
+    kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
+    for fqn in spec.wrap:
+        unit = model.get_submodule(fqn)
+        fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
+    replace(spec, case=spec.case.with_(ep=1)).after_sharding(model)
+    return model
+
+
+drops_ep.capabilities = drops_ep_divide_factor.capabilities = FSDP2

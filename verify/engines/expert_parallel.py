@@ -1,8 +1,8 @@
 """Expert parallelism composed with FSDP2, as torchtitan applies it (its `ExpertParallel` style
 and `apply_fsdp`; docs/expert-parallel.md).
 
-The mesh: with `ep` the worker splits the shard dim S into (S / ep, ep), named ("efsdp", "ep")
-or ("replicate", "efsdp", "ep"), and flattens the two into "shard". FSDP2 shards the dense
+The mesh: with `ep` the engine is handed the data-parallel mesh with its shard dim S unflattened
+into (S / ep, ep), named ("efsdp", "ep") or ("replicate", "efsdp", "ep"). FSDP2 shards the dense
 parameters over ("shard",) or ("replicate", "shard"), every data-parallel rank as without ep;
 the grouped experts' parameters are first distributed Shard(0) over "ep" (each rank of an ep
 group holds experts / ep of them), then sharded by FSDP2 over ("efsdp",) or ("replicate",
@@ -37,6 +37,20 @@ def check_experts(case) -> None:
     the experts and the shard dim, over the grouped experts in a unit of their own, beside only
     what the reference models with it."""
     model = case.model
+    if model.aux_loss:
+        # Its gradient is added in backward unscaled, as DeepSeek's AddAuxiliaryLoss adds it: a
+        # loss the loop divides by the world size or multiplies by a loss scale would leave it
+        # W times or 1/scale off the rest (and the reference's one-rank calibration run with it).
+        for name, value, off in (
+            ("grad_reduction", case.grad_reduction, "avg"),
+            ("loss_scaling", case.loss_scaling, None),
+        ):
+            check(
+                value == off,
+                "model.aux_loss",
+                f"0 with {name} {value!r}: the load-balancing loss's gradient is added unscaled (AddAuxiliaryLoss)",
+                model.aux_loss,
+            )
     if model.router_bias:
         # The loop moves the bias after its optimizer step; a user's step steps its own, and a
         # checkpointed forward, recomputed in backward, would count its assignments twice.
@@ -93,27 +107,19 @@ def check_experts(case) -> None:
 
 
 # ---- the mesh -----------------------------------------------------------------------------------
-def mesh_layout(mesh: tuple[int, ...], ep: int) -> tuple[tuple[int, ...], tuple[str, ...]]:
-    """The shape and dim names of every rank's mesh for the data-parallel `mesh` and `ep`."""
-    names = (SHARD,) if len(mesh) == 1 else ("replicate", SHARD)
-    if ep == 1:
-        return tuple(mesh), names
-    return (*mesh[:-1], mesh[-1] // ep, ep), names[:-1] + (EXPERTS_SHARD, EP)
-
-
-def flatten_shard(mesh: DeviceMesh) -> DeviceMesh:
-    """`mesh` with ("efsdp", "ep") flattened into "shard" (its dense parameters' shard dim)."""
-    if EP in (mesh.mesh_dim_names or ()):
-        mesh[EXPERTS_SHARD, EP]._flatten(SHARD)
-    return mesh
+def expert_mesh(mesh: DeviceMesh, ep: int) -> DeviceMesh:
+    """The data-parallel `mesh`, (shard,) or (replicate, shard), with its shard dim unflattened
+    into ("efsdp", "ep"): what an engine is handed under expert parallelism (the worker makes it
+    once, verify/sharded/worker.py: its groups outlive a case)."""
+    return mesh._unflatten(SHARD, (mesh.size(mesh.ndim - 1) // ep, ep), (EXPERTS_SHARD, EP))
 
 
 def dense_mesh(mesh: DeviceMesh) -> DeviceMesh:
-    """The mesh FSDP2 shards the dense parameters over: every data-parallel rank."""
-    names = mesh.mesh_dim_names or ()
-    if EP not in names:
+    """The mesh FSDP2 shards the dense parameters over: every data-parallel rank, (shard,) or
+    (replicate, shard), the mesh `expert_mesh` unflattened."""
+    if EP not in (mesh.mesh_dim_names or ()):
         return mesh
-    return mesh["replicate", SHARD] if "replicate" in names else mesh[SHARD]
+    return mesh._get_root_mesh()
 
 
 def experts_mesh(mesh: DeviceMesh) -> DeviceMesh:
@@ -197,12 +203,12 @@ def grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
 
 
-def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
-    """Every grouped experts module of `model` distributed over mesh["ep"] (`ExpertParallel`),
-    each told the mesh FSDP2 shards it over (`fsdp_mesh`, what `ShardSpec.unit_kwargs` hands
-    it); returns the dense parameters' mesh."""
+def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, style: type = ExpertParallel) -> DeviceMesh:
+    """Every grouped experts module of `model` distributed over mesh["ep"] (`style`), each told
+    the mesh FSDP2 shards it over (`fsdp_mesh`, what `ShardSpec.unit_kwargs` hands it); returns
+    the dense parameters' mesh."""
     for _, experts in grouped_experts(model):
-        ExpertParallel().apply(experts, mesh[EP])
+        style().apply(experts, mesh[EP])
         experts.fsdp_mesh = experts_mesh(mesh)
     return dense_mesh(mesh)
 

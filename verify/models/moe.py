@@ -111,12 +111,13 @@ class GroupedExperts(nn.Module):
 
 
 class AddAuxiliaryLoss(torch.autograd.Function):
-    """Identity on `x`; in backward, the auxiliary loss gets gradient `scale` (DeepSeek's)."""
+    """Identity on `x` (a copy: an input returned as is would be a view, which FSDP2 warns of as
+    a unit's output); in backward, the auxiliary loss gets gradient `scale` (DeepSeek's)."""
 
     @staticmethod
     def forward(ctx, x, loss, scale: float):
         ctx.shape, ctx.dtype, ctx.scale = loss.shape, loss.dtype, scale
-        return x
+        return x.clone()
 
     @staticmethod
     def backward(ctx, grad):
@@ -178,9 +179,7 @@ class GroupedMoE(nn.Module):
         kept = counts
         limit = self.capacity(x.shape[0])
         if limit is not None:
-            starts = torch.cumsum(counts, 0) - counts
-            position = torch.arange(flat.numel()) - starts[flat[order]]
-            order = order[position < limit]
+            order = self.keep(order, flat, counts, limit, probs)
             kept = counts.clamp(max=limit)
         tokens = order // self.top_k
         weights = probs[tokens, flat[order]].unsqueeze(1)
@@ -189,6 +188,15 @@ class GroupedMoE(nn.Module):
         if self.aux_loss:
             out = AddAuxiliaryLoss.apply(out, self.balance_loss(probs, counts), self.aux_loss)
         return out
+
+    def keep(
+        self, order: torch.Tensor, flat: torch.Tensor, counts: torch.Tensor, limit: int, probs: torch.Tensor
+    ) -> torch.Tensor:
+        """The assignments the experts take under capacity (`order`: all of them, by expert, in
+        token order): each expert's first `limit`."""
+        starts = torch.cumsum(counts, 0) - counts
+        position = torch.arange(flat.numel()) - starts[flat[order]]
+        return order[position < limit]
 
     def balance_loss(self, probs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """experts * sum_e f_e * P_e: f_e from the global counts (no gradient), P_e this rank's

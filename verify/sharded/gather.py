@@ -14,6 +14,8 @@ Every rank must call these with the same list (they are collectives).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -29,6 +31,19 @@ def shard_dim(t: DTensor) -> int | None:
     return None
 
 
+def full_quietly(t: DTensor) -> torch.Tensor:
+    """`t.full_tensor()` for the records, without DTensor's advice on how a training step could
+    gather such a layout faster (expert parallelism's (_StridedShard, Shard) parameters: "2
+    sequential all_gather operations will be performed"): a record is not the user's step."""
+    log = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = log.level
+    log.setLevel(logging.ERROR)
+    try:
+        return t.full_tensor()
+    finally:
+        log.setLevel(level)
+
+
 def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
     """Every tensor whole, in one coalesced collective per mesh dimension (see the module
     docstring). A collective: every rank calls it with the same list."""
@@ -42,7 +57,7 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if dim == -1:
             out[i] = t.to_local()
         elif dim is None:
-            out[i] = t.full_tensor()
+            out[i] = full_quietly(t)
         else:
             buckets.setdefault((t.device_mesh, dim), []).append(i)
     for (mesh, dim), items in buckets.items():

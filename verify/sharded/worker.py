@@ -79,14 +79,16 @@ class MeshCache:
 
     def get(self, shape: tuple[int, ...], ep: int = 1) -> DeviceMesh:
         """The data-parallel mesh `shape`, its dims named (shard,) or (replicate, shard); with
-        `ep` > 1 the shard dim split into ("efsdp", "ep") and "shard" their flattening
-        (verify/engines/expert_parallel.py): made here, once, as its groups outlive a case."""
+        `ep` > 1 its shard dim unflattened into ("efsdp", "ep") (verify/engines/expert_parallel.py):
+        made here, once, as its groups outlive a case."""
         if (shape, ep) not in self._meshes:
-            from fsdp_verify.engines.expert_parallel import flatten_shard, mesh_layout
+            if ep > 1:
+                from fsdp_verify.engines.expert_parallel import expert_mesh
 
-            dims, names = mesh_layout(shape, ep)
-            mesh = init_device_mesh(self.device_type, dims, mesh_dim_names=names)
-            self._meshes[shape, ep] = flatten_shard(mesh)
+                self._meshes[shape, ep] = expert_mesh(self.get(shape), ep)
+            else:
+                names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
+                self._meshes[shape, ep] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._meshes[shape, ep]
 
 

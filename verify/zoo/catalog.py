@@ -603,3 +603,51 @@ ZOO += [
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}
+
+# Expert parallelism and the grouped experts' routing (issue 40, docs/expert-parallel.md).
+_GROUPED = {**_CHEAP, "model.experts": 4, "model.top_k": st.sampled_from((1, 2))}
+ZOO += [
+    ZooBug(
+        "ep_tokens_combined_out_of_order",
+        _mutant("ep_tokens_combined_out_of_order"),
+        "the experts' outputs sent back in the ep rank's order (expert by expert), not the order the tokens came in",
+        "a token combine that forgets the unpermute after the all-to-all (issue 40)",
+        ("logits",),
+        world_sizes=(2, 4),
+        pins={**_GROUPED, "ep": 2},
+    ),
+    ZooBug(
+        "ep_expert_grads_averaged_over_ep",
+        _mutant("ep_expert_grads_averaged_over_ep"),
+        "the experts' gradients averaged over the ep group as if the experts were replicated there",
+        "a DDP-style all-reduce over every rank holding 'the experts' beside expert parallelism (issue 40)",
+        ("grads",),
+        world_sizes=(2, 4),
+        pins={**_GROUPED, "ep": 2},
+    ),
+    ZooBug(
+        "aux_loss_per_rank",
+        _mutant("aux_loss_per_rank"),
+        "the load-balancing loss from each rank's own assignment counts, not the global micro-batch's",
+        "a per-rank mean of the auxiliary loss where the recipe balances the global batch (issue 40)",
+        ("grads", "comm"),  # the counts' all-reduce it leaves out, where the contract holds
+        pins={**_GROUPED, "model.aux_loss": st.sampled_from((0.1, 0.5)), "grad_reduction": "avg"},
+    ),
+    ZooBug(
+        "router_bias_updated_on_rank0_only",
+        _mutant("router_bias_updated_on_rank0_only"),
+        "only rank 0 moves the router bias after a step; the other ranks keep theirs",
+        "aux-loss-free balancing updated under `if rank == 0` without a broadcast (issue 40)",
+        ("buffers",),
+        pins={**_GROUPED, "model.router_bias": st.sampled_from((0.01, 0.05)), "activation_checkpointing": False},
+    ),
+    ZooBug(
+        "capacity_drops_differ_on_rank1",
+        _mutant("capacity_drops_differ_on_rank1"),
+        "rank 1 keeps each expert's highest-scoring assignments under capacity, the others their first",
+        "capacity dropping decided by different rules on different ranks (issue 40)",
+        ("logits", "grads"),
+        pins={**_GROUPED, "model.capacity_factor": 0.5},
+    ),
+]
+BY_NAME = {bug.name: bug for bug in ZOO}

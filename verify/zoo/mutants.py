@@ -5,6 +5,7 @@ Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
 
 from __future__ import annotations
 
+import functools
 import inspect
 import weakref
 from dataclasses import replace
@@ -16,16 +17,18 @@ from torch import nn
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
 from torch.distributed.tensor import DTensor
 
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
+from fsdp_verify.engines.expert_parallel import ExpertParallel, apply_expert_parallel
 from fsdp_verify.engines.fsdp1 import fsdp1_engine, placement, wrap_fsdp1
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
+from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.training.checkpointing import checkpoint_units
 from fsdp_verify.training.resume import Checkpointer, trainer_template
@@ -763,6 +766,103 @@ def idle_expert_grads_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpe
 
     moe.register_forward_hook(drop_idle)
     return model
+
+
+# ---- expert parallelism and grouped experts (docs/expert-parallel.md) ------------------------------
+def _with_expert_parallel(style: type):
+    """The built-in engine with another token dispatch than torchtitan's."""
+
+    def engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+        if spec.case.ep > 1:
+            mesh = apply_expert_parallel(model, mesh, style)
+        kwargs = spec.fully_shard_kwargs(model, mesh)
+        for fqn in spec.wrap:
+            unit = model.get_submodule(fqn)
+            fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
+        spec.after_sharding(model)
+        return model
+
+    engine.__doc__ = style.__doc__
+    return engine
+
+
+class _CombinedOutOfOrder(ExpertParallel):
+    """Sends the experts' outputs back in the order the ep rank computed them (expert by expert),
+    not the order the rows came in: the regrouping after dispatch is never undone, so each rank
+    adds other rows' outputs onto its samples (a token combine that forgets the unpermute)."""
+
+    def combine(self, _module, out, mesh):
+        from fsdp_verify.engines.expert_parallel import _AllToAll
+
+        return _AllToAll.apply(out, self.in_splits, self.out_splits, mesh.get_group())
+
+
+ep_tokens_combined_out_of_order = _with_expert_parallel(_CombinedOutOfOrder)
+
+
+def ep_expert_grads_averaged_over_ep(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Averages the experts' reduced gradients over the ep group too, as if the experts were
+    replicated there like the dense parameters (a DDP-style all-reduce over every rank that holds
+    "the experts"): each ep rank holds other experts, so their gradients are mixed and divided."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.ep == 1:
+        return model
+    from fsdp_verify.engines.expert_parallel import EP, grouped_experts
+
+    group, ep = mesh[EP].get_group(), mesh[EP].size()
+
+    def average(t: torch.Tensor) -> None:
+        dist.all_reduce(t, group=group)
+        t.div_(ep)
+
+    for _, experts in grouped_experts(model):
+        experts.set_all_reduce_hook(average)
+    return model
+
+
+def aux_loss_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The load-balancing loss from each rank's own assignment counts, not the global
+    micro-batch's: every rank balances its own samples (a per-rank mean of the aux loss)."""
+    for moe in moe_layers(model):
+        moe.global_counts = lambda counts: counts
+    return fully_shard_engine(model, mesh, spec)
+
+
+def router_bias_updated_on_rank0_only(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Only rank 0 moves the router bias after a step (an update guarded by `if rank == 0`, the
+    broadcast forgotten); the others count, all-reduce and reset like it, and keep their bias."""
+    if dist.get_rank() != 0:
+        for moe in moe_layers(model):
+            moe.update_router_bias = functools.partial(_count_and_reset, moe)
+    return fully_shard_engine(model, mesh, spec)
+
+
+@torch.no_grad()
+def _count_and_reset(moe) -> None:
+    if not moe.router_bias:
+        return
+    moe.global_counts(moe.tokens_per_expert)  # the same collective as the others issue
+    moe.tokens_per_expert.zero_()
+
+
+def capacity_drops_differ_on_rank1(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Rank 1 keeps each expert's highest-scoring assignments under capacity, the others its
+    first in token order (a priority-dropping code path switched on one rank only): the ranks
+    drop by different rules."""
+    if dist.get_rank() == 1:
+        for moe in moe_layers(model):
+            moe.keep = functools.partial(_keep_by_score, moe)
+    return fully_shard_engine(model, mesh, spec)
+
+
+def _keep_by_score(moe, order, flat, counts, limit, probs):
+    score = probs[order // moe.top_k, flat[order]]
+    kept, start = [], 0
+    for count in counts.tolist():
+        block, scores = order[start : start + count], score[start : start + count]
+        kept.append(block[torch.argsort(scores, descending=True, stable=True)[:limit]].sort().values)
+        start += count
+    return torch.cat(kept)
 
 
 # ---- a checkpoint's resume (verify/training/resume.py; docs/resume.md) -----------------------------
