@@ -64,9 +64,15 @@ class ShardSpec:
     @staticmethod
     def unit_kwargs(unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
         """`fully_shard_kwargs` for one unit: the experts under expert parallelism are sharded
-        over the ranks their ep dim leaves (`expert_parallel` names that mesh on them)."""
+        over the ranks their ep dim leaves (`expert_parallel` names that mesh on them); an int
+        `reshard_after_forward` that group does not divide reshards them fully (True) instead."""
         mesh = getattr(unit, "fsdp_mesh", None)
-        return kwargs if mesh is None else {**kwargs, "mesh": mesh}
+        if mesh is None:
+            return kwargs
+        rsf = kwargs["reshard_after_forward"]
+        if not isinstance(rsf, bool) and mesh.size(mesh.ndim - 1) % rsf:
+            rsf = True
+        return {**kwargs, "mesh": mesh, "reshard_after_forward": rsf}
 
     def fully_shard_kwargs(self, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
         """`fully_shard`'s keyword arguments for every unit of the plan: the mesh, the policy,
