@@ -77,7 +77,7 @@ def ep_sums(case, rank_grads: list[dict[str, torch.Tensor]]) -> list[dict[str, t
     return out
 
 
-def average(
+def ep_average(
     rank_grads: list[dict[str, torch.Tensor]],
     case,
     reduce_dtype: torch.dtype,

@@ -30,7 +30,7 @@ from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
-from fsdp_verify.reference import expert_parallel
+from fsdp_verify.reference.expert_parallel import ep_average, ep_sums, global_routing, update_router_biases
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
@@ -78,7 +78,7 @@ def train_reference(
         run.unfreeze(step)
         state = run.begin_step(step)
         for m, group in enumerate(state.groups):
-            with expert_parallel.global_routing(run, state, group):  # an aux loss's counts: the micro-batch's
+            with global_routing(run, state, group):  # an aux loss's counts: the micro-batch's
                 passes = run.rank_passes(state, group, m)  # each emulated rank's forward and backward
             rank_grads = run.collect(state, m, group, passes)
             run.reduce(state, m, rank_grads)
@@ -381,7 +381,7 @@ class _Run:
         once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch;
         the `ignored` parameters' as the loop reduces them (`reduce_ignored`)."""
         if self.emulates_ep():  # each ep rank's experts: its group's gradients added (reference/expert_parallel.py)
-            rank_grads = expert_parallel.ep_sums(self.case, rank_grads)
+            rank_grads = ep_sums(self.case, rank_grads)
         if self.case.ignored:
             rank_grads = self.reduce_ignored(state, m, rank_grads)
         if not self.case.sync_every_microbatch:
@@ -401,11 +401,7 @@ class _Run:
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
-            hsdp = (
-                functools.partial(expert_parallel.average, hsdp_average=_hsdp_average)
-                if self.emulates_ep()
-                else _hsdp_average
-            )
+            hsdp = functools.partial(ep_average, hsdp_average=_hsdp_average) if self.emulates_ep() else _hsdp_average
             averaged = hsdp(
                 rank_grads, self.case, self.reduce_dtype, self.divide, partial=state.partial, all_reduce=last
             )
@@ -471,7 +467,7 @@ class _Run:
         if self.layout is not None:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
         elif self.emulates_ep():
-            averaged = expert_parallel.average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
+            averaged = ep_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
         elif self.order == "ring" and len(rank_grads) == self.case.world_size:
             averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
         else:
@@ -537,7 +533,7 @@ class _Run:
                 self.optimizer.step()
             self.scaler.update(skip)
         step_scheduler(self.scheduler)
-        expert_parallel.update_router_biases(self.model)  # as the loop moves them after its step
+        update_router_biases(self.model)  # as the loop moves them after its step
         self.optimizer.zero_grad(set_to_none=True)
 
     # ---- the records ------------------------------------------------------------------------------
