@@ -33,6 +33,9 @@ from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.expert_parallel import ep_average, ep_sums, global_routing, update_router_biases
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
+from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
+from fsdp_verify.reference.pipeline_parallel import average as pp_average
+from fsdp_verify.reference.pipeline_parallel import backward_loss
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
@@ -174,14 +177,14 @@ class _Run:
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
         layout = _FlatLayout(model, case, emulated) if flat else None
         trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
-        jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
+        jolt = Perturbation(perturb, case.dp_size) if perturb is not None else None
         _record_params(trace, 0, params, initial=True)
         _record_buffers(trace, 0, model)
 
         param_dtype = to_torch(case.precision.param_dtype) or torch.float32
         reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
         # The engine's own division of the average (every order: a division, not a summation order).
-        divide = _divide_factors(case, arithmetic, reduce_dtype, case.world_size)
+        divide = _divide_factors(case, arithmetic, reduce_dtype, case.dp_size)
         # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
         rng_states = dropout_states(case)
         scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -282,7 +285,7 @@ class _Run:
         the parameters."""
         case = self.case
         inputs, targets = global_batch(case, step)
-        per_rank = [microbatch_slices(case, r) for r in range(case.world_size)]
+        per_rank = [microbatch_slices(case, r) for r in range(case.dp_size)]
         groups = [[ranks[m] for ranks in per_rank] for m in range(case.microbatches)]
         if not self.emulate:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
@@ -347,8 +350,8 @@ class _Run:
         loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
             summed = loss / len(state.groups[0])
-        else:
-            summed = loss
+        else:  # a pipeline's schedule backpropagates its own (reference/pipeline_parallel.py)
+            summed = backward_loss(self.case, out, state.targets[index], state.loss_factor, loss)
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
@@ -366,7 +369,7 @@ class _Run:
         rank_grads = []
         for r, index in enumerate(group):
             done = ranks[r]
-            if self.emulate:  # verify/probes/rng.py
+            if self.emulate and self.case.pp == 1:  # verify/probes/rng.py (a pipeline's stages: none)
                 state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
                 state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
                 state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
@@ -411,6 +414,8 @@ class _Run:
         for n, avg in self.average(rank_grads, state.step).items():
             reduced = avg.to(torch.float32)
             state.master_grads[n] = state.master_grads[n] + reduced if n in state.master_grads else reduced
+        if m == len(state.groups) - 1:
+            pp_after_reduction(self.case, state.master_grads)  # a pipeline schedule's scale_grads
 
     def reduce_ignored(
         self, state: _Step, m: int, rank_grads: list[dict[str, torch.Tensor]]
@@ -468,7 +473,9 @@ class _Run:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
         elif self.emulates_ep():
             averaged = ep_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
-        elif self.order == "ring" and len(rank_grads) == self.case.world_size:
+        elif self.case.pp > 1 and self.order == "ring" and self.emulate:  # each stage reduces its own
+            averaged = pp_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
+        elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
             averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
         else:
             averaged = {
@@ -657,7 +664,7 @@ def _hsdp_average(
     gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
     micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
     partial_reduce_output`), then all-reduces the sum."""
-    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
+    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])  # a 1-D mesh: (1, W)
     pre, post = divide
     # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
     # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
@@ -751,7 +758,7 @@ class _FlatLayout:
 
     def __init__(self, model: nn.Module, case: Case, arithmetic: Arithmetic):
         self.world = case.mesh[-1]  # the shard group
-        self.replicas = case.world_size // self.world
+        self.replicas = case.dp_size // self.world
         params = dict(model.named_parameters())  # tied weights once, under their first name
         by_unit: dict[str, list[str]] = {}
         for n in params:

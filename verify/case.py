@@ -309,6 +309,16 @@ class Case:
     # over what is left (torchtitan's order). 1: every rank holds every expert.
     ep: int = 1
 
+    # Pipeline parallelism (docs/pipeline-parallel.md): the model split into stages over a "pp"
+    # mesh dim of this many ranks, outermost; `world_size` counts every rank (pp x the
+    # data-parallel ranks) and `mesh_shape` is the data-parallel part. 1: none.
+    pp: int = 1
+    # torch.distributed.pipelining's schedule: "gpipe", "1f1b", or "interleaved1f1b" (two stages a rank).
+    pp_schedule: str = "1f1b"
+    # The stages: None = the built-in model's blocks split evenly; "pkg.module:NAME" or
+    # "file.py:NAME" = fn(model, n_stages) -> the stage modules (a user's code: verify/trust.py).
+    pp_split: str | None = None
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -328,6 +338,9 @@ class Case:
         "resume_mesh_shape",
         "resume_engine",
         "ep",
+        "pp",
+        "pp_schedule",
+        "pp_split",
     )
 
     def __post_init__(self) -> None:
@@ -351,10 +364,18 @@ class Case:
         prod = 1
         for d in mesh:
             prod *= d
+        check(is_int(self.pp) and self.pp >= 1, "pp", "a positive integer (1: no pipeline parallelism)", self.pp)
         check(
-            prod == self.world_size,
+            self.world_size % self.pp == 0,
+            "world_size",
+            f"a multiple of pp={self.pp} (every rank: the stages times the data-parallel ranks)",
+            self.world_size,
+        )
+        check(
+            prod == self.dp_size,
             "mesh_shape",
-            f"dimensions whose product is world_size={self.world_size}",
+            f"dimensions whose product is world_size={self.world_size}"
+            + (f" / pp={self.pp} = {self.dp_size} (the data-parallel ranks)" if self.pp > 1 else ""),
             self.mesh_shape,
         )
         check(is_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
@@ -364,11 +385,12 @@ class Case:
             "a positive integer",
             self.microbatches,
         )
-        per = self.world_size * self.microbatches
+        per = self.dp_size * self.microbatches
+        ranks = "world_size" if self.pp == 1 else "(world_size / pp)"
         check(
             self.data.batch_size % per == 0,
             "data.batch_size",
-            f"a multiple of world_size * microbatches = {self.world_size} * {self.microbatches} = {per}",
+            f"a multiple of {ranks} * microbatches = {self.dp_size} * {self.microbatches} = {per}",
             self.data.batch_size,
         )
         check(
@@ -442,6 +464,9 @@ class Case:
         from fsdp_verify.engines.expert_parallel import check_experts
 
         check_experts(self)
+        from fsdp_verify.engines.pipeline_parallel import check_pipeline
+
+        check_pipeline(self)
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -767,7 +792,14 @@ class Case:
     # ---- derived ------------------------------------------------------------------------------
     @property
     def mesh(self) -> tuple[int, ...]:
-        return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.world_size,)
+        """The data-parallel mesh: (shard,) or (replicate, shard), of `dp_size` ranks."""
+        return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.dp_size,)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: every rank, or under pipeline parallelism each stage's ranks
+        (the stages of one data-parallel rank take one batch)."""
+        return self.world_size // self.pp if is_int(self.pp) and self.pp >= 1 else self.world_size
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
@@ -788,7 +820,8 @@ class Case:
 
     @property
     def local_batch(self) -> int:
-        return self.data.batch_size // self.world_size
+        """Samples of one data-parallel rank (the stages of a pipeline share them)."""
+        return self.data.batch_size // self.dp_size
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -873,6 +906,11 @@ def check_field_value(name: str, value: Any) -> None:
         return
     if name == "ignored" and isinstance(value, tuple) and all(isinstance(n, str) and n for n in value):
         return  # names, judged against the drawn model (the drawn Case refuses one that names none)
+    if name in ("pp", "pp_schedule", "pp_split"):  # wrong only beside the world, model, micro-batches drawn
+        from fsdp_verify.engines.pipeline_parallel import check_pipeline_value
+
+        check_pipeline_value(name, value)
+        return
     if name == "ep":  # wrong beside a model without grouped experts or a mesh it does not divide
         check(is_int(value) and value >= 1, "ep", "a positive integer (1: no expert parallelism)", value)
         return

@@ -176,6 +176,7 @@ SCALE = "fp16 dynamic loss scaling"
 CODE = "engine and your code"
 RESUME = "checkpoint and resume (docs/resume.md)"
 EP = "expert parallelism (docs/expert-parallel.md)"
+PP = "pipeline parallelism (docs/pipeline-parallel.md)"
 
 FLAGS: tuple[Flag, ...] = (
     # model
@@ -601,6 +602,32 @@ FLAGS: tuple[Flag, ...] = (
         " dim, tokens moved by all-to-all; 1 = none (default)",
         integer,
         "N",
+    ),
+    Flag(
+        "--pp",
+        "pp",
+        PP,
+        "the pipeline degree: the model cut into stages over a pp dim of N ranks, --world-size counting every rank"
+        " (pp x data-parallel) and --mesh-shape the data-parallel part; 1 = none (default)",
+        integer,
+        "N",
+    ),
+    Flag(
+        "--pp-schedule",
+        "pp_schedule",
+        PP,
+        "gpipe | 1f1b | interleaved1f1b (two stages a rank); torch.distributed.pipelining's (default 1f1b)",
+        str,
+        "NAME",
+    ),
+    Flag(
+        "--pp-split",
+        "pp_split",
+        PP,
+        "your split: fn(model, n_stages) -> the stage modules (sharing the model's parameters); none = the built-in"
+        " model's blocks split evenly",
+        or_none(str),
+        "IMPORT",
     ),
     # checkpoint and resume: drawn together by fuzz/sweep --resume (their values depend on the
     # steps, world size and engine drawn), so no draw option of their own

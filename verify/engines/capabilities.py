@@ -72,6 +72,7 @@ PARALLEL_KNOBS: dict[str, Knob] = {
             1,
             "the grouped experts over mesh['ep'] with all-to-all dispatch, then fully_shard: ShardSpec.expert_parallel",
         ),
+        Knob("pp", "pp", 1, "the model cut into stages over mesh['pp'], each stage sharded: ShardSpec.pipeline"),
     )
 }
 # What the toolkit's loop applies to the engine's module (FSDPModule's setters, requires_grad_):

@@ -13,6 +13,9 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    pipelined = spec.pipeline(model, mesh, fully_shard_engine)  # each stage sharded as below
+    if pipelined is not None:
+        return pipelined
     kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
         unit = model.get_submodule(fqn)

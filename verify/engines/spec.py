@@ -40,6 +40,9 @@ class ShardSpec:
     reshard_after_forward: bool | int
     # The whole Case, for engines (and mutants) that need more than the three fields above.
     case: Case | None = None
+    # Under pipeline parallelism: which stage of the model this spec shards (`pipeline` hands
+    # each stage to the engine with its own plan); None: the whole model.
+    stage: int | None = None
 
     @classmethod
     def from_case(cls, case: Case) -> ShardSpec:
@@ -49,6 +52,18 @@ class ShardSpec:
             reshard_after_forward=case.reshard_after_forward,
             case=case,
         )
+
+    def pipeline(self, model: nn.Module, mesh: DeviceMesh, shard_stage) -> nn.Module | None:
+        """With `pp` (and this spec the whole model's): `model` cut into stages over mesh["pp"],
+        this rank's stages each sharded by `shard_stage(stage, data_parallel_mesh, stage_spec)`
+        (the engine itself: `stage_spec` carries the stage's units) and scheduled
+        (verify/engines/pipeline_parallel.py, torchtitan's PP + FSDP); returns what the engine
+        returns. Without: None, and the engine shards `model` as it does."""
+        if self.case is None or self.case.pp == 1 or self.stage is not None:
+            return None
+        from fsdp_verify.engines.pipeline_parallel import build_pipeline
+
+        return build_pipeline(model, mesh, self, shard_stage)
 
     def expert_parallel(self, model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
         """With `ep`: the grouped experts distributed over mesh["ep"] with all-to-all token

@@ -109,10 +109,13 @@ class Transformer(nn.Module):
         self.register_buffer("freqs", rope_frequencies(self.head_dim, seq_len), persistent=False)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        x = self.tok_embeddings(tokens)
+        # A pipeline stage (verify/models/stages.py) lacks the parts of the others: the embedding
+        # before the first stage, the norm and the head after the last are None there.
+        x = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         for layer in self.layers:
             x = layer(x, self.freqs)
-        return self.output(self.norm(x))
+        x = self.norm(x) if self.norm is not None else x
+        return self.output(x) if self.output is not None else x
 
     def tie_weights(self) -> None:
         if self.tie_embeddings:

@@ -29,13 +29,17 @@ class RngProbe(Probe):
         self.meta("param_device_types", devices)
 
     def before_forward(self, step: int, microbatch: int) -> None:
+        if self.case.pp > 1:  # a pipeline's stage ranks: no per-rank stream the reference has (no dropout there)
+            return
         self.points.append((step, f"before_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
 
     def after_forward(self, step: int, microbatch: int, output: torch.Tensor) -> None:
+        if self.case.pp > 1:
+            return
         self.points.append((step, f"after_forward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
 
     def after_backward(self, step: int, microbatch: int) -> None:
-        if self.case.step is None:  # the toolkit's own loop: one backward a micro-batch
+        if self.case.step is None and self.case.pp == 1:  # the toolkit's own loop: one backward a micro-batch
             self.points.append((step, f"after_backward.{microbatch}", rng_fingerprint(torch.get_rng_state())))
 
     def to_gather(self):

@@ -53,8 +53,12 @@ class Collector:
         world_size: int,
         device: torch.device | None = None,
         spill_dir: str | None = None,
+        row_ranks: range | None = None,
     ):
         self.trace, self.rank, self.world_size = trace, rank, world_size
+        # The ranks that record rows and means (rank 0 among them); None: every rank. Under
+        # pipeline parallelism the first stage's, to which the last stage hands its outputs.
+        self.row_ranks = row_ranks if row_ranks is not None else range(world_size)
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
         # Given a directory every rank reaches on one host (the pool's, on /dev/shm where there
@@ -82,11 +86,13 @@ class Collector:
 
     def rows(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's rows of a tensor whose rows are the ranks' in rank order (logits)."""
-        self._keep((step, phase, name), ROWS, self.rank, local)
+        if self.rank in self.row_ranks:
+            self._keep((step, phase, name), ROWS, self.rank, local)
 
     def mean(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's value of a scalar averaged over ranks (the loss)."""
-        self._keep((step, phase, name), MEAN, self.rank, local)
+        if self.rank in self.row_ranks:
+            self._keep((step, phase, name), MEAN, self.rank, local)
 
     def tensors(self, step: int, phase: str, named: dict[str, torch.Tensor], sums: str | None = None) -> None:
         """Full values of `named` (DTensors or plain tensors every rank holds whole); with `sums`,
@@ -273,7 +279,9 @@ class Collector:
 
         for key, (kind, _, mine) in self.pieces.items():  # rank 0 holds a piece of every record
             if kind in (ROWS, MEAN):
-                values = [mine] + [_holding(fill, key, r).read(key) for r, fill in enumerate(others, 1)]
+                values = [mine] + [
+                    _holding(fill, key, r).read(key) for r, fill in enumerate(others, 1) if r in self.row_ranks
+                ]
                 if kind == ROWS:
                     put(key, [(r, len(v)) for r, v in enumerate(values)])
             else:  # SUM: the ranks of rank 0's group, by position

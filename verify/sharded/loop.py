@@ -58,7 +58,10 @@ class RankContext:
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
-    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir)
+    # Under pipeline parallelism the first stage's ranks record the rows and the loss (the last
+    # stage hands them its outputs): one data-parallel rank each, as the reference has.
+    rows = range(case.dp_size) if case.pp > 1 else None
+    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
@@ -96,7 +99,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         ctx.phase("step 0 record initial params")
         _record_params_and_state(records, 0, view, {}, initial=True)
     torch.manual_seed(dropout_seed(case, ctx.rank))
-    run_steps = _user_steps if case.step is not None else _toolkit_steps
+    run_steps = _user_steps if case.step is not None else _pipeline_steps if case.pp > 1 else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, (optimizer, scheduler), params, probes, records)
     for probe in probes:
         probe.finish()
@@ -217,6 +220,55 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         ctx.phase(f"step {case.steps} save checkpoint")
         trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler)
         view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
+    return dtypes, items
+
+
+def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, records):
+    """The toolkit's loop under pipeline parallelism (verify/engines/pipeline_parallel.py): one
+    schedule step a step over this data-parallel rank's block, every micro-batch's loss the
+    schedule's (`Pipeline.loss`); the last stage hands its outputs and loss to the first, which
+    records them; then the optimizer step, as `_toolkit_steps` does."""
+    optimizer, scheduler = optimizers
+    pipe = sharded.pipeline
+    dp_rank, m_count = ctx.rank % case.dp_size, case.microbatches
+    group = pipe.stages[0].group
+    last = dist.get_global_rank(group, case.pp - 1)  # the last stage of this rank's pipeline
+    dtypes: dict[str, str] = {}
+    items: dict[str, list[list[int]]] = {}
+    for step in range(1, case.steps + 1):
+        inputs, targets = global_batch(case, step)
+        counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
+        items[str(step)] = counts
+        scale = _global_mean(0, 0, sum(map(sum, counts)), case.dp_size)
+        # the schedule averages the micro-batches' losses (scale_grads): each is scaled by their count
+        pipe.loss = lambda out, target, s=scale: microbatch_loss(case, logits_of(case.model, out), target, s * m_count)
+        block = rank_slice(case, dp_rank)
+        args, _ = as_call(take(inputs, block, ctx.device))
+        ctx.phase(f"step {step} pipeline schedule")
+        for probe in probes:
+            probe.before_forward(step, 0)
+        out = pipe.step(args[0], targets[block].to(ctx.device))
+        for probe in probes:
+            probe.after_backward(step, m_count - 1)
+        ctx.phase(f"step {step} record logits and loss")
+        handed: list = [None, None]
+        if pipe.last:
+            logits = logits_of(case.model, out).detach()
+            loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
+            for part, index in zip(logits.tensor_split(m_count), microbatch_slices(case, dp_rank)):
+                loss += microbatch_loss(case, part, targets[index].to(ctx.device), scale).detach().float()
+            handed = [logits.cpu(), loss.cpu()]
+        dist.broadcast_object_list(handed, src=last, group=group)
+        dtypes["logits"] = str(handed[0].dtype)
+        records.rows(step, "logits", "logits", handed[0])
+        records.mean(step, "loss", "loss", handed[1])
+        ctx.phase(f"step {step} record gradients")
+        _record_grads(records, step, view, dtypes)
+        ctx.phase(f"step {step} optimizer step")
+        optimizer.step()
+        step_scheduler(scheduler)
+        optimizer.zero_grad(set_to_none=True)
+        _after_step(case, ctx, step, view, optimizer, params, probes, records)
     return dtypes, items
 
 

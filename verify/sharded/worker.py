@@ -75,21 +75,25 @@ class MeshCache:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple[tuple[int, ...], int], DeviceMesh] = {}
+        self._meshes: dict[tuple[tuple[int, ...], int, int], DeviceMesh] = {}
 
-    def get(self, shape: tuple[int, ...], ep: int = 1) -> DeviceMesh:
+    def get(self, shape: tuple[int, ...], ep: int = 1, pp: int = 1) -> DeviceMesh:
         """The data-parallel mesh `shape`, its dims named (shard,) or (replicate, shard); with
-        `ep` > 1 its shard dim unflattened into ("efsdp", "ep") (verify/engines/expert_parallel.py):
+        `ep` > 1 its shard dim unflattened into ("efsdp", "ep") (verify/engines/expert_parallel.py);
+        with `pp` > 1 a "pp" dim of that many stages before it (verify/engines/pipeline_parallel.py):
         made here, once, as its groups outlive a case."""
-        if (shape, ep) not in self._meshes:
+        key = (tuple(shape), ep, pp)
+        if key not in self._meshes:
+            names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
             if ep > 1:
                 from fsdp_verify.engines.expert_parallel import expert_mesh
 
-                self._meshes[shape, ep] = expert_mesh(self.get(shape), ep)
+                self._meshes[key] = expert_mesh(self.get(shape), ep)
+            elif pp > 1:
+                self._meshes[key] = init_device_mesh(self.device_type, (pp, *shape), mesh_dim_names=("pp", *names))
             else:
-                names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-                self._meshes[shape, ep] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-        return self._meshes[shape, ep]
+                self._meshes[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._meshes[key]
 
 
 def _die_with_parent() -> None:
@@ -189,7 +193,7 @@ def run_case(
     clock.mark("decode case")
     case = Case.from_json(case_json)
     clock.mark("mesh")
-    mesh = meshes.get(case.mesh, case.ep)
+    mesh = meshes.get(case.mesh, case.ep, case.pp)
     ctx = RankContext(
         rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir, resume=resume
     )

@@ -1,0 +1,61 @@
+"""The reference's pipeline parallelism: what the schedule and the stages change in the
+arithmetic, kept out of the FSDP emulation (reference/trainer.py calls in here at three points;
+docs/pipeline-parallel.md). The reference trains the unsplit model on the same micro-batches.
+
+- The schedule's loss: each micro-batch's loss is its sum over items times dp x micro-batches /
+  the step's items (`backward_loss`), and the schedule divides the reduced gradients by the
+  number of micro-batches once all have run (`scale_grads`, `after_reduction`): the same mean,
+  rounded the schedule's way. The loss recorded is the plain one.
+- The stages accumulate every micro-batch's gradients unreduced and reduce once after the last
+  (the case's `sync_every_microbatch` is false, as Case requires): the reference's no-sync path.
+- Each stage is sharded on its own: its parameters that no unit of the plan holds belong to the
+  stage's root, one reduce-scatter buffer per stage, not one for the model (`average`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_verify.training.loss import microbatch_loss
+
+
+def backward_loss(case, out, targets, loss_factor: float, loss: torch.Tensor) -> torch.Tensor:
+    """The loss a rank's micro-batch backpropagates: the schedule's (see the module docstring)."""
+    if case.pp == 1:
+        return loss
+    return microbatch_loss(case, out, targets, loss_factor * case.microbatches)
+
+
+_STAGES: dict[str, dict[str, int]] = {}
+
+
+def stage_of(case) -> dict[str, int]:
+    """Each parameter's stage, by name: the case's split (the built-in one, or `pp_split`) of a
+    model built on the meta device, as every rank splits its own."""
+    if case.hash not in _STAGES:
+        from fsdp_verify.engines.pipeline_parallel import split, stages_per_rank
+        from fsdp_verify.models import _construct
+
+        with torch.device("meta"):
+            model = _construct(case.model)
+        names = {id(p): n for n, p in model.named_parameters()}
+        stages = split(case, model, case.pp * stages_per_rank(case.pp_schedule))
+        _STAGES[case.hash] = {names[id(p)]: s for s, stage in enumerate(stages) for p in stage.parameters()}
+    return _STAGES[case.hash]
+
+
+def average(rank_grads, case, reduce_dtype, divide, hsdp_average) -> dict[str, torch.Tensor]:
+    """FSDP2's reduction, stage by stage: each stage's units and its own root."""
+    stages = stage_of(case)
+    out: dict[str, torch.Tensor] = {}
+    for s in sorted(set(stages.values())):
+        mine = [{n: g for n, g in grads.items() if stages[n] == s} for grads in rank_grads]
+        out.update(hsdp_average(mine, case, reduce_dtype, divide))
+    return dict(sorted(out.items(), key=lambda kv: list(rank_grads[0]).index(kv[0])))
+
+
+def after_reduction(case, master_grads: dict[str, torch.Tensor]) -> None:
+    """The schedule's `scale_grads`: every reduced gradient divided by the micro-batches."""
+    if case.pp > 1 and case.microbatches != 1:
+        for g in master_grads.values():
+            g.div_(case.microbatches)

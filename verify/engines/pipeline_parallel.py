@@ -1,0 +1,268 @@
+"""Pipeline parallelism composed with FSDP2, as torchtitan composes them (docs/pipeline-parallel.md):
+the model cut into stages over a "pp" mesh dim (outermost), each stage sharded by FSDP2 over its
+data-parallel ranks, the micro-batches run by a `torch.distributed.pipelining` schedule.
+
+Every rank builds the whole model (the same seed everywhere), keeps the stages it runs (one, or
+two under Interleaved1F1B: stages p and p + pp on pp rank p) and drops the parameters of the
+others from its copy, which then holds exactly what the rank trains, under the model's own names:
+the module the loop records and steps (`Pipeline.module`). Each stage is sharded by the engine's
+own per-module sharding (`shard_stage(stage, dp_mesh, stage_spec)`: the fsdp2 engine itself, with
+the wrap plan's units that lie in the stage and the stage as its root), wrapped in a
+`PipelineStage` and scheduled: FSDP2 accumulates every micro-batch's gradients unreduced (the
+stage turns its sync off for each backward) and reduces once after the last; the schedule then
+divides the gradients by the number of micro-batches (`scale_grads`), so each micro-batch's loss is
+its sum over items times dp x micro-batches / the step's items (`Pipeline.loss`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from fsdp_verify.engines.view import EngineView
+from fsdp_verify.sharded.gather import gather_full, sum_full
+from fsdp_verify.validation import check, is_int
+
+PP = "pp"
+SCHEDULES = ("gpipe", "1f1b", "interleaved1f1b")
+
+
+def stages_per_rank(schedule: str) -> int:
+    return 2 if schedule == "interleaved1f1b" else 1
+
+
+# ---- the case -----------------------------------------------------------------------------------
+def check_pipeline_value(name: str, value: Any) -> None:
+    """What each pipeline field takes on its own."""
+    from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
+
+    if name == "pp":
+        check(is_int(value) and value >= 1, "pp", "a positive integer (1: no pipeline parallelism)", value)
+    elif name == "pp_schedule":
+        check(value in SCHEDULES, "pp_schedule", f"one of {SCHEDULES}", value)
+    elif name == "pp_split":
+        check(value is None or is_import_path(value), "pp_split", f"null or {IMPORT_PATH}", value)
+
+
+# What the reference does not model beside pipeline parallelism yet, with its value when off.
+NOT_BESIDE_PP = {
+    "step": (None, "a user's step (the schedule runs forward and backward)"),
+    "clip_norm": (None, "a clip (the norm over the stages is not modelled yet)"),
+    "loss_scaling": (None, "fp16 loss scaling"),
+    "resume_after": (None, "a resume (not modelled yet)"),
+    "ignored": ((), "ignored parameters"),
+    "offload": (False, "CPU offload"),
+    "shard_placement": ("dim0", "Shard(1) placements"),
+    "prefetch": (None, "explicit prefetching"),
+    "replica_sync_last": (False, "replica_sync_last (the stage decides what each backward reduces)"),
+    "reshard_after_backward_last": (False, "reshard_after_backward_last (the stage decides it)"),
+    "grad_reduction": ("avg", "a sum reduction"),
+    "unfreeze_step": (None, "unfreezing mid-run"),
+    "zoom": (None, "zoom"),
+    "ep": (1, "expert parallelism"),
+}
+
+
+def check_pipeline(case) -> None:
+    """The case's pipeline: a degree, a schedule the micro-batches fit, a model that splits into
+    its stages, beside only what the reference models with it."""
+    for name in ("pp", "pp_schedule", "pp_split"):
+        check_pipeline_value(name, getattr(case, name))
+    pp = case.pp
+    if pp == 1:
+        for name, off in (("pp_schedule", "1f1b"), ("pp_split", None)):
+            check(getattr(case, name) == off, name, f"{off!r} with pp=1 (no pipeline)", getattr(case, name))
+        return
+    stages, m = pp * stages_per_rank(case.pp_schedule), case.microbatches
+    if case.pp_schedule == "1f1b":
+        check(m >= pp, "microbatches", f"at least pp={pp} under 1F1B (torch's Schedule1F1B refuses fewer)", m)
+    if case.pp_schedule == "interleaved1f1b":
+        rounds = max(1, m // pp)
+        check(
+            m >= pp and m % rounds == 0,
+            "microbatches",
+            f"at least pp={pp} and a multiple of max(1, microbatches // pp) under Interleaved1F1B",
+            m,
+        )
+    model = case.model
+    if case.pp_split is None:
+        check(
+            not model.is_custom,
+            "pp_split",
+            "a function (model, n_stages) -> the stage modules for a model of your own (--pp-split)",
+            None,
+        )
+        check(
+            model.n_blocks >= stages,
+            "pp",
+            f"at most as many stages ({stages} under {case.pp_schedule}) as the model has blocks ({model.n_blocks})",
+            pp,
+        )
+    check(
+        not case.sync_every_microbatch,
+        "sync_every_microbatch",
+        f"false with pp={pp}: a stage accumulates every micro-batch and reduces once after the last (--sync-last)",
+        True,
+    )
+    for name, value, off, why in (
+        ("model.experts", model.experts, 0, "routed experts"),
+        ("model.dropout", model.dropout, 0.0, "dropout (each stage's rank draws its own masks)"),
+        ("model.tie_embeddings", model.tie_embeddings, False, "tied embeddings (not modelled yet)"),
+        *((n, getattr(case, n), off, why) for n, (off, why) in NOT_BESIDE_PP.items()),
+    ):
+        check(value == off, name, f"{off!r} with pp={pp}: {why} beside pipeline parallelism is not modelled", value)
+
+
+# ---- the mesh -----------------------------------------------------------------------------------
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh` without its "pp" dim: ("shard",) or ("replicate", "shard")."""
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != PP)
+    if len(names) == len(mesh.mesh_dim_names or ()):
+        return mesh
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
+
+
+# ---- the stages ---------------------------------------------------------------------------------
+def split(case, model: nn.Module, n_stages: int) -> list[nn.Module]:
+    """Every stage of `model`: the built-in model's views (verify/models/stages.py), or what the
+    case's `pp_split` returns (modules whose parameters are the model's own)."""
+    if case.pp_split is None:
+        from fsdp_verify.models.stages import stage_views
+
+        return stage_views(model, case.model, n_stages)
+    from fsdp_verify.imports import load_object
+
+    stages = list(load_object(case.pp_split, "pp_split")(model, n_stages))
+    own = {id(p) for p in model.parameters()}
+    if len(stages) != n_stages or not all(isinstance(s, nn.Module) for s in stages):
+        raise ValueError(f"pp_split {case.pp_split!r}: expected {n_stages} nn.Modules, got {len(stages)} items")
+    for s, stage in enumerate(stages):
+        foreign = [n for n, p in stage.named_parameters() if id(p) not in own]
+        if foreign:
+            raise ValueError(f"pp_split {case.pp_split!r}: stage {s}'s {foreign[0]!r} is not a parameter of the model")
+    return stages
+
+
+def _stage_wrap(plan: tuple[str, ...], model: nn.Module, stage: nn.Module) -> tuple[str, ...]:
+    """The plan's units that lie in `stage`, by their names there, children first, then the
+    stage itself (its root: the parameters no other unit holds)."""
+    where = {id(m): n for n, m in stage.named_modules()}
+    units = []
+    for fqn in plan:
+        if fqn and id(model.get_submodule(fqn)) in where and where[id(model.get_submodule(fqn))]:
+            units.append(where[id(model.get_submodule(fqn))])
+    return (*units, "")
+
+
+def _drop_others(model: nn.Module, mine: list[nn.Module]) -> None:
+    """The model's parameters that none of `mine` holds removed from their modules: the rank's
+    copy then holds what it trains, under the model's names."""
+    held = {(id(m), n) for stage in mine for m in stage.modules() for n in m._parameters}
+    for module in model.modules():
+        for name in list(module._parameters):
+            if (id(module), name) not in held:
+                del module._parameters[name]
+
+
+@dataclass
+class Pipeline:
+    """This rank's part of the pipeline: its stage modules, their `PipelineStage`s, the schedule,
+    and the loss the loop sets each step (`loss(output, target)` of one micro-batch)."""
+
+    case: Any
+    module: nn.Module  # the rank's copy of the model: what it trains, under the model's names
+    modules: list[nn.Module]
+    stages: list[Any]
+    schedule: Any = None
+    loss: Any = None
+    first: bool = False  # holds stage 0: takes the inputs
+    last: bool = False  # holds the last stage: takes the targets, gives the outputs
+    extra: dict = field(default_factory=dict)
+
+    def step(self, inputs, targets: torch.Tensor) -> torch.Tensor | None:
+        """One schedule step over this rank's block of the batch; the last stage's outputs, in
+        micro-batch order, where this rank holds it."""
+        args = (inputs,) if self.first else ()
+        kwargs: dict[str, Any] = {}
+        if self.last:
+            kwargs = {"target": targets, "losses": [], "return_outputs": True}
+        return self.schedule.step(*args, **kwargs)
+
+
+def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.Module:
+    """Split `model`, keep this rank's stages, shard each (`shard_stage(stage, dp_mesh,
+    stage_spec)`), schedule them; returns the rank's copy of the model with its `Pipeline` as
+    `.pipeline` and the view the loop records through."""
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
+
+    case = spec.case
+    pp_mesh, dp_mesh = mesh[PP], data_parallel_mesh(mesh)
+    p, pp, per = pp_mesh.get_local_rank(), case.pp, stages_per_rank(case.pp_schedule)
+    n_stages = pp * per
+    device = next(model.parameters()).device
+    everything = split(case, model, n_stages)
+    indices = [p + k * pp for k in range(per)]
+    mine = [everything[i] for i in indices]
+    _drop_others(model, mine)
+    stages = []
+    for i, stage in zip(indices, mine):
+        shard_stage(stage, dp_mesh, replace(spec, wrap=_stage_wrap(case.wrap_plan, model, stage), stage=i))
+        stages.append(PipelineStage(stage, i, n_stages, device, group=pp_mesh.get_group()))
+    pipe = Pipeline(case, model, mine, stages, first=0 in indices, last=n_stages - 1 in indices)
+    kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
+    schedule = kind[case.pp_schedule]
+    pipe.schedule = schedule(
+        stages if per > 1 else stages[0],
+        n_microbatches=case.microbatches,
+        loss_fn=lambda output, target: pipe.loss(output, target),
+    )
+    model.pipeline = pipe
+    model.verify_view = lambda: PipelineView(model)
+    return model
+
+
+# ---- what the loop reads --------------------------------------------------------------------------
+class PipelineView(EngineView):
+    """Full tensors under pipeline parallelism: each stage's gathered over its data-parallel
+    ranks (`gather_full`, as without stages) and handed to rank 0 by the stage's first rank (one
+    `gather_object` over every rank). Collectives: every rank calls them in the same order; the
+    ranks but 0 get {}."""
+
+    def _to_rank0(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        from fsdp_verify.models import parameter_names
+
+        case, rank = self.module.pipeline.case, dist.get_rank()
+        sent = {n: t.detach().cpu() for n, t in mine.items()} if rank % case.dp_size == 0 else {}
+        got: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
+        dist.gather_object(sent, got, dst=0)
+        if got is None:
+            return {}
+        merged = {n: t for part in got for n, t in part.items()}
+        order = {n: i for i, n in enumerate(parameter_names(case.model))}  # the model's, as the reference's
+        return dict(sorted(merged.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
+
+    def full_params(self) -> dict[str, torch.Tensor]:
+        return self._to_rank0(_gathered({n: p.detach() for n, p in self.parameters().items()}))
+
+    def param_sums(self) -> dict[str, torch.Tensor]:
+        params = self.parameters()
+        return self._to_rank0(dict(zip(params, sum_full([p.detach() for p in params.values()]))))
+
+    def full_grads(self) -> dict[str, torch.Tensor]:
+        return self._to_rank0(_gathered({n: p.grad for n, p in self.parameters().items() if p.grad is not None}))
+
+    def full_optimizer_state(self, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        return self._to_rank0(_gathered(state))
+
+    def ownership(self):
+        """Not read across the stages' roots yet: the ownership check says n/a."""
+        return None
+
+
+def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return dict(zip(tensors, gather_full(list(tensors.values()))))
