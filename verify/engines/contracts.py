@@ -68,7 +68,9 @@ def _held_to(case) -> Contracts:
     if getattr(case, "pp", 1) > 1 and (declared.comm or declared.memory):
         # The stages' sends and receives, and a stage's units held unsharded across its
         # micro-batches (the schedule turns resharding after backward off): not modelled yet.
-        why = "pipeline parallelism's point-to-point sends and a stage's unsharded accumulation are not in the contracts"
+        why = (
+            "pipeline parallelism's point-to-point sends and a stage's unsharded accumulation are not in the contracts"
+        )
         return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "ep", 1) > 1 and (declared.comm or declared.memory):
         # The token dispatch's all-to-alls carry as many rows as the routing sends each rank, and
