@@ -10,6 +10,9 @@ docs/pipeline-parallel.md). The reference trains the unsplit model on the same m
   (the case's `sync_every_microbatch` is false, as Case requires): the reference's no-sync path.
 - Each stage is sharded on its own: its parameters that no unit of the plan holds belong to the
   stage's root, one reduce-scatter buffer per stage, not one for the model (`average`).
+- The Transformer's tied embedding is two copies, the first stage's (`tok_embeddings.weight`)
+  and the last's (`output.weight`): each gets its own gradient, reduced over its stage's ranks
+  and divided by the schedule, then the two are summed (`untie`, `after_reduction`).
 """
 
 from __future__ import annotations
@@ -29,6 +32,23 @@ def backward_loss(case, out, targets, loss_factor: float, loss: torch.Tensor) ->
 _STAGES: dict[str, dict[str, int]] = {}
 
 
+TIED_HEAD, TIED = "output.weight", "tok_embeddings.weight"
+
+
+def untied(case) -> bool:
+    """Whether the case's tied embedding is two copies on two stages."""
+    return case.pp > 1 and case.model.kind == "transformer" and case.model.tie_embeddings
+
+
+def untie(case, compute: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The compute copies with the last stage's copy of a tied embedding a leaf of its own (the
+    forward then runs with `tie_weights=False`)."""
+    if not untied(case):
+        return compute
+    first = compute[TIED]
+    return {**compute, TIED_HEAD: first.detach().clone().requires_grad_(first.requires_grad)}
+
+
 def stage_of(case) -> dict[str, int]:
     """Each parameter's stage, by name: the case's split (the built-in one, or `pp_split`) of a
     model built on the meta device, as every rank splits its own."""
@@ -38,9 +58,12 @@ def stage_of(case) -> dict[str, int]:
 
         with torch.device("meta"):
             model = _construct(case.model)
-        names = {id(p): n for n, p in model.named_parameters()}
         stages = split(case, model, case.pp * stages_per_rank(case.pp_schedule))
-        _STAGES[case.hash] = {names[id(p)]: s for s, stage in enumerate(stages) for p in stage.parameters()}
+        if case.pp_split is None:  # the views name their parameters as the model does, a tied copy too
+            _STAGES[case.hash] = {n: s for s, stage in enumerate(stages) for n, _ in stage.named_parameters()}
+        else:
+            names = {id(p): n for n, p in model.named_parameters()}
+            _STAGES[case.hash] = {names[id(p)]: s for s, stage in enumerate(stages) for p in stage.parameters()}
     return _STAGES[case.hash]
 
 
@@ -55,7 +78,10 @@ def average(rank_grads, case, reduce_dtype, divide, hsdp_average) -> dict[str, t
 
 
 def after_reduction(case, master_grads: dict[str, torch.Tensor]) -> None:
-    """The schedule's `scale_grads`: every reduced gradient divided by the micro-batches."""
+    """The schedule's `scale_grads`: every reduced gradient divided by the micro-batches; then a
+    tied embedding's two copies summed (an all-reduce of two: a + b either way)."""
     if case.pp > 1 and case.microbatches != 1:
         for g in master_grads.values():
             g.div_(case.microbatches)
+    if untied(case) and TIED_HEAD in master_grads:
+        master_grads[TIED] = master_grads[TIED] + master_grads.pop(TIED_HEAD)

@@ -35,7 +35,7 @@ from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
-from fsdp_verify.reference.pipeline_parallel import backward_loss
+from fsdp_verify.reference.pipeline_parallel import backward_loss, untie, untied
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
@@ -297,7 +297,7 @@ class _Run:
             targets=targets,
             groups=groups,
             loss_factor=loss_factor,
-            compute=(compute := self.compute_copies()),
+            compute=(compute := untie(case, self.compute_copies())),  # a pipeline's tied copies apart
             trainable=[n for n in compute if compute[n].requires_grad],
             logits={},
             rank_loss=[torch.zeros((), dtype=torch.float32) for _ in groups[0]],
@@ -343,7 +343,8 @@ class _Run:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
-        out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
+        out = functional_call(self.model, state.compute, args, kwargs, tie_weights=not untied(self.case))
+        out = logits_of(self.case.model, out)
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
@@ -843,6 +844,9 @@ class _FlatLayout:
             for n, offset, numel in slots:
                 if n in rank_grads[0]:
                     out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)
+        for n in rank_grads[0]:  # a gradient no slot holds (a pipeline's second copy of a tie): on its own
+            if n not in out:
+                out[n] = _average([g[n] for g in rank_grads], reduce_dtype, "rank", (pre, post))
         return out
 
     def carry(

@@ -747,7 +747,7 @@ class Case:
                 check(
                     not _is_ancestor(fqn, later), "wrap", f"children before parents ({later!r} is inside {fqn!r})", plan
                 )
-        if self.model.kind == "transformer" and self.model.tie_embeddings:
+        if self.model.kind == "transformer" and self.model.tie_embeddings and self.pp == 1:  # pp: two stages hold it
             a, b = _owner(plan, "tok_embeddings"), _owner(plan, "output")
             check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
         if self.model.is_custom:

@@ -16,7 +16,7 @@ its sum over items times dp x micro-batches / the step's items (`Pipeline.loss`)
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -103,6 +103,15 @@ def check_pipeline(case) -> None:
             f"at most as many stages ({stages} under {case.pp_schedule}) as the model has blocks ({model.n_blocks})",
             pp,
         )
+    if case.pp_split is not None and model.is_custom:
+        from fsdp_verify.models.custom import tied_groups
+
+        check(
+            not tied_groups(model),
+            "pp_split",
+            "null beside tied parameters of your own model (tied across stages: the built-in Transformer's only)",
+            case.pp_split,
+        )
     check(
         not case.sync_every_microbatch,
         "sync_every_microbatch",
@@ -112,7 +121,6 @@ def check_pipeline(case) -> None:
     for name, value, off, why in (
         ("model.experts", model.experts, 0, "routed experts"),
         ("model.dropout", model.dropout, 0.0, "dropout (each stage's rank draws its own masks)"),
-        ("model.tie_embeddings", model.tie_embeddings, False, "tied embeddings (not modelled yet)"),
         *((n, getattr(case, n), off, why) for n, (off, why) in NOT_BESIDE_PP.items()),
     ):
         check(value == off, name, f"{off!r} with pp={pp}: {why} beside pipeline parallelism is not modelled", value)
@@ -182,7 +190,9 @@ class Pipeline:
     loss: Any = None
     first: bool = False  # holds stage 0: takes the inputs
     last: bool = False  # holds the last stage: takes the targets, gives the outputs
-    extra: dict = field(default_factory=dict)
+    # Tied embeddings across the first and the last stage: (the group of the two ranks holding a
+    # copy, the module holding this rank's copy, its attribute); None: none here.
+    tied: tuple | None = None
 
     def step(self, inputs, targets: torch.Tensor) -> torch.Tensor | None:
         """One schedule step over this rank's block of the batch; the last stage's outputs, in
@@ -192,6 +202,16 @@ class Pipeline:
         if self.last:
             kwargs = {"target": targets, "losses": [], "return_outputs": True}
         return self.schedule.step(*args, **kwargs)
+
+    def sync_tied(self) -> None:
+        """The tied embedding's gradient summed between its copies on the first and the last
+        stage (each reduced over its data-parallel ranks and divided by the schedule first), so
+        both copies take the same update: the gradient of the weight they are."""
+        if self.tied is not None:
+            group, module, name = self.tied
+            grad = getattr(module, name).grad
+            if grad is not None:
+                dist.all_reduce(grad._local_tensor if hasattr(grad, "_local_tensor") else grad, group=group)
 
 
 def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.Module:
@@ -221,9 +241,25 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.
         n_microbatches=case.microbatches,
         loss_fn=lambda output, target: pipe.loss(output, target),
     )
+    pipe.tied = _tied_copies(case, model, dp_mesh, pipe)
     model.pipeline = pipe
     model.verify_view = lambda: PipelineView(model)
     return model
+
+
+def _tied_copies(case, model: nn.Module, dp_mesh: DeviceMesh, pipe: Pipeline) -> tuple | None:
+    """The Transformer's tied embedding, held by the first stage (`tok_embeddings.weight`) and the
+    last (`output.weight`): the group of each data-parallel rank's two copies (every rank makes
+    every group, in order), and this rank's copy, if it holds one."""
+    if case.model.kind != "transformer" or not case.model.tie_embeddings:
+        return None
+    dp, last = case.dp_size, case.pp - 1
+    group, _ = dist.new_subgroups_by_enumeration([[d, last * dp + d] for d in range(dp)])
+    if pipe.first:
+        return group, model.tok_embeddings, "weight"
+    if pipe.last:
+        return group, model.output, "weight"
+    return None
 
 
 # ---- what the loop reads --------------------------------------------------------------------------
@@ -242,7 +278,11 @@ class PipelineView(EngineView):
         dist.gather_object(sent, got, dst=0)
         if got is None:
             return {}
-        merged = {n: t for part in got for n, t in part.items()}
+        # A tied weight once, under its first name: the first stage's copy (the last's is its twin).
+        aliases = ("output.weight",) if case.model.kind == "transformer" and case.model.tie_embeddings else ()
+        merged = {
+            n: t for part in got for n, t in part.items() if not any(n == a or n.startswith(a + ".") for a in aliases)
+        }
         order = {n: i for i, n in enumerate(parameter_names(case.model))}  # the model's, as the reference's
         return dict(sorted(merged.items(), key=lambda kv: (order.get(kv[0], len(order)), kv[0])))
 

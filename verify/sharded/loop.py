@@ -248,6 +248,7 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         for probe in probes:
             probe.before_forward(step, 0)
         out = pipe.step(args[0], targets[block].to(ctx.device))
+        pipe.sync_tied()  # a tied embedding's two copies: one gradient
         for probe in probes:
             probe.after_backward(step, m_count - 1)
         ctx.phase(f"step {step} record logits and loss")

@@ -865,6 +865,84 @@ def _keep_by_score(moe, order, flat, counts, limit, probs):
     return torch.cat(kept)
 
 
+# ---- pipeline parallelism (docs/pipeline-parallel.md) ----------------------------------------------
+def pp_loss_not_divided_by_microbatches(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The schedule told not to divide the gradients by the micro-batches (`scale_grads=False`)
+    while each micro-batch's loss is scaled for a mean over them: every gradient M times too large."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp > 1:
+        model.pipeline.schedule.scale_grads = False
+    return model
+
+
+class _Detached(torch.autograd.Function):
+    """Identity forward; no gradient back (zeros): the activation as if detached."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return torch.zeros_like(grad)
+
+
+def pp_stage_boundary_detached(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Every stage after the first cuts its input off from the graph (an `x.detach()` at the
+    stage boundary): no gradient reaches the earlier stages, which train on weight decay alone."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp > 1:
+        for stage in model.pipeline.stages:
+            if stage.stage_index > 0:
+                stage.submod.register_forward_pre_hook(lambda _m, args: tuple(_Detached.apply(a) for a in args))
+    return model
+
+
+def pp_stage_reduces_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The first stage ignores the schedule's no-sync and reduces on every micro-batch, each
+    reduction divided by data-parallel size x micro-batches (a factor meant for one reduction of
+    the whole step's sum): its gradients come out M times too small once the schedule divides."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp == 1:
+        return model
+    factor = float(spec.case.dp_size * spec.case.microbatches)
+    for stage in model.pipeline.stages:
+        if stage.stage_index == 0:
+            stage.submod.set_requires_gradient_sync = lambda *_a, **_k: None
+            for unit in _units(stage.submod):
+                unit.set_gradient_divide_factor(factor)
+                unit.set_force_sum_reduction_for_comms(True)
+    return model
+
+
+def pp_microbatches_reversed_on_last_stage(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The last stage takes the targets' micro-batches in reverse order: each output meets
+    another micro-batch's targets (its data loader and the first stage's out of step)."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp == 1 or not model.pipeline.last:
+        return model
+    schedule, m = model.pipeline.schedule, spec.case.microbatches
+    step = schedule.step
+
+    def reversed_targets(*args, target=None, **kwargs):
+        if target is not None:
+            target = torch.cat(list(reversed(target.tensor_split(m))))
+        return step(*args, target=target, **kwargs)
+
+    schedule.step = reversed_targets
+    return model
+
+
+def pp_tied_embedding_grads_not_summed(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The tied embedding's copies on the first and the last stage each keep their own gradient
+    (the sum between the stages forgotten): the embedding trains on its lookup's gradient alone,
+    the head on its own, and the two copies drift apart."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp > 1:
+        model.pipeline.sync_tied = lambda: None
+    return model
+
+
 # ---- a checkpoint's resume (verify/training/resume.py; docs/resume.md) -----------------------------
 def _resuming(checkpointer: type) -> callable:
     """An FSDP2 engine whose checkpoints load through `checkpointer` (a Checkpointer with one
