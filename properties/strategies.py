@@ -631,6 +631,7 @@ def cases(
     else:
         drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
+    drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
     if resume:  # docs/resume.md
         return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp))
     return drawn
@@ -794,6 +795,73 @@ def _ep_degrees(case: Case, model: ModelSpec) -> list[int]:
     shard = case.mesh[-1]
     fp16 = (case.precision.reduce_dtype or case.precision.param_dtype) == "fp16"
     return [d for d in range(2, shard + 1) if shard % d == 0 and model.experts % d == 0 and not (fp16 and d == shard)]
+
+
+@st.composite
+def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = False) -> Case:
+    """`case` cut into pipeline stages (docs/pipeline-parallel.md), drawn after everything else
+    so that a seed's earlier draws stay what they were: a third of the draws where a degree
+    divides the world size and the model has a block a stage, for an engine that takes `pp`
+    (`_knob_pins` pins it to 1 otherwise). The data-parallel mesh is drawn again for the ranks a
+    stage has; what the reference does not model beside a pipeline is drawn off (Case refuses
+    it: verify/engines/pipeline_parallel.py), unless a pin asked for it, and the stages reduce
+    once a step (sync on the last micro-batch only)."""
+    from fsdp_verify.engines.pipeline_parallel import NOT_BESIDE_PP, SCHEDULES, stages_per_rank
+
+    blocks = case.model.n_blocks if not case.model.is_custom or "pp_split" in pins else 0
+    degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
+    pinned_on = any(name in pins and getattr(case, name) != off for name, (off, _) in NOT_BESIDE_PP.items())
+    if resume or pinned_on or not degrees:
+        degrees = []
+    pp = draw(
+        _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
+    )
+    if pp == 1:
+        assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
+        return case
+    assume(case.world_size % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
+    m = case.microbatches
+    fitting = [
+        name
+        for name in SCHEDULES
+        if blocks >= pp * stages_per_rank(name)
+        and (name == "gpipe" or m >= pp)
+        and (name != "interleaved1f1b" or m % max(1, m // pp) == 0)
+    ]
+    assume(fitting)
+    schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
+    dp = case.world_size // pp
+    mesh = draw(hsdp_meshes(dp)) if case.mesh_shape is not None else None
+    shard = mesh[-1] if mesh else dp
+    rsf = case.reshard_after_forward
+    model = replace(
+        case.model,
+        experts=0,
+        top_k=None,
+        capacity_factor=None,
+        aux_loss=0.0,
+        router_bias=0.0,
+        dropout=0.0,
+        frozen=tuple(f for f in case.model.frozen if not f.startswith("moe")),
+    )
+    changes: dict[str, Any] = {
+        "pp": pp,
+        "pp_schedule": schedule,
+        "mesh_shape": mesh,
+        "model": model,
+        "sync_every_microbatch": False,
+        "reshard_after_forward": rsf if isinstance(rsf, bool) or shard % rsf == 0 else True,
+        **{name: off for name, (off, _) in NOT_BESIDE_PP.items() if name != "step"},
+    }
+    if not model.frozen:
+        changes["unfreeze_step"] = None
+    if case.wrap is not None:  # units of the routed experts gone with them
+        changes["wrap"] = tuple(u for u in case.wrap_plan if not u.startswith("moe")) or ("",)
+    try:
+        return case.with_(**changes)
+    except CaseError:
+        assume(False)
+        raise
 
 
 def _shard1_takes(rsf: bool | int, shard: int) -> bool:

@@ -10,6 +10,11 @@ docs/pipeline-parallel.md). The reference trains the unsplit model on the same m
   (the case's `sync_every_microbatch` is false, as Case requires): the reference's no-sync path.
 - Each stage is sharded on its own: its parameters that no unit of the plan holds belong to the
   stage's root, one reduce-scatter buffer per stage, not one for the model (`average`).
+- Each stage is a root of its own: FSDP2 casts its input to `param_dtype` and its output to
+  `output_dtype` (a residual stream a unit left in fp32 is cast back to bf16 where a stage
+  begins), and passes its input through the post-backward node when the stage's root holds
+  parameters. The reference runs its model's forward as the stages in order, each with those
+  hooks (`staged_forward`), the same modules and units as the ranks.
 - The Transformer's tied embedding is two copies, the first stage's (`tok_embeddings.weight`)
   and the last's (`output.weight`): each gets its own gradient, reduced over its stage's ranks
   and divided by the schedule, then the two are summed (`untie`, `after_reduction`).
@@ -18,6 +23,7 @@ docs/pipeline-parallel.md). The reference trains the unsplit model on the same m
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from fsdp_verify.training.loss import microbatch_loss
 
@@ -47,6 +53,30 @@ def untie(case, compute: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return compute
     first = compute[TIED]
     return {**compute, TIED_HEAD: first.detach().clone().requires_grad_(first.requires_grad)}
+
+
+def staged_forward(model: nn.Module, case) -> list[tuple[nn.Module, bool]]:
+    """`model`'s forward made its stages' in order (the case's split of this very model: the
+    stages share its modules, so a `functional_call` on it reaches them); returns each stage and
+    whether its root holds parameters of its own (no unit of the plan holds them)."""
+    from fsdp_verify.engines.pipeline_parallel import split, stages_per_rank
+
+    stages = split(case, model, case.pp * stages_per_rank(case.pp_schedule))
+
+    def forward(*args, **kwargs):
+        x = stages[0](*args, **kwargs)
+        for stage in stages[1:]:
+            x = stage(x)
+        return x
+
+    model.forward = forward
+    plan = case.wrap_plan
+    units = [model.get_submodule(u) for u in plan if u]
+    out = []
+    for stage in stages:
+        in_units = {id(p) for u in units for p in u.parameters()}
+        out.append((stage, any(id(p) not in in_units for p in stage.parameters())))
+    return out
 
 
 def stage_of(case) -> dict[str, int]:

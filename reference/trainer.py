@@ -35,7 +35,7 @@ from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
-from fsdp_verify.reference.pipeline_parallel import backward_loss, untie, untied
+from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
@@ -1009,24 +1009,33 @@ def _install_precision_hooks(
 ) -> None:
     """FSDP2 casts floating inputs of every shard unit to `param_dtype` (cast_forward_inputs) and
     its outputs to `output_dtype`; the same casts, on the same modules (FSDP1 only on the root and
-    on units holding parameters of their own: `cast_units_without_params=False`)."""
-    policy = case.precision
-    param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
+    on units holding parameters of their own: `cast_units_without_params=False`). Under pipeline
+    parallelism each stage is a root of its own: the model's forward runs the stages in order,
+    each with the root's casts and node (reference/pipeline_parallel.py)."""
     # FSDP2 has no param group, so no post-backward node, for a unit whose parameters are all ignored
     units_with_params = {
         _owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters() if not is_ignored(case.ignored, name)
     }
-    for fqn in case.wrap_plan:
-        module = model.get_submodule(fqn)
+    for fqn in case.wrap_plan if case.pp == 1 else case.wrap_plan[:-1]:
         casts = cast_units_without_params or fqn == "" or fqn in units_with_params
-        if policy.cast_forward_inputs and param_dtype is not None and casts:
-            module.register_forward_pre_hook(
-                lambda _m, args, kw, d=param_dtype: (cast_floats(args, d), cast_floats(kw, d)), with_kwargs=True
-            )
-        if output_dtype is not None:
-            module.register_forward_hook(lambda _m, _a, out, d=output_dtype: cast_floats(out, d))
-        if unit_input_node and fqn in units_with_params:
-            module.register_forward_pre_hook(_post_backward_node, with_kwargs=True)
+        _unit_hooks(model.get_submodule(fqn), case.precision, casts, unit_input_node and fqn in units_with_params)
+    if case.pp > 1:
+        for stage, owns_params in staged_forward(model, case):
+            _unit_hooks(stage, case.precision, True, unit_input_node and owns_params)
+
+
+def _unit_hooks(module: nn.Module, policy, casts: bool, node: bool) -> None:
+    """One unit's hooks: its inputs cast to `param_dtype` (where it `casts`), its output to
+    `output_dtype`, its inputs through FSDP2's post-backward node (`node`)."""
+    param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
+    if policy.cast_forward_inputs and param_dtype is not None and casts:
+        module.register_forward_pre_hook(
+            lambda _m, args, kw, d=param_dtype: (cast_floats(args, d), cast_floats(kw, d)), with_kwargs=True
+        )
+    if output_dtype is not None:
+        module.register_forward_hook(lambda _m, _a, out, d=output_dtype: cast_floats(out, d))
+    if node:
+        module.register_forward_pre_hook(_post_backward_node, with_kwargs=True)
 
 
 class _PostBackwardNode(torch.autograd.Function):
