@@ -810,8 +810,12 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
 
     blocks = case.model.n_blocks if not case.model.is_custom or "pp_split" in pins else 0
     degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
-    pinned_on = any(name in pins and getattr(case, name) != off for name, (off, _) in NOT_BESIDE_PP.items())
-    if resume or pinned_on or not degrees:
+    pinned_on = any(
+        (name in pins and getattr(case, name) != off) or any(k.startswith(name + ".") for k in pins)
+        for name, (off, _) in NOT_BESIDE_PP.items()
+    )
+    # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
+    if resume or pinned_on or "mesh_shape" in pins:
         degrees = []
     pp = draw(
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
@@ -834,6 +838,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     mesh = draw(hsdp_meshes(dp)) if case.mesh_shape is not None else None
     shard = mesh[-1] if mesh else dp
     rsf = case.reshard_after_forward
+    # an int the stage's smaller shard group does not divide: True below; a pinned one: not this draw
+    assume("reshard_after_forward" not in pins or isinstance(rsf, bool) or shard % rsf == 0)
     model = replace(
         case.model,
         experts=0,
@@ -844,12 +850,17 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
         dropout=0.0,
         frozen=tuple(f for f in case.model.frozen if not f.startswith("moe")),
     )
+    from fsdp_verify.models import is_frozen
+
+    if all(is_frozen(model, n) for n in _param_names(model)):  # the routed experts were what trained
+        model = replace(model, frozen=())
     changes: dict[str, Any] = {
         "pp": pp,
         "pp_schedule": schedule,
         "mesh_shape": mesh,
         "model": model,
         "sync_every_microbatch": False,
+        # an int the stage's smaller shard group does not divide (not pinned: see above): True
         "reshard_after_forward": rsf if isinstance(rsf, bool) or shard % rsf == 0 else True,
         **{name: off for name, (off, _) in NOT_BESIDE_PP.items() if name != "step"},
     }

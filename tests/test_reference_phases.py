@@ -209,6 +209,7 @@ def assert_same_trace(new: Trace, old: Trace) -> None:
         # Shard(1) placements too (the frozen copy emulates Shard(0) only): drawn by chance before
         # frozen units joined the draw, and drawn with them.
         shard_placement="dim0",
+        pp=1,  # a pipeline's schedule and stages: after the frozen copy (reference/pipeline_parallel.py)
     ),
     modes=_modes(),
     unit_input_node=st.sampled_from((None, False, True)),

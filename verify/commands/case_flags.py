@@ -308,7 +308,7 @@ FLAGS: tuple[Flag, ...] = (
         "--mesh-shape",
         "mesh_shape",
         MESH,
-        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product; none = 1-D",
+        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product (times --pp); none = 1-D",
         mesh,
         "R,S",
         special=True,

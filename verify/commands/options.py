@@ -195,7 +195,8 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
         changes["mesh_shape"] = flags["mesh_shape"]
         shape = flags["mesh_shape"] or ()
         if "world_size" not in flags and shape and all(isinstance(d, int) for d in shape):
-            changes["world_size"] = _product(shape)
+            pp = flags.get("pp", case.pp)  # the mesh is the data-parallel part: times the stages
+            changes["world_size"] = _product(shape) * (pp if isinstance(pp, int) and pp > 0 else 1)
     if "world_size" in flags:
         changes["world_size"] = flags["world_size"]
         changes.setdefault("mesh_shape", None)

@@ -61,7 +61,7 @@ class ShardSpec:
         returns. Without: None, and the engine shards `model` as it does."""
         if self.case is None or self.case.pp == 1 or self.stage is not None:
             return None
-        from fsdp_verify.engines.pipeline_parallel import build_pipeline
+        from fsdp_verify.engines.pipeline_engine import build_pipeline
 
         return build_pipeline(model, mesh, self, shard_stage)
 

@@ -69,8 +69,6 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_build(model)
     if any(getattr(probe, "stop", False) for probe in probes):
         return _stopped(trace, "the ranks built different models")  # the build check names how
-    for moe in moe_layers(model):  # its aux loss and router bias count over the data-parallel ranks
-        moe.count_group = dist.group.WORLD
     if case.activation_checkpointing:
         turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
         if trace is not None and turned_off:
@@ -79,6 +77,10 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
+    # Its aux loss and router bias count over the data-parallel ranks: set on the module the engine
+    # returns (the flat engine builds its own from the case under meta init).
+    for moe in moe_layers(sharded):
+        moe.count_group = dist.group.WORLD
     view = view_of(sharded)
     params = view.parameters()
     optimizer = view.make_optimizer(case.optim, params)

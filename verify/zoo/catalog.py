@@ -651,3 +651,50 @@ ZOO += [
     ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}
+
+# Pipeline parallelism (issue 40, docs/pipeline-parallel.md).
+_PIPELINE = {**_CHEAP, "pp": 2, "microbatches": _MICROBATCHES}
+ZOO += [
+    ZooBug(
+        "pp_loss_not_divided_by_microbatches",
+        _mutant("pp_loss_not_divided_by_microbatches"),
+        "the schedule's gradients not divided by the micro-batches while each loss is scaled for their mean",
+        "`scale_grads=False` beside a loss_fn that averages (torch.distributed.pipelining; issue 40)",
+        ("grads",),
+        pins=dict(_PIPELINE),
+    ),
+    ZooBug(
+        "pp_stage_boundary_detached",
+        _mutant("pp_stage_boundary_detached"),
+        "every stage after the first detaches its input: no gradient reaches the earlier stages",
+        "an `x.detach()` at a stage boundary (issue 40)",
+        ("grads",),
+        pins=dict(_PIPELINE),
+    ),
+    ZooBug(
+        "pp_tied_embedding_grads_not_summed",
+        _mutant("pp_tied_embedding_grads_not_summed"),
+        "the tied embedding's copies on the first and last stage each keep their own gradient",
+        "weight tying across pipeline stages without the gradient all-reduce between them (issue 40)",
+        ("grads",),
+        model_kinds=("transformer",),
+        pins={**_PIPELINE, "model.tie_embeddings": True},
+    ),
+    ZooBug(
+        "pp_stage_reduces_every_microbatch",
+        _mutant("pp_stage_reduces_every_microbatch"),
+        "the first stage reduces on every micro-batch, each reduction divided by a factor meant for one",
+        "a stage that ignores the schedule's no-sync, its divide factor set for the step's one reduction (issue 40)",
+        ("grads",),
+        pins=dict(_PIPELINE),
+    ),
+    ZooBug(
+        "pp_microbatches_reversed_on_last_stage",
+        _mutant("pp_microbatches_reversed_on_last_stage"),
+        "the last stage takes the targets' micro-batches in reverse order",
+        "a stage's data loader out of step with the first stage's (issue 40)",
+        ("grads",),
+        pins=dict(_PIPELINE),
+    ),
+]
+BY_NAME = {bug.name: bug for bug in ZOO}
