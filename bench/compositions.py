@@ -38,6 +38,14 @@ CASES: dict[str, Case] = {
     "ep 2, capacity 1.0, aux loss, router bias": Case(
         model=_moe(top_k=2, capacity_factor=1.0, aux_loss=0.01, router_bias=0.01), ep=2, **BASE
     ),
+    # The stages reduce once a step: beside their baseline, the same case with sync on the last micro-batch.
+    "no-sync (the pipelines' baseline)": Case(
+        model=ModelSpec(kind="mlp", widths=WIDTHS), sync_every_microbatch=False, **BASE
+    ),
+    "pp 2, gpipe": Case(
+        model=ModelSpec(kind="mlp", widths=WIDTHS), pp=2, pp_schedule="gpipe", sync_every_microbatch=False, **BASE
+    ),
+    "pp 2, 1f1b": Case(model=ModelSpec(kind="mlp", widths=WIDTHS), pp=2, sync_every_microbatch=False, **BASE),
 }
 
 

@@ -39,6 +39,7 @@ from fsdp_verify.case import (
     check_field_value,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
+from fsdp_verify.engines.compositions import off_beside, pinned_beside
 from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
 
@@ -731,8 +732,6 @@ def _model_keywords(
 
 
 GROUPED_FIELDS = ("model.top_k", "model.capacity_factor", "model.aux_loss", "model.router_bias")
-# What Case refuses beside ep > 1 (verify/engines/expert_parallel.py), with its value when off.
-_OFF_BESIDE_EP = {"clip_norm": None, "shard_placement": "dim0", "offload": False}
 
 
 @st.composite
@@ -772,14 +771,14 @@ def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         frozen=tuple(f for f in model.frozen if not f.startswith("moe.experts.")),
     )
     # ep > 1 turns off what is not modelled beside it, unless a pin asked for it
-    pinned_on = any(name in pins and getattr(case, name) != off for name, off in _OFF_BESIDE_EP.items())
+    pinned_on = pinned_beside("ep", case, pins)
     degrees = [] if pinned_on else _ep_degrees(case, grouped)  # half the draws parallel where any fits; shrinks to 1
     ep = draw(_pinned(pins, "ep", st.one_of(st.just(1), st.sampled_from(degrees)) if degrees else st.just(1)))
     changes: dict[str, Any] = {"model": grouped, "ep": ep}
     if not grouped.frozen:
         changes["unfreeze_step"] = None
     if ep > 1:
-        changes.update(_OFF_BESIDE_EP)
+        changes.update(off_beside("ep"))
         if case.wrap is not None and "moe.experts" not in case.wrap_plan:
             changes["wrap"] = _order(set(case.wrap_plan[:-1]) | {"moe.experts"})
     try:
@@ -806,16 +805,15 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     stage has; what the reference does not model beside a pipeline is drawn off (Case refuses
     it: verify/engines/pipeline_parallel.py), unless a pin asked for it, and the stages reduce
     once a step (sync on the last micro-batch only)."""
-    from fsdp_verify.engines.pipeline_parallel import NOT_BESIDE_PP, SCHEDULES, stages_per_rank
+    from fsdp_verify.engines.pipeline_parallel import SCHEDULES, stages_per_rank
 
     blocks = case.model.n_blocks if not case.model.is_custom or "pp_split" in pins else 0
     degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
-    pinned_on = any(
-        (name in pins and getattr(case, name) != off) or any(k.startswith(name + ".") for k in pins)
-        for name, (off, _) in NOT_BESIDE_PP.items()
-    )
+    pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
-    if resume or pinned_on or "mesh_shape" in pins:
+    # A case drawn expert-parallel stays so (the two are not modelled together; turning ep off
+    # here would draw it a third as often as grouped_experts means to).
+    if resume or pinned_on or "mesh_shape" in pins or case.ep > 1:
         degrees = []
     pp = draw(
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
@@ -862,7 +860,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
         "sync_every_microbatch": False,
         # an int the stage's smaller shard group does not divide (not pinned: see above): True
         "reshard_after_forward": rsf if isinstance(rsf, bool) or shard % rsf == 0 else True,
-        **{name: off for name, (off, _) in NOT_BESIDE_PP.items() if name != "step"},
+        **off_beside("pp"),
     }
     if not model.frozen:
         changes["unfreeze_step"] = None

@@ -95,15 +95,9 @@ def check_experts(case) -> None:
             " (tests/upstream/test_fsdp2_divide_factor_shard_group_of_one.py)",
             low,
         )
-    # What the reference does not model beside expert parallelism yet: refused, naming the field.
-    for name, value, off, why in (
-        ("step", case.step, None, "a user's step (its own collectives are not modelled)"),
-        ("shard_placement", case.shard_placement, "dim0", "Shard(1) placements of the experts"),
-        ("clip_norm", case.clip_norm, None, "a clip (the experts' norm over two meshes is not modelled yet)"),
-        ("resume_after", case.resume_after, None, "a resume (not modelled yet)"),
-        ("offload", case.offload, False, "CPU offload of the experts"),
-    ):
-        check(value == off, name, f"{off!r} with ep={ep}: {why} beside expert parallelism is not modelled", value)
+    from fsdp_verify.engines.compositions import check_not_beside
+
+    check_not_beside(case, EP)
 
 
 # ---- the mesh -----------------------------------------------------------------------------------

@@ -45,25 +45,6 @@ def check_pipeline_value(name: str, value: Any) -> None:
         check(value is None or is_import_path(value), "pp_split", f"null or {IMPORT_PATH}", value)
 
 
-# What the reference does not model beside pipeline parallelism yet, with its value when off.
-NOT_BESIDE_PP = {
-    "step": (None, "a user's step (the schedule runs forward and backward)"),
-    "clip_norm": (None, "a clip (the norm over the stages is not modelled yet)"),
-    "loss_scaling": (None, "fp16 loss scaling"),
-    "resume_after": (None, "a resume (not modelled yet)"),
-    "ignored": ((), "ignored parameters"),
-    "offload": (False, "CPU offload"),
-    "shard_placement": ("dim0", "Shard(1) placements"),
-    "prefetch": (None, "explicit prefetching"),
-    "replica_sync_last": (False, "replica_sync_last (the stage decides what each backward reduces)"),
-    "reshard_after_backward_last": (False, "reshard_after_backward_last (the stage decides it)"),
-    "grad_reduction": ("avg", "a sum reduction"),
-    "unfreeze_step": (None, "unfreezing mid-run"),
-    "zoom": (None, "zoom"),
-    "ep": (1, "expert parallelism"),
-}
-
-
 def check_pipeline(case) -> None:
     """The case's pipeline: a degree, a schedule the micro-batches fit, a model that splits into
     its stages, beside only what the reference models with it."""
@@ -119,9 +100,11 @@ def check_pipeline(case) -> None:
     for name, value, off, why in (
         ("model.experts", model.experts, 0, "routed experts"),
         ("model.dropout", model.dropout, 0.0, "dropout (each stage's rank draws its own masks)"),
-        *((n, getattr(case, n), off, why) for n, (off, why) in NOT_BESIDE_PP.items()),
     ):
         check(value == off, name, f"{off!r} with pp={pp}: {why} beside pipeline parallelism is not modelled", value)
+    from fsdp_verify.engines.compositions import check_not_beside
+
+    check_not_beside(case, PP)
 
 
 # ---- the mesh -----------------------------------------------------------------------------------
