@@ -126,6 +126,70 @@ def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path
     assert "First divergence at step 1, gradients" in out
 
 
+# ---- a run recorded as sharded that is not (verify/recorder/sharding.py) ------------------------------
+@pytest.fixture(scope="module")
+def unsharded_runs(tmp_path_factory) -> Path:
+    """train_fsdp.py under DDP instead of fully_shard (the silent fallback of Accelerate and the
+    Trainer on CPU), with nothing applied (each rank its own copy), and under DDP on purpose
+    (recorded with sharded=False)."""
+    d = tmp_path_factory.mktemp("unsharded")
+    sharded(d / "ddp-fallback", "--bug", "ddp-fallback")
+    sharded(d / "not-sharded", "--bug", "not-sharded")
+    sharded(d / "ddp", "--ddp")
+    return d
+
+
+def test_a_ddp_fallback_is_not_sharded_though_every_record_agrees(runs, unsharded_runs, tmp_path, capsys):
+    code, out = compare(
+        runs / "ref",
+        unsharded_runs / "ddp-fallback",
+        "--calibration",
+        runs / "ref-perturbed",
+        "--out",
+        tmp_path,
+        capsys=capsys,
+    )
+    assert code == 1 and "EQUIVALENT" not in out, out
+    summary = out.split("NOT SHARDED:", 1)[1]
+    assert "is meant to shard its parameters (it runs on 2 ranks)" in summary, summary
+    assert "every one of its 21 parameters is a plain tensor on every one of its 2 ranks" in summary, summary
+    assert "all 369 judged records agree with the reference" in summary, summary  # DDP is correct data parallel
+    report = json.loads((tmp_path / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+    assert report["compare"]["verdict"] == "not_sharded" and not report["ok"]
+    assert report["compare"]["first_divergence"] is None and report["compare"]["not_sharded"][0]["phase"] == "sharding"
+    assert "NOT SHARDED" in (tmp_path / "report.html").read_text()
+
+
+def test_ranks_that_train_apart_are_named_with_the_gradients_that_were_never_averaged(
+    runs, unsharded_runs, tmp_path, capsys
+):
+    code, out = compare(runs / "ref", unsharded_runs / "not-sharded", "--out", tmp_path, capsys=capsys)
+    assert code == 1, out
+    summary = out.split("NOT SHARDED:", 1)[1]
+    assert "at step 1, the gradients (optimizer step 1) of" in summary, summary
+    assert "differ between ranks 0 and 1, which both hold them: no collective made them equal" in summary, summary
+    report = json.loads((tmp_path / "report.json").read_text())["compare"]
+    drift = [r for r in report["not_sharded"] if r["rule"] == "replica"]
+    assert drift and drift[0]["step"] == 1 and drift[0]["ratio"] > 1e3, drift[:1]
+
+
+def test_a_run_replicated_on_purpose_is_judged_and_its_replicas_checked(runs, unsharded_runs, tmp_path, capsys):
+    """DDP recorded with sharded=False: EQUIVALENT, and every replica held to the replica rule
+    (the check that fails the run above passes here: the all-reduce made the copies equal)."""
+    code, out = compare(
+        runs / "ref", unsharded_runs / "ddp", "--calibration", runs / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 0 and "EQUIVALENT" in out, out
+    records = json.loads((tmp_path / "report.json").read_text())["compare"]["records"]
+    replicas = [r for r in records if r["rule"] == "replica"]
+    assert {r["step"] for r in replicas} == {0, 1, 2, 3, 4} and all(r["ok"] for r in replicas)
+    assert Run(unsharded_runs / "ddp", "ddp").meta[0]["settings"]["sharded"] == {
+        "expected": False,
+        "by": "Recorder(sharded=...)",
+    }
+
+
 # ---- a sharded run that saved, stopped and resumed (docs/resume.md) ----------------------------------
 @pytest.fixture(scope="module")
 def resumed_runs(runs, tmp_path_factory) -> Path:

@@ -89,6 +89,14 @@ def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -
         )
 
 
+def sharding_intent(world_size: int, sharded: bool | None, sharded_by: str | None) -> dict:
+    """settings.sharded in meta.json: whether the run is meant to shard its parameters, and what
+    said so (the user, an integration naming its library's setting, or the world size)."""
+    if sharded is None:
+        return {"expected": world_size > 1, "by": sharded_by or f"it runs on {world_size} ranks"}
+    return {"expected": bool(sharded), "by": sharded_by or "Recorder(sharded=...)"}
+
+
 def resumed_from_meta(path: str | Path) -> dict:
     """Where the run at `path` stopped (its rank 0's meta: steps and optimizer steps), and its
     absolute path, which the resumed run's meta names."""
@@ -120,6 +128,16 @@ class Recorder:
     resumed_from: the run directory the run this one resumes recorded (closed), for a loop that
       loaded a checkpoint: its steps and optimizer steps are counted on from where that run
       stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load.
+    sharded: whether this run is meant to shard its parameters (FSDP). None: yes when it runs on
+      more than one rank (the sharded twin); False for a data-parallel run that replicates them on
+      purpose (DDP). `compare` says NOT SHARDED when a run meant to shard holds parameters that are
+      plain tensors on every rank (sharding.py); replicas that drift apart are named either way.
+    sharded_by: what said the run is meant to shard (the integrations name the library setting,
+      "TrainingArguments.fsdp"), quoted in that verdict.
+    closure_step: the loop steps the optimizer with a closure that runs forward and backward
+      inside `optimizer.step` (Lightning's automatic optimization, LBFGS): the gradients are not
+      there when the optimizer's pre-step hook runs, so the caller calls
+      `before_optimizer_step()` once they are.
     """
 
     def __init__(
@@ -133,10 +151,14 @@ class Recorder:
         perturb: int | None = None,
         modules: Iterable[str] = (),
         resumed_from: str | Path | None = None,
+        sharded: bool | None = None,
+        sharded_by: str | None = None,
+        closure_step: bool = False,
     ):
         self.out = Path(out)
         self.resumed_from = resumed_from_meta(resumed_from) if resumed_from is not None else None
         self.rank, self.world_size = _dist()
+        self.sharding = sharding_intent(self.world_size, sharded, sharded_by)
         self.full_steps, self.full_params = set(full_steps), list(full_params)
         self.optimizer = optimizer
         self.params: list[tuple[str, nn.Parameter]] = []
@@ -169,10 +191,9 @@ class Recorder:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-verify-recorder")
         self._written = None
         self._header: dict = {"opt_steps": []}
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._before_optimizer),
-            optimizer.register_step_post_hook(self._after_optimizer),
-        ]
+        self._hooks = [optimizer.register_step_post_hook(self._after_optimizer)]
+        if not closure_step:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step()))
         self.module_patterns = list(modules)
         self._outputs: dict[str, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         self._ran: list[str] = []  # this step's modules in the order they first ran
@@ -256,7 +277,9 @@ class Recorder:
         return hook
 
     @torch.no_grad()
-    def _before_optimizer(self, optimizer, args, kwargs) -> None:
+    def before_optimizer_step(self) -> None:
+        """Record the gradients of the optimizer step about to run (the optimizer's pre-step hook
+        calls it, or the caller with `closure_step=True`)."""
         self.opt_step += 1
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         if self.perturbation is not None:
@@ -344,7 +367,11 @@ class Recorder:
                     "perturb": self.perturbation.seed if self.perturbation else None,
                     "modules": self.module_patterns,
                     "precision": self.precision,
+                    "sharded": self.sharding,
                 },
+                # Parameters that are plain tensors here (not a DTensor): on every rank of a run
+                # meant to shard, FSDP was not applied to them (compare's NOT SHARDED verdict).
+                "plain_params": [n for n, p in self.params if getattr(p, "placements", None) is None],
                 **(
                     {"resumed_from": self.resumed_from["path"], "resumed_after": self.resumed_from["steps"]}
                     if self.resumed_from is not None
