@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import jsonschema
@@ -19,39 +18,24 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_verify.commands.cli import main
 from fsdp_verify.recorder import Recorder, rules
 from fsdp_verify.recorder.datacheck import check as data_check
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
 from fsdp_verify.recorder.store import Run
 from fsdp_verify.reports.schema import SCHEMA_PATH
+from tests import recorded_runs
+from tests.recorded_runs import BIN, ENV, ROOT, compare
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "loop"
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
-    assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
-    return r
 
 
 def single(out: Path, *extra: str, env: dict | None = None) -> None:
-    _run([sys.executable, str(EXAMPLES / "train_single.py"), "--out", str(out), *extra], env)
+    recorded_runs.single(EXAMPLES / "train_single.py", out, *extra, env=env)
 
 
 def sharded(out: Path, *extra: str, ranks: int = 2) -> None:
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
-    _run([*torchrun, str(EXAMPLES / "train_fsdp.py"), "--out", str(out), *extra])
-
-
-def compare(*args, capsys) -> tuple[int, str]:
-    code = main(["compare", *map(str, args)])
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    recorded_runs.sharded(EXAMPLES / "train_fsdp.py", out, *extra, ranks=ranks)
 
 
 # ---- end to end: the example scripts under torchrun ------------------------------------------------

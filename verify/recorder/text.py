@@ -80,6 +80,7 @@ def summary(c: Comparison) -> str:
         records = [f for f in c.judged if f.phase != "sharding"]
         numbers = (
             f"the first of its records to part from the reference: {where(first)}"
+            + (f" ({first.message})" if first.kind != "deviation" else "")
             if first
             else f"all {len(records)} judged records agree with the reference, as a run that is not sharded can"
         )
