@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import warnings
 from pathlib import Path
 
 import jsonschema
@@ -307,6 +308,17 @@ def test_an_optimizer_built_before_fully_shard_is_refused_at_once(tmp_path):
     assert "optimizer: expected an optimizer over the model's parameters; 21 of its 21" in r.stderr, r.stderr[-3000:]
     assert "built before fully_shard" in r.stderr
     assert not list((tmp_path / "run").glob("rank*/step*.safetensors"))  # refused before anything is recorded
+
+
+def test_the_recorder_says_at_once_when_a_run_meant_to_shard_holds_no_dtensor(tmp_path):
+    torch.manual_seed(0)
+    model = Inner()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"meant to shard its parameters \(Trainer\(fsdp\)\), but every one of its 4"):
+        Recorder(model, opt, out=tmp_path / "a", sharded=True, sharded_by="Trainer(fsdp)").close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process, nothing said: not meant to shard
+        Recorder(model, opt, out=tmp_path / "b").close()
 
 
 def test_an_optimizer_over_other_parameters_is_refused(tmp_path):

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import platform
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -86,6 +87,18 @@ def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -
             f" parameters are not the model's (the first: shape {tuple(first.shape)}, {type(first).__name__})."
             " An optimizer built before fully_shard (or before wrapping or moving the model) holds the old"
             " parameters and steps them, not the model's: build it after, over model.parameters()"
+        )
+
+
+def _warn_if_not_sharded(params: list[tuple[str, nn.Parameter]], intent: dict, rank: int) -> None:
+    """Said at once, on rank 0, when a run meant to shard holds no DTensor: FSDP was not applied
+    here (a silent fallback). `compare` gives the verdict, NOT SHARDED, from every rank's record."""
+    if rank == 0 and intent["expected"] and params and all(getattr(p, "placements", None) is None for _, p in params):
+        warnings.warn(
+            f"fsdp-verify Recorder: this run is meant to shard its parameters ({intent['by']}), but every one of"
+            f" its {len(params)} parameters is a plain tensor here: FSDP was not applied; `fsdp-verify compare`"
+            " will say NOT SHARDED",
+            stacklevel=3,
         )
 
 
@@ -170,6 +183,7 @@ class Recorder:
             seen[name] = fqn
             self.params.append((name, p))
         _check_optimizer_holds(model, optimizer)
+        _warn_if_not_sharded(self.params, self.sharding, self.rank)
         # Where each rank's rows sit never changes, and gradients and optimizer state are placed as
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).
