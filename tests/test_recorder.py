@@ -175,6 +175,54 @@ def test_a_run_replicated_on_purpose_is_judged_and_its_replicas_checked(runs, un
     }
 
 
+def _train_partly_sharded(rank: int, store: str, out: str, average: bool) -> None:
+    """train()'s loop on two gloo ranks, each its half of every batch, with only `lin` under
+    fully_shard: `out` stays a plain tensor on both ranks, its gradient averaged by the loop
+    (`average`, as `ignored_params` asks of it) or by nothing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = Inner()
+    fully_shard(model.lin, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, out=out)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(6, 4, generator=g)[3 * rank : 3 * rank + 3]
+        logits = model(x)
+        loss = logits.square().mean()
+        loss.backward()
+        if average:
+            for p in model.out.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss=loss, logits=logits, batch={"x": x})
+    rec.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_parameters_left_out_of_sharding_are_a_note_and_held_to_the_replica_rule(tmp_path, capsys, average):
+    """Some parameters plain on every rank (FSDP2's ignored_params, or a module left outside every
+    fully_shard unit) is not NOT SHARDED by itself: averaged by the loop, the run is EQUIVALENT
+    with a note; averaged by nothing, its replicas part at step 1 and it is NOT SHARDED."""
+    import torch.multiprocessing as mp
+
+    train(tmp_path / "ref")
+    mp.spawn(_train_partly_sharded, args=(str(tmp_path / "store"), str(tmp_path / "run"), average), nprocs=2)
+    code, out = compare(tmp_path / "ref", tmp_path / "run", "--out", tmp_path / "r", capsys=capsys)
+    assert "2 of the 4 parameters of" in out and "'out.weight', 'out.bias'" in out, out
+    if average:
+        assert code == 0 and "EQUIVALENT" in out, out
+    else:
+        assert code == 1 and "NOT SHARDED" in out, out
+        assert "the gradients (optimizer step 1) of 'out." in out and "no collective made them equal" in out, out
+
+
 # ---- a sharded run that saved, stopped and resumed (docs/resume.md) ----------------------------------
 @pytest.fixture(scope="module")
 def resumed_runs(runs, tmp_path_factory) -> Path:

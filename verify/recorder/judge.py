@@ -212,6 +212,8 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
     unsharded = sharding.unsharded(got)
     if unsharded is not None:
         result.findings.append(unsharded)
+    elif (partly := sharding.partly_plain(got)) is not None:
+        result.notes.append(partly)
     unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:

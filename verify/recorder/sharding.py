@@ -1,16 +1,18 @@
 """Is a run recorded as sharded sharded? Two ways a sharded loop silently is not, read from the
 records of the run alone (no collective is issued to find out):
 
-* parameters that are plain tensors on every rank of a run meant to shard (the Recorder's
-  `sharded`, or an integration naming its library's setting): FSDP was not applied to them.
-  Accelerate 1.15 on a CPU-only machine falls back so: with `cpu=True` its FSDP plugin is ignored
-  and the model is wrapped in DistributedDataParallel; the transformers Trainer with `fsdp` and
-  `use_cpu=True` likewise.
+* every parameter a plain tensor on every rank of a run meant to shard (the Recorder's
+  `sharded`, or an integration naming its library's setting): FSDP was not applied. Accelerate
+  1.15 on a CPU-only machine falls back so: with `cpu=True` its FSDP plugin is ignored and the
+  model is wrapped in DistributedDataParallel; the transformers Trainer with `fsdp` and
+  `use_cpu=True` likewise. (Some parameters plain, the rest sharded, is a note, not this verdict:
+  `ignored_params` keeps parameters out on purpose; whether anything averages them, the replica
+  check below says.)
 * replicas that drift apart: rows that more than one rank holds (a plain tensor, a replicated
   DTensor) must hold the same values on every rank after every step of a data-parallel run; ranks
-  whose copies part trained apart, no collective between them (Accelerate without `cpu=True` on
-  CPU: each process trains its own copy). The gradients say whether the part came before the
-  update (they were never averaged) or in it.
+  whose copies part trained apart, no collective between them (a strategy that wraps nothing, a
+  module left outside every `fully_shard` unit). The gradients say whether the part came before
+  the update (they were never averaged) or in it.
 
 Either gives compare's NOT SHARDED verdict, which no agreement of the records can turn into
 EQUIVALENT: the reference was compared with something other than a sharded run.
@@ -40,24 +42,12 @@ def plain_on_every_rank(run: Run) -> list[str] | None:
 
 
 def unsharded(run: Run) -> Finding | None:
-    """A finding when a run of more than one rank, meant to shard, holds parameters that are
-    plain tensors on every rank."""
+    """A finding when a run of more than one rank, meant to shard, holds every parameter as a
+    plain tensor on every rank: FSDP was not applied at all."""
     want = intent(run)
     plain = plain_on_every_rank(run)
-    if run.world_size < 2 or not want or not want["expected"] or not plain:
+    if run.world_size < 2 or not want or not want["expected"] or not plain or len(plain) < len(run.param_names):
         return None
-    n = len(run.param_names)
-    if len(plain) == n:
-        what = (
-            f"every one of its {n} parameters is a plain tensor on every one of its {run.world_size} ranks:"
-            " FSDP was not applied (a fallback to DistributedDataParallel, or each process training its own copy)"
-        )
-    else:
-        shown = ", ".join(repr(p) for p in plain[:5]) + (f" and {len(plain) - 5} more" if len(plain) > 5 else "")
-        what = (
-            f"{len(plain)} of its {n} parameters are plain tensors on every one of its {run.world_size} ranks,"
-            f" not sharded: {shown} (outside every fully_shard unit? then nothing averages their gradients)"
-        )
     return Finding(
         step=0,
         phase="sharding",
@@ -66,8 +56,28 @@ def unsharded(run: Run) -> Finding | None:
         kind="sharding",
         comparator=COMPARATOR,
         mode="check",
-        message=f"{run.path} is meant to shard its parameters ({want['by']}), but {what}",
-        why="a run meant to shard holds each parameter as a DTensor sharded over the ranks",
+        message=(
+            f"{run.path} is meant to shard its parameters ({want['by']}), but every one of its {len(plain)}"
+            f" parameters is a plain tensor on every one of its {run.world_size} ranks: FSDP was not applied"
+            " (a fallback to DistributedDataParallel, or each process training its own copy)"
+        ),
+        why="a run meant to shard holds its parameters as DTensors sharded over the ranks",
+    )
+
+
+def partly_plain(run: Run) -> str | None:
+    """A note when some parameters, not all, are plain tensors on every rank of a run of more
+    than one rank: left out of sharding on purpose (`ignored_params`, their gradients averaged by
+    the loop) or by mistake (outside every `fully_shard` unit, averaged by nothing). Which one, the
+    replica check tells: their copies must agree on every rank at every step."""
+    plain = plain_on_every_rank(run)
+    if run.world_size < 2 or not plain or len(plain) == len(run.param_names):
+        return None
+    shown = ", ".join(repr(p) for p in plain[:5]) + (f" and {len(plain) - 5} more" if len(plain) > 5 else "")
+    return (
+        f"{len(plain)} of the {len(run.param_names)} parameters of {run.path} are plain tensors on every one"
+        f" of its {run.world_size} ranks, not sharded: {shown}; held to the replica rule (the same values on"
+        " every rank at every step) in the sharding column"
     )
 
 
