@@ -14,6 +14,7 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankFailure
 from tests.conftest import lm_case, mlp_case, regression, require
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
@@ -454,4 +455,23 @@ def test_the_flat_engines_checkpoint_is_fsdp2s_layout(engines, fsdp_pool):
         2, steps=3, resume_after=1, resume_world_size=3, engine=before, resume_engine=after, optim=adam, data=six
     )
     verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RankFailure,
+    reason="torch 2.13: FSDP1 NO_SHARD leaves an all-frozen root's parameters unregistered after backward, and "
+    "state_dict() asserts (tests/upstream/test_fsdp1_no_shard_frozen_root_state_dict.py)",
+)
+def test_fsdp1_no_shard_saves_a_root_whose_parameters_are_all_frozen(fsdp_pool):
+    """FSDP1 at world size 1 (NO_SHARD), the routed experts (all in the root unit) frozen: the
+    save after step 1 crashes in FSDP1's own state_dict (a fresh-seed `fuzz --engine fsdp1 --hsdp
+    --resume`, seed 20270103). A PyTorch bug; left out of the FSDP1 resume draw (`fsdp1_modelled`)."""
+    case = regression("6623a1f52a02")
+    try:
+        verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    except RankFailure as e:
+        assert "save checkpoint" in str(e) and "FSDP assumes moe.gate.weight is in the state_dict" in str(e)
+        raise
     assert verdict.ok, verdict.table()
