@@ -233,6 +233,18 @@ def _no_backward_cases() -> dict[str, Case]:
         ),
         # unfrozen at step 2: its own backward runs from then on (`unfrozen_at`; issue 37's hunt)
         "unfrozen-at-step-2": found.with_(steps=2, unfreeze_step=2),
+        # a checkpointed layers.0's recompute runs its frozen nested units' forwards in backward:
+        # gathered there, and held under reshard_after_backward_last (`recomputed_in_backward`)
+        "frozen-chain-recomputed": found.with_(**chain, activation_checkpointing=True),
+        "frozen-chain-recomputed-held-k2-of-4": found.with_(
+            **chain,
+            **{**at4, "data.batch_size": 8},
+            activation_checkpointing=True,
+            reshard_after_forward=2,
+            microbatches=2,
+            reshard_after_backward_last=True,
+        ),
+        "fuzz-recomputed-norm-held-then-resumed": regression("706b29181f1a"),
     }
 
 
@@ -243,10 +255,12 @@ def test_a_unit_no_backward_runs_through_is_not_gathered_again(name):
     assert {f.comparator: f.kind for f in contract_findings(verdict)}["CommContract"] == "check"
 
 
-def test_a_backward_gather_of_a_unit_no_backward_runs_through_is_caught():
+@pytest.mark.parametrize("case_hash", ["3845c252c6e9", "706b29181f1a"], ids=["plain", "recomputed-and-held"])
+def test_a_backward_gather_of_a_unit_no_backward_runs_through_is_caught(case_hash):
     """The root prefetching every unit in backward, the frozen embedding included: the gradients
-    are FSDP2's, an all-gather too many is the contract's alone."""
-    case = regression("3845c252c6e9").with_(engine="tests/engines/comm_faults.py:gathers_every_unit_in_backward")
+    are FSDP2's, an all-gather too many is the contract's alone (also where a checkpointed
+    recompute gathers the frozen norm in backward and reshard_after_backward_last holds it)."""
+    case = regression(case_hash).with_(engine="tests/engines/comm_faults.py:gathers_every_unit_in_backward")
     verdict = check_case(case)
     failing = [f for f in verdict.findings if not f.ok]
     assert {f.comparator for f in failing} == {"CommContract"}, verdict.summary()

@@ -44,7 +44,9 @@ unsharded by its own hook. But each unit that is, prefetches the unit whose forw
 just before its own (post-forward order, units with parameters only: one without has no
 parameter group); so a no-backward unit is all-gathered in backward iff its successor in that
 order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embedding before a
-frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
+frozen norm), or, under activation checkpointing, iff it is nested in a checkpointed unit whose
+backward runs, whose recompute runs its forward again (`recomputed_in_backward`; resharded only
+at the end of backward). The prefetched gather's result is never copied out (the unit's own pre-backward,
 which waits for it, never runs): bytes on the wire all the same.
 
 These facts (the post-forward order, the units no backward runs through) are measured in the
@@ -198,8 +200,27 @@ def backward_reached(
     prefetched = set()
     for u in own:
         prefetched |= set(lists[u]) if lists.get(u) else {implicit[u]} if u in implicit else set()
-    unreached = {u for u in grouped if u in no_backward} - prefetched
+    unreached = {u for u in grouped if u in no_backward} - prefetched - recomputed_in_backward(case, no_backward)
     return set(units) - unreached
+
+
+def recomputed_in_backward(case: Case | None, no_backward: set[str]) -> set[str]:
+    """Under activation checkpointing, the units no backward runs through whose forward runs
+    again in backward all the same: nested in a checkpointed unit (every non-root unit of the
+    plan) whose own backward runs, whose recompute re-runs their forward. FSDP2 unshards them
+    there (`FSDPState._pre_forward`: their state is not PRE_BACKWARD) and copies them out, and
+    their post-forward, inside backward, does not reshard (`FSDPParamGroup.post_forward`: `if
+    not is_bw()`): they are all-gathered in backward (once: a pending prefetch or an unsharded
+    unit is not gathered again), over the post-forward group under an int k, and only the final
+    callback's post-backward reshards them, so a backward that does not reshard
+    (`reshard_after_backward_last`) leaves them unsharded into the next micro-batch. Measured,
+    torch 2.13: a fresh-seed hunt's false alarm (issue 37, seed 20270104, a frozen embedding and
+    attention norm, the norm nested in the checkpointed `layers.0`), and a frozen chain of three
+    nested units gathered in backward at 2 and 4 ranks, k = 2 (tests/test_contracts.py)."""
+    if case is None or not case.activation_checkpointing:
+        return set()
+    checkpointed = [a for a in case.wrap_plan if a and a not in no_backward]
+    return {u for u in no_backward if any(u.startswith(a + ".") for a in checkpointed)}
 
 
 def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
@@ -258,14 +279,16 @@ def held_after_backward(
     leaves unsharded (see the module docstring): every unit if none is resharded after forward,
     else each unit no backward skips (without the memory record: every unit). From
     `unfreeze_step` on, the frozen units train, so backward runs through every unit (a fresh-seed
-    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there)."""
+    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there). A unit
+    no backward runs through is held too when a checkpointed recompute ran its forward
+    (`recomputed_in_backward`)."""
     from fsdp_verify.probes.memory import forward_facts
 
     rsf = case.reshard_after_forward
     facts = forward_facts(got)
     if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen_at(case, step):  # True == 1
         return set(units)
-    return set(units) - facts[1]
+    return set(units) - facts[1] | recomputed_in_backward(case, facts[1])
 
 
 def expected_collectives(case: Case, got: Trace) -> list[Collective]:
