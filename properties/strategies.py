@@ -664,6 +664,7 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
     except CaseError:
         assume(False)
         raise
+    assume(resumed.engine != "fsdp1" or fsdp1_modelled(resumed))  # the saving run's checkpoint
     resumed_run = resumed.after_resume()
     assume(resumed_run.engine != "fsdp1" or fsdp1_modelled(resumed_run))
     try:
@@ -843,12 +844,16 @@ def fsdp1_modelled(case: Case) -> bool:
     parameters were all frozen through a forward never trains again (its original parameters stay
     unregistered, the gradient lands on a plain view the optimizer does not hold: regression
     4e6cbe2adeff, tests/upstream/test_fsdp1_no_shard_unfrozen_root_unit.py). Other NO_SHARD
-    unfreezes are drawn."""
+    unfreezes are drawn. And under NO_SHARD, a checkpoint of a model whose root unit's own
+    parameters are all frozen: the same unregistered parameters make `state_dict()` assert
+    (tests/upstream/test_fsdp1_no_shard_frozen_root_state_dict.py, regression 6623a1f52a02)."""
     p = case.precision
     if case.mesh[-1] == 1 and case.unfreeze_step is not None:
         no_sync = case.microbatches > 1 and not case.sync_every_microbatch
         if no_sync or _root_unit_frozen_whole(case):
             return False
+    if case.mesh[-1] == 1 and case.resume_after is not None and _root_unit_frozen_whole(case):
+        return False
     low_params = p.param_dtype not in (None, "fp32")
     if case.mesh[-1] == 1 and low_params and case.microbatches > 1 and not case.sync_every_microbatch:
         return False
