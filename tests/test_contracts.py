@@ -311,6 +311,8 @@ def _resumed_cases() -> dict[str, tuple[Case, bool]]:
         ),
         "memory-post-forward-shards": (regression("8608cf484d42").with_(steps=2, resume_after=1), False),
         "unfrozen-after-the-save": (chain.with_(steps=3, unfreeze_step=3), True),
+        # a resume sweep's (seed 20263884): routed experts, frozen layers, replica_sync_last, (1, 2)
+        "experts-frozen-layers-hsdp-1x2": (regression("c58e05bed64c"), True),
     }
 
 
