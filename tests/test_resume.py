@@ -507,14 +507,22 @@ def test_the_flat_engines_checkpoint_is_fsdp2s_layout(engines, fsdp_pool):
     reason="torch 2.13: FSDP1 NO_SHARD leaves an all-frozen root's parameters unregistered after backward, and "
     "state_dict() asserts (tests/upstream/test_fsdp1_no_shard_frozen_root_state_dict.py)",
 )
-def test_fsdp1_no_shard_saves_a_root_whose_parameters_are_all_frozen(fsdp_pool):
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [
+        ("6623a1f52a02", "FSDP assumes moe.gate.weight is in the state_dict"),
+        # a unit other than the root frozen whole (`moe`, its gate a unit of its own): fuzz seed 20270213
+        ("27731e33e8e1", "FSDP assumes _fsdp_wrapped_module.moe.experts.0.weight is in the state_dict"),
+    ],
+)
+def test_fsdp1_no_shard_saves_a_unit_whose_parameters_are_all_frozen(fsdp_pool, name, missing):
     """FSDP1 at world size 1 (NO_SHARD), the routed experts (all in the root unit) frozen: the
     save after step 1 crashes in FSDP1's own state_dict (a fresh-seed `fuzz --engine fsdp1 --hsdp
     --resume`, seed 20270103). A PyTorch bug; left out of the FSDP1 resume draw (`fsdp1_modelled`)."""
-    case = regression("6623a1f52a02")
+    case = regression(name)
     try:
         verdict = check_case(case, pool=fsdp_pool(case.world_size))
     except RankFailure as e:
-        assert "save checkpoint" in str(e) and "FSDP assumes moe.gate.weight is in the state_dict" in str(e)
+        assert "save checkpoint" in str(e) and missing in str(e)
         raise
     assert verdict.ok, verdict.table()

@@ -93,6 +93,7 @@ def test_fsdp1_modelled_names_the_known_gaps():
     )
     assert fsdp1_modelled(frozen_root.with_(world_size=2, **{"data.batch_size": 2}))  # sharded: it saves
     assert fsdp1_modelled(frozen_root.with_(**{"model.frozen": ("moe.gate.weight",)}))  # partly frozen
+    assert not fsdp1_modelled(regression("27731e33e8e1"))  # a unit other than the root frozen whole
 
 
 def test_fsdp1_no_shard_unfreezes_are_drawn_except_where_fsdp1_loses_the_gradient():
