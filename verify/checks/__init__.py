@@ -37,6 +37,19 @@ class Check:
     # An optional check that had nothing to read says nothing (a model without buffers); the
     # others say they were skipped, and the table shows "n/a".
     optional: bool = False
+    # Why the case is not held to this check (a contract its engine or the case puts out of
+    # the model, verify/engines/contracts.py), said where it is skipped; None: nothing recorded.
+    off: Callable[[Case], str | None] = lambda case: None
+
+
+def _contract_off(kind: str) -> Callable[[Case], str | None]:
+    def why(case: Case) -> str | None:
+        from fsdp_verify.engines.contracts import case_contracts
+
+        contracts = case_contracts(case)
+        return f"not held to it: {contracts.why}" if not getattr(contracts, kind) and contracts.why else None
+
+    return why
 
 
 def _ownership_summary(case: Case, ref: Trace, got: Trace) -> str | None:
@@ -69,8 +82,8 @@ CHECKS: list[Check] = [
     Check("RngCheck", "rng", check_rng, rng_summary),
     Check("BufferRanksCheck", "buffers", check_buffers_across_ranks, _buffers_summary, optional=True),
     Check("FrozenParamsCheck", "params", check_frozen_params, _frozen_summary, optional=True),
-    Check("CommContract", "comm", check_comm, comm_summary),
-    Check("MemoryContract", "memory", check_memory, memory_summary),
+    Check("CommContract", "comm", check_comm, comm_summary, off=_contract_off("comm")),
+    Check("MemoryContract", "memory", check_memory, memory_summary, off=_contract_off("memory")),
 ]
 
 
@@ -88,6 +101,6 @@ def run_checks(case: Case, ref: Trace, got: Trace, phases: tuple[str, ...] | Non
         if summary is None and check.optional:
             continue
         kind = "check" if summary is not None else "skipped"
-        message = summary if summary is not None else "nothing recorded for this check in this run"
+        message = summary if summary is not None else check.off(case) or "nothing recorded for this check in this run"
         findings.append(Finding(0, check.phase, f"<{check.name}>", True, kind, check.name, message))
     return findings

@@ -101,7 +101,41 @@ def _held_to(case) -> Contracts:
             why = "explicit prefetching under activation checkpointing is not in the contracts"
         if why is not None:
             return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
+    routed = routing_decides_backward(case)
+    if routed and (declared.comm or declared.memory):
+        return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, routed) if w))
     if getattr(case, "activation_checkpointing", False) and declared.memory:
         why = "activation checkpointing is not in the memory model"
         return Contracts(comm=declared.comm, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     return declared
+
+
+def routing_decides_backward(case) -> str | None:
+    """Why the contracts' unit facts do not hold for every micro-batch, or None. Which units
+    backward runs through is measured once (the run's first micro-batch, `forward_facts`) and
+    is the same for every micro-batch and rank when it depends on the parameters only. It
+    depends on the data when the built-in MLP's routed experts see an input that needs no
+    gradient (the block before them frozen), their gate is frozen, and some experts train while
+    others are frozen: the experts' unit needs a gradient only in a micro-batch that routes a
+    sample to a trainable expert, so its backward, and the all-gather its implicit prefetch
+    issues, come and go with the routing (measured, torch 2.13: fuzz seed 20270206, case
+    dd9281d47026, shrunk to tests/regressions/64ef022a247b.json: rank 2's second micro-batch
+    routed nothing to the one trainable expert and FSDP2 issued no backward all-gather of
+    `layers.0.linear`). Not modelled: the numbers are still compared."""
+    from fsdp_verify.models import is_frozen, parameter_names
+
+    spec = case.model
+    if not getattr(spec, "experts", 0) or not spec.frozen:
+        return None
+    names = parameter_names(spec)
+
+    def frozen(prefix: str) -> bool:
+        return all(is_frozen(spec, n) for n in names if n.startswith(prefix))
+
+    experts = [frozen(f"moe.experts.{e}.") for e in range(spec.experts)]
+    if frozen("layers.0.") and frozen("moe.gate.") and any(experts) and not all(experts):
+        return (
+            "whether backward runs through the routed experts' unit depends on each micro-batch's routing"
+            " (frozen block before them, frozen gate, frozen experts beside trainable ones): not in the contracts"
+        )
+    return None
