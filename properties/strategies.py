@@ -39,7 +39,7 @@ from fsdp_verify.case import (
     check_field_value,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
-from fsdp_verify.engines.compositions import off_beside, pinned_beside
+from fsdp_verify.engines.compositions import beside_another, off_beside, pinned_beside
 from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
 
@@ -812,9 +812,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
     pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
-    # A case drawn expert-parallel stays so (the two are not modelled together; turning ep off
-    # here would draw it a third as often as grouped_experts means to).
-    if resume or pinned_on or "mesh_shape" in pins or case.ep > 1:
+    # A case drawn expert-parallel stays so (verify/engines/compositions.py).
+    if resume or pinned_on or "mesh_shape" in pins or beside_another("pp", case):
         degrees = []
     pp = draw(
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))

@@ -1,7 +1,9 @@
 """What the reference does not model beside each parallelism composed with FSDP, in one table:
 Case's validation refuses it (naming the field, exit 2) and the draws turn it off (unless a pin
 asked for it, which then draws the composition off instead). A composition added later (tp,
-compile) adds its row here; a field refused beside two of them is listed under either.
+compile) adds its row here; a field refused beside two of them is listed under either. A row
+naming another composition (pp's "ep") also keeps the draw from turning the other off
+(`beside_another`).
 
 Each row: the case's field that turns the composition on (on above `1`), and for every case
 field the reference does not model beside it, its value when off and why."""
@@ -67,3 +69,10 @@ def pinned_beside(composition: str, case, pins: dict[str, Any]) -> bool:
         (name in pins and getattr(case, name) != off) or any(k.startswith(name + ".") for k in pins)
         for name, (off, _) in NOT_BESIDE[composition].items()
     )
+
+
+def beside_another(composition: str, case) -> bool:
+    """Whether `case` was drawn another composition that `composition` is not modelled beside
+    (a row's field that is itself a composition, on): the earlier draw stands, this one is not
+    drawn (turning the other off would draw it less often than its own draw means to)."""
+    return any(name in NOT_BESIDE and getattr(case, name) != off for name, (off, _) in NOT_BESIDE[composition].items())
