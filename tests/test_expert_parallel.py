@@ -6,14 +6,13 @@ engine; a declared ep the engine does not apply is named."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from collections import Counter
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, PrecisionSpec
+from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.contracts import case_contracts
 from fsdp_verify.models import ModelSpec, build_model
 from fsdp_verify.properties.draw import draw_cases
@@ -130,17 +129,12 @@ def test_a_routing_mutant_is_invisible_without_its_feature(fsdp_check, mutant, c
 
 
 # ---- opt-in, declared, applied ---------------------------------------------------------------------------
-def test_a_plugin_that_declares_nothing_refuses_ep_naming_the_declaration():
-    r = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--engine", EVERYTHING, "--model", "mlp", "--experts", "4"]
-        + ["--top-k", "2", "--ep", "2"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "ep: expected 1" in r.stderr and "Capabilities(takes=('ep', ...))" in r.stderr, r.stderr
-    assert "Traceback" not in r.stderr
+def test_a_plugin_that_declares_nothing_refuses_ep_naming_the_declaration(capsys):
+    """In process (the CLI's exit code end to end: docs/expert-parallel.md's console block)."""
+    args = ["check", "--engine", EVERYTHING, "--model", "mlp", "--experts", "4", "--top-k", "2", "--ep", "2"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "ep: expected 1" in err and "Capabilities(takes=('ep', ...))" in err and "Traceback" not in err, err
 
 
 @settings(max_examples=150, database=None, deadline=None, suppress_health_check=list(HealthCheck))

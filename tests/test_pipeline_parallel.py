@@ -6,9 +6,6 @@ opt-in for a plug-in engine; a user's split is code named by the case (verify/tr
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from collections import Counter
 from dataclasses import replace
 
@@ -16,6 +13,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.contracts import case_contracts
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.draw import draw_cases
@@ -146,16 +144,12 @@ def test_tied_gradients_not_summed_between_the_stages_are_caught(fsdp_check):
 
 
 # ---- opt-in, drawn, bad input ------------------------------------------------------------------------
-def test_a_plugin_that_declares_nothing_refuses_pp_naming_the_declaration():
-    r = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--engine", EVERYTHING, "--model", "mlp", "--pp", "2"]
-        + ["--world-size", "4", "--microbatches", "2", "--sync-last"],
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "pp: expected 1" in r.stderr and "Capabilities(takes=('pp', ...))" in r.stderr, r.stderr
+def test_a_plugin_that_declares_nothing_refuses_pp_naming_the_declaration(capsys):
+    """In process (the CLI's exit code end to end: docs/pipeline-parallel.md's console block)."""
+    args = ["check", "--engine", EVERYTHING, "--model", "mlp", "--pp", "2", "--world-size", "4"]
+    assert main([*args, "--microbatches", "2", "--sync-last"]) == 2
+    err = capsys.readouterr().err
+    assert "pp: expected 1" in err and "Capabilities(takes=('pp', ...))" in err and "Traceback" not in err, err
 
 
 @settings(max_examples=100, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -211,20 +205,15 @@ def test_a_split_that_copies_the_modules_is_refused_before_any_rank_starts():
         pp_case(2, 2, "1f1b", model, m=2, pp_split="tests/user/pp_splits.py:copies_the_blocks")
 
 
-def test_a_case_file_naming_a_split_is_refused_unless_trusted(tmp_path):
+def test_a_case_file_naming_a_split_is_refused_unless_trusted(tmp_path, monkeypatch, capsys):
     """Read from a folder no pyproject.toml allow-lists (this repository's trusts tests/user/*.py),
     the split is named among the refused code, and nothing runs."""
     model = ModelSpec(kind="custom", factory="tests/user/models.py:user_lm")
     case = pp_case(2, 2, "gpipe", model, m=2, pp_split="tests/user/pp_splits.py:user_lm_stages")
     path = tmp_path / "case.json"
     path.write_text(case.to_json())
-    r = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--case", str(path)],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        cwd=tmp_path,
-        env={k: v for k, v in os.environ.items() if k != "FSDP_VERIFY_TRUST_CODE"},
-    )
-    assert r.returncode == 2, r.stdout + r.stderr
-    assert "pp_split: 'tests/user/pp_splits.py:user_lm_stages'" in r.stderr and "--trust-code" in r.stderr, r.stderr
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("FSDP_VERIFY_TRUST_CODE", raising=False)
+    assert main(["check", "--case", str(path)]) == 2
+    err = capsys.readouterr().err
+    assert "pp_split: 'tests/user/pp_splits.py:user_lm_stages'" in err and "--trust-code" in err, err
