@@ -61,7 +61,13 @@ CI_MATRIX = [
 ]
 NIGHTLY_MATRIX = [
     pytest.param(
-        world, pp, schedule, model, mesh, precision, id=f"pp{pp}-{schedule}-{name}-{p}{'-hsdp' if mesh else ''}"
+        world,
+        pp,
+        schedule,
+        model,
+        mesh,
+        precision,
+        id=f"w{world}-pp{pp}-{schedule}-{name}-{p}{'-hsdp' if mesh else ''}",
     )
     for world, pp, mesh in ((2, 2, None), (4, 2, None), (4, 2, (1, 2)), (4, 4, None))
     for schedule in ("gpipe", "1f1b", "interleaved1f1b")
