@@ -23,6 +23,8 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "clip_norm": (None, "a clip (the experts' norm over two meshes is not modelled yet)"),
         "resume_after": (None, "a resume (not modelled yet)"),
         "offload": (False, "CPU offload of the experts"),
+        # zoom's per-module probes were not tried on the experts' all-to-all (pp refuses it too)
+        "zoom": (None, "zoom"),
     },
     "pp": {
         "step": (None, "a user's step (the schedule runs forward and backward)"),
