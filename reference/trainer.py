@@ -566,7 +566,35 @@ def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | 
         arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
         arithmetic.casts_inputs_without_params,
     )
+    if case.compile is not None:
+        _compile_as_sharded(model, case)
     return model
+
+
+def _compile_as_sharded(model: nn.Module, case: Case) -> None:
+    """The reference compiled as the engine compiles the ranks' model (verify/training/compile.py:
+    each unit but the root, or the whole model, in place), so that both run the same graphs. FSDP2
+    runs its pre- and post-forward hooks outside any graph (`_dynamo_disable`): under "model" the
+    graph breaks at every inner unit. The hooks standing for them here (the casts, the unit-input
+    node) run outside the graphs likewise, and a unit without any gets an empty pair, so the graphs
+    break at the same places and hold the same operations."""
+    import torch._dynamo
+
+    from fsdp_verify.training.compile import compile_in_place
+
+    empty = torch._dynamo.disable(_nothing, recursive=True)
+    for fqn in case.wrap_plan:
+        module = model.get_submodule(fqn)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                hooks[key] = torch._dynamo.disable(hook, recursive=True)
+        module.register_forward_pre_hook(empty)
+        module.register_forward_hook(empty)
+    compile_in_place(case, model)
+
+
+def _nothing(*_args) -> None:
+    """A hook that does nothing: where FSDP2 runs its own, outside any graph."""
 
 
 def _average(

@@ -28,6 +28,9 @@ SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
 GRAD_REDUCTIONS = ("avg", "sum")  # Case.grad_reduction
 INIT_MODES = ("eager", "meta")
+# torch.compile (docs/compile.md): what is compiled (Case.compile) and by which backend.
+COMPILE_SCOPES = ("units", "model")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -303,6 +306,15 @@ class Case:
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
 
+    # torch.compile (docs/compile.md), applied by the engine in place (`module.compile()`, FQNs
+    # kept) after activation checkpointing and before fully_shard, torchtitan's order: None, "units"
+    # (each unit of the wrap plan but the root) or "model" (the whole model); the reference is
+    # compiled alike. `compile_fullgraph`: a graph break is an error; `compile_backend`: inductor,
+    # aot_eager (Dynamo and AOTAutograd, no code generation) or eager (Dynamo alone).
+    compile: str | None = None
+    compile_fullgraph: bool = False
+    compile_backend: str = "inductor"
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -321,6 +333,9 @@ class Case:
         "resume_world_size",
         "resume_mesh_shape",
         "resume_engine",
+        "compile",
+        "compile_fullgraph",
+        "compile_backend",
     )
 
     def __post_init__(self) -> None:
@@ -432,6 +447,7 @@ class Case:
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
+        self._validate_compile()
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -754,6 +770,65 @@ class Case:
                 True,
             )
 
+    def _validate_compile(self) -> None:
+        """torch.compile's options (docs/compile.md), and what the compiled runs cannot take."""
+        check(
+            self.compile is None or self.compile in COMPILE_SCOPES,
+            "compile",
+            f"null or one of {COMPILE_SCOPES}",
+            self.compile,
+        )
+        check(isinstance(self.compile_fullgraph, bool), "compile_fullgraph", "true or false", self.compile_fullgraph)
+        check(
+            self.compile_backend in COMPILE_BACKENDS,
+            "compile_backend",
+            f"one of {COMPILE_BACKENDS}",
+            self.compile_backend,
+        )
+        if self.compile is None:
+            check(not self.compile_fullgraph, "compile_fullgraph", "false without compile", True)
+            check(
+                self.compile_backend == "inductor",
+                "compile_backend",
+                "'inductor' without compile",
+                self.compile_backend,
+            )
+            return
+        breaks = fullgraph_breaks(self) if self.compile_fullgraph else None
+        check(
+            breaks is None,
+            "compile_fullgraph",
+            f"false where a unit's FSDP2 hooks run inside a compiled module ({breaks}): FSDP2 runs them outside"
+            " any graph (a graph break), which fullgraph=True refuses",
+            True,
+        )
+        check(
+            self.compile != "units" or len(self.wrap_plan) > 1,
+            "compile",
+            "'model' or null for a wrap plan of the root alone ('units' compiles each unit but the root)",
+            self.compile,
+        )
+        # Each count of samples routed to an expert is a shape of its own: the graphs a rank and
+        # the reference (which meets every rank's counts in one process) compile would differ.
+        check(
+            not self.model.experts,
+            "compile",
+            "null with routed experts (data-dependent routing: a graph per count of routed samples)",
+            self.compile,
+        )
+        check(
+            self.step is None,
+            "compile",
+            "null with a user's step (its reference, reference/user_step.py, runs eagerly)",
+            self.compile,
+        )
+        check(
+            self.zoom is None,
+            "compile",
+            "null with a zoom (per-module and per-op probes cannot see inside a compiled graph)",
+            self.compile,
+        )
+
     # ---- derived ------------------------------------------------------------------------------
     @property
     def mesh(self) -> tuple[int, ...]:
@@ -873,12 +948,25 @@ def check_field_value(name: str, value: Any) -> None:
                 changes["world_size"] = _product(value)
             if name == "replica_sync_last":  # wrong only beside a 1-D mesh: judged on a 2-D one
                 changes.update(mesh_shape=(1, 2), world_size=2)
+            if name in ("compile_fullgraph", "compile_backend"):  # options of compile: judged with it
+                changes.update(compile="model", wrap=("",))
             Case().with_(**changes)
     except CaseError as e:
         if e.field_path == name:
             raise
     except TypeError:
         pass  # a value of the wrong kind altogether: the Case it is drawn into names it
+
+
+def fullgraph_breaks(case: Case) -> str | None:
+    """Where FSDP2's hooks break a compiled graph (the first unit inside a compiled module), or
+    None where no unit runs inside one: what `compile_fullgraph` needs."""
+    compiled = [""] if case.compile == "model" else [u for u in case.wrap_plan if u]
+    for outer in compiled:
+        inner = next((u for u in case.wrap_plan if u != outer and _is_ancestor(outer, u)), None)
+        if inner is not None:
+            return f"unit {inner!r} inside the compiled {repr(outer) if outer else 'model'}"
+    return None
 
 
 def _product(values: tuple[int, ...]) -> int:

@@ -20,6 +20,7 @@ from fsdp_verify.reference.trainer import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace
+from fsdp_verify.training.compile import fresh_compiler
 from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
 
@@ -154,6 +155,8 @@ def check_case(
     pool.submit(case)
     try:
         with rank_like_threads():
+            if case.compile is not None:
+                fresh_compiler()
             ref = emulating_reference(case)  # overlaps with the ranks' work
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
         with contextlib.suppress(RankFailure):

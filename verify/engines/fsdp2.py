@@ -13,6 +13,7 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    spec.compile(model)  # torchtitan's order: checkpointing (the loop's), compile, fully_shard
     kwargs = spec.fully_shard_kwargs(model, mesh)
     for fqn in spec.wrap:
         fully_shard(model.get_submodule(fqn), **kwargs)
