@@ -14,6 +14,7 @@ each a screen long, so that a new knob changes one phase and the reference stays
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -29,11 +30,12 @@ from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
+from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
-from fsdp_verify.training.checkpointing import without_kv_cache
+from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import (
@@ -56,6 +58,7 @@ def train_reference(
     perturb: int | None = None,
     arithmetic: Arithmetic = FSDP2,
     share: RankShare | None = None,
+    fusion: int | None = None,
 ) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
@@ -70,8 +73,10 @@ def train_reference(
     "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
     reduction and the clip's norm, and its `unit_input_node` is the default. `share` splits the
     emulated ranks' forward and backward passes over processes (verify/sharded/shared_reference.py:
-    the ranks of a run in place under torchrun); every process then averages and steps alike."""
-    run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share)
+    the ranks of a run in place under torchrun); every process then averages and steps alike.
+    `fusion=SEED` (a compiled case): the run eager, every operation of the compiled modules moved
+    by what a compiler may change in it (reference/fusion.py): the floor of compiled against eager."""
+    run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share, fusion)
     for step in range(1, case.steps + 1):
         run.unfreeze(step)
         state = run.begin_step(step)
@@ -146,6 +151,7 @@ class _Run:
     # Where the engine computes on views of each unit's flat buffer, that buffer's layout
     # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
     views: _FlatLayout | None = None
+    fusion: FusionJolt | None = None  # the compiler's freedoms, on an eager run (reference/fusion.py)
 
     @classmethod
     def build(
@@ -157,10 +163,12 @@ class _Run:
         perturb: int | None,
         arithmetic: Arithmetic,
         share: RankShare | None,
+        fusion: int | None = None,
     ) -> _Run:
         """The model with the engine's casts, its optimizer, the emulated layout, and the initial
         records (step 0)."""
-        model = reference_model(case, arithmetic, unit_input_node)
+        model = reference_model(case, arithmetic, unit_input_node, compiled=fusion is None)
+        jolted = _fusion(case, model, FusionJolt(fusion) if fusion is not None else None)
         watch = ModuleWatch(model, case.zoom) if case.zoom is not None else None
         if share is not None:
             share.begin(model)
@@ -170,7 +178,10 @@ class _Run:
         flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
         layout = _FlatLayout(model, case, emulated) if flat else None
-        trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
+        moves = perturb if perturb is not None else fusion
+        trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": moves})
+        if fusion is not None:
+            trace.meta["moved"] = []  # every record inherits the moves (reference/fusion.py)
         jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
         _record_params(trace, 0, params, initial=True)
         _record_buffers(trace, 0, model)
@@ -201,6 +212,7 @@ class _Run:
             trace=trace,
             watch=watch,
             views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
+            fusion=jolted,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -220,7 +232,7 @@ class _Run:
         and trace carried over in memory (copies, exact: what a correct save and load give). A
         rank the run had keeps its dropout generator; a new one starts from its fresh seed (as
         verify/training/resume.py restores them)."""
-        model = reference_model(after, arithmetic, unit_input_node)
+        model = reference_model(after, arithmetic, unit_input_node, compiled=self.fusion is None)
         carried_over(self.model, model)
         params = dict(model.named_parameters())
         if after.unfreeze_step is not None and after.unfreeze_step <= self.case.resume_after:
@@ -260,6 +272,7 @@ class _Run:
             rng_states=rng_states,
             trace=self.trace,
             views=_FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
+            fusion=_fusion(after, model, self.fusion),
         )
 
     def record_resumed(self, step: int) -> None:
@@ -337,7 +350,8 @@ class _Run:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
-        out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
+        with self.fusion.forward() if self.fusion is not None else contextlib.nullcontext():
+            out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
@@ -349,9 +363,10 @@ class _Run:
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
-        grads = torch.autograd.grad(
-            backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
-        )
+        with self.fusion.backward_pass() if self.fusion is not None else contextlib.nullcontext():
+            grads = torch.autograd.grad(
+                backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+            )
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
@@ -552,23 +567,41 @@ class _Run:
         return self.trace
 
 
-def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None) -> nn.Module:
+def reference_model(
+    case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None, compiled: bool = True
+) -> nn.Module:
     """The case's model as built (eager, from its seed) with the casts and the unit-input node of
-    the engine's arithmetic installed: what every reference run computes with."""
+    the engine's arithmetic installed, compiled as the case compiles (`compiled=False`: eager):
+    what every reference run computes with."""
     model = build_model(case.model, case.seed, init="eager")
+    compile_it = case.compile is not None and compiled
     if case.activation_checkpointing:
-        # The reference never checkpoints (recomputation must not change a value), but it runs the
-        # forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
+        # Eager, the reference never checkpoints (recomputation must not change a value), but it runs
+        # the forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
         without_kv_cache(model)
+        if compile_it:
+            # Compiled, it does: the backward graph then recomputes the forward inside it, fused
+            # otherwise than the forward graph (bf16 gradients one ulp apart from an uncheckpointed
+            # compiled run's, measured); the same units checkpointed give the ranks' graphs.
+            checkpoint_units(model, case.wrap_plan)
     _install_precision_hooks(
         model,
         case,
         arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
         arithmetic.casts_inputs_without_params,
     )
-    if case.compile is not None:
+    if compile_it:
         _compile_as_sharded(model, case)
     return model
+
+
+def _fusion(case: Case, model: nn.Module, fusion: FusionJolt | None) -> FusionJolt | None:
+    """`fusion` counting the forward's depth in what the case compiles, on `model`."""
+    if fusion is not None:
+        from fsdp_verify.training.compile import compiled_modules
+
+        fusion.attach([module for _, module in compiled_modules(case, model)])
+    return fusion
 
 
 def _compile_as_sharded(model: nn.Module, case: Case) -> None:

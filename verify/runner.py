@@ -11,6 +11,7 @@ import torch
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
+from fsdp_verify.checks.compiler import check_compiler
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
@@ -87,9 +88,11 @@ def judge(
     got: Trace,
     calibrate: bool = True,
     checks: Callable[[], list[Finding]] | None = None,
+    compiler: list[Finding] | None = None,
 ) -> Verdict:
     """`checks`: the checks' findings when they are not `run_checks` on the two traces (a resume
-    checks each run on its own: verify/sharded/resume.py)."""
+    checks each run on its own: verify/sharded/resume.py). `compiler`: a compiled case's
+    compiled-against-eager findings (verify/checks/compiler.py), when computed already."""
     calibrated: list[float] = []
 
     def calibration() -> list[Trace]:
@@ -108,6 +111,7 @@ def judge(
         findings = compare_traces(ref, got, calibration if calibrate else None)
         t_checks = time.perf_counter()
         findings += checks() if checks is not None else run_checks(case, ref, got)
+    findings += compiler if compiler is not None else check_compiler(case, ref)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
     verdict.seconds = {
         "compare": t_checks - t - sum(calibrated),
@@ -158,6 +162,8 @@ def check_case(
             if case.compile is not None:
                 fresh_compiler()
             ref = emulating_reference(case)  # overlaps with the ranks' work
+        t_ref = time.perf_counter()
+        compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
         with contextlib.suppress(RankFailure):
             pool.result(timeout_s)
@@ -168,8 +174,10 @@ def check_case(
     t1 = time.perf_counter()
     got = pool.result(timeout_s)
     t2 = time.perf_counter()
-    verdict = judge(case, ref, got, calibrate)
-    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    verdict = judge(case, ref, got, calibrate, compiler=compiler)
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    if case.compile is not None:
+        verdict.seconds["compiler_check"] = t1 - t_ref
     return verdict
 
 
