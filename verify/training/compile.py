@@ -69,11 +69,12 @@ def fresh_compiler() -> None:
     Dynamo's recompile limit per code object (a unit class's `forward`, shared by every case) and
     silently run the cases after that eagerly."""
     import torch._dynamo
-    from torch._dynamo.utils import clear_compilation_metrics, counters
+    from torch._dynamo.utils import clear_compilation_metrics, counters, set_compilation_metrics_limit
 
     use_cache_dir()
     torch._dynamo.reset()
     counters.clear()
+    set_compilation_metrics_limit(4096)  # the compile probe reads them step by step (64 by default)
     clear_compilation_metrics()
 
 
