@@ -615,13 +615,12 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
     scope = draw(_pinned(pins, "compile", compile_scopes(case, rate)))
     if scope is None:
         return case
-    with_scope = case.with_(compile=scope) if case.compile != scope else case
-    fullgraph = draw(
-        _pinned(pins, "compile_fullgraph", st.booleans() if fullgraph_takes(with_scope) else st.just(False))
-    )
-    backend = draw(_pinned(pins, "compile_backend", st.sampled_from(COMPILE_BACKENDS)))
-    try:
-        return case.with_(compile=scope, compile_fullgraph=fullgraph, compile_backend=backend)
+    try:  # a pinned scope the drawn case cannot take ("units" with the root alone) is discarded
+        with_scope = case.with_(compile=scope)
+        takes = fullgraph_takes(with_scope)
+        fullgraph = draw(_pinned(pins, "compile_fullgraph", st.booleans() if takes else st.just(False)))
+        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(COMPILE_BACKENDS)))
+        return with_scope.with_(compile_fullgraph=fullgraph, compile_backend=backend)
     except CaseError:
         assume(False)
         raise

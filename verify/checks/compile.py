@@ -11,6 +11,7 @@ from fsdp_verify.compare.finding import Finding
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "CompileReport"
+LIMIT = "recompile limit exceeded"  # Dynamo's graph-break type when it gives up on a frame
 
 
 def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -37,6 +38,21 @@ def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     " first step compiles again every step",
                 )
             )
+        for step, reasons in sorted(record["breaks"].items(), key=lambda kv: int(kv[0])):
+            for reason in reasons:
+                if LIMIT in reason:  # Dynamo stopped compiling a frame: it runs eagerly from then on
+                    findings.append(
+                        Finding(
+                            int(step),
+                            "compile",
+                            "<recompile limit>",
+                            False,
+                            "recompiled",
+                            COMPARATOR,
+                            f"rank {rank}: {reason} at step {step}: a frame compiled again and again until Dynamo"
+                            " gave up on it, and it runs eagerly from then on",
+                        )
+                    )
     return findings
 
 
