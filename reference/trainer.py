@@ -33,6 +33,7 @@ from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
@@ -363,7 +364,10 @@ class _Run:
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
-        with self.fusion.backward_pass() if self.fusion is not None else contextlib.nullcontext():
+        with (
+            self.fusion.backward_pass() if self.fusion is not None else contextlib.nullcontext(),
+            self.recomputing(state),
+        ):
             grads = torch.autograd.grad(
                 backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
             )
@@ -371,6 +375,17 @@ class _Run:
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
         return RankPass(dict(zip(state.trainable, grads)), *passed)
+
+    def recomputing(self, state: _Step) -> contextlib.AbstractContextManager:
+        """Where the model's units are checkpointed (the compiled reference of a checkpointing
+        case, `reference_model`), their forward runs again in backward, outside `functional_call`:
+        the model holds the compute copies through the backward too, so the recomputation
+        computes with what the forward did (fp32 masters there fail checkpoint's check in bf16)."""
+        reparametrize = private_name("torch.nn.utils.stateless", "_reparametrize_module")
+        checkpointed = self.case.activation_checkpointing and self.case.compile is not None and self.fusion is None
+        if not checkpointed or reparametrize is None:
+            return contextlib.nullcontext()
+        return reparametrize(self.model, state.compute, tie_weights=True)
 
     def collect(self, state: _Step, m: int, group: list, ranks: dict[int, RankPass]) -> list[dict[str, torch.Tensor]]:
         """The ranks' passes of micro-batch m taken in rank order, as one process runs them: their

@@ -156,26 +156,35 @@ def check_case(
     refuse_untakeable(case)
     pool = pool or get_pool(case.world_size)
     t0 = time.perf_counter()
-    pool.submit(case)
+    # A compiled case compiles its reference first: the ranks then load the same graphs from
+    # Inductor's cache (verify/training/compile.py) instead of compiling them W + 1 times at once.
+    submitted = case.compile is None
+    if submitted:
+        pool.submit(case)
     try:
         with rank_like_threads():
             if case.compile is not None:
                 fresh_compiler()
             ref = emulating_reference(case)  # overlaps with the ranks' work
         t_ref = time.perf_counter()
+        if not submitted:
+            pool.submit(case)
+            submitted = True
         compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
-        with contextlib.suppress(RankFailure):
-            pool.result(timeout_s)
+        if submitted:
+            with contextlib.suppress(RankFailure):
+                pool.result(timeout_s)
         raise
     except BaseException:
-        pool.result(timeout_s)  # keep the pool in step before propagating
+        if submitted:
+            pool.result(timeout_s)  # keep the pool in step before propagating
         raise
     t1 = time.perf_counter()
     got = pool.result(timeout_s)
     t2 = time.perf_counter()
     verdict = judge(case, ref, got, calibrate, compiler=compiler)
-    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t2 - t1, **verdict.seconds}  # compiled: not overlapped
     if case.compile is not None:
         verdict.seconds["compiler_check"] = t1 - t_ref
     return verdict

@@ -1,8 +1,10 @@
 """Compile check: what torch.compile did on the ranks (the compile probe, verify/probes/compile.py),
 in the verdict: frames compiled, graph breaks and where, and recompilations. A frame compiled again
-after a run's first step is a finding, except at the step the case changes what trains
-(`unfreeze_step`: parameters that start to require grad fail a guard once): a step that compiles
-again points at a guard that fails every step, and so at a compile every step."""
+in two steps after the run's first (but at the step the case unfreezes parameters, which fail a
+guard once) is a finding: a guard that fails every step, and so a compile every step; so is a
+frame Dynamo gave up on after its recompile limit (it runs eagerly from then on). Once is not:
+Dynamo compiles some frames first at the second step (a frame it ran eagerly inside the first
+step's resume function), and says so in the summary."""
 
 from __future__ import annotations
 
@@ -19,23 +21,21 @@ def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     for rank, record in enumerate(got.meta.get("compile") or []):
         if not record:
             continue
-        first, seen = record["first_step"], set()
-        for step, name, where, _ops, reason in record["frames"]:
-            late = first is not None and step > first and step != case.unfreeze_step
-            if not late or (name, where) in seen:
-                continue
-            seen.add((name, where))
-            why = f": {reason}" if reason else " (a frame first compiled after the run's first step)"
+        for (name, where), steps in late_compiles(case, record).items():
+            if len(steps) < 2:
+                continue  # once after the first step: Dynamo's own (a frame it first reached then), said in the summary
+            reasons = [reason for step, reason in steps if reason]
+            why = f" ({reasons[-1]})" if reasons else ""
             findings.append(
                 Finding(
-                    step,
+                    steps[1][0],
                     "compile",
                     f"<recompiled> {name}",
                     False,
                     "recompiled",
                     COMPARATOR,
-                    f"rank {rank} compiled {name} ({where}) again at step {step}{why}; a guard that fails after the"
-                    " first step compiles again every step",
+                    f"rank {rank} compiled {name} ({where}) again at steps {', '.join(str(s) for s, _ in steps)}"
+                    f"{why}: a guard that fails every step compiles every step",
                 )
             )
         for step, reasons in sorted(record["breaks"].items(), key=lambda kv: int(kv[0])):
@@ -54,6 +54,21 @@ def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                         )
                     )
     return findings
+
+
+def late_compiles(case: Case, record: dict) -> dict[tuple[str, str], list[tuple[int, str | None]]]:
+    """Per frame (name, where), the steps after the run's first one at which it was compiled (with
+    Dynamo's reason), but the step at which the case unfreezes parameters (which fail a guard once).
+    A frame compiled in two such steps is compiled every step; in one, Dynamo first reached it then
+    (a frame it ran eagerly in the first step's resume function, measured: once, never again)."""
+    first = record["first_step"]
+    late: dict[tuple[str, str], list[tuple[int, str | None]]] = {}
+    for step, name, where, _ops, reason in record["frames"]:
+        if first is not None and step > first and step != case.unfreeze_step:
+            steps = late.setdefault((name, where), [])
+            if step not in [s for s, _ in steps]:
+                steps.append((step, reason))
+    return late
 
 
 def compile_summary(case: Case, ref: Trace, got: Trace) -> str | None:

@@ -72,6 +72,21 @@ def fresh_compiler() -> None:
     from torch._dynamo.utils import clear_compilation_metrics, counters, set_compilation_metrics_limit
 
     use_cache_dir()
+    # Inductor compiles in this process (no pool of compile workers per rank: a pool's W ranks
+    # and the reference's parent would start 2 each on a machine of a few cores, for kernels of a
+    # tiny model); the code it generates is the same.
+    import torch._inductor.config
+
+    torch._inductor.config.compile_threads = 1
+    # As torchtitan does wherever it checkpoints or compiles (pytorch/pytorch#166926): Dynamo tries
+    # a frame's cached graphs most recently used first, so a checkpointed unit's recomputation in
+    # backward can run another graph than its forward did (a unit of the same class whose child
+    # FSDP2 made a unit of its own guards otherwise), and checkpoint's check of the saved tensors
+    # fails ("A different number of tensors was saved": sweep seed 4101, case 96057a5e8b38).
+    # Insertion order runs the same graph again.
+    set_lru_cache = getattr(torch._C._dynamo.eval_frame, "_set_lru_cache", None)
+    if set_lru_cache is not None:
+        set_lru_cache(False)
     torch._dynamo.reset()
     counters.clear()
     set_compilation_metrics_limit(4096)  # the compile probe reads them step by step (64 by default)

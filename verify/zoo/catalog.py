@@ -655,9 +655,10 @@ ZOO += [
         "an int read in a compiled region (a step number for a schedule): a recompilation per step",
         ("compile",),
         world_sizes=(1, 2, 3, 4),
-        # One micro-batch and two blocks: a recompilation or two a step, well below Dynamo's limit.
+        # One micro-batch and two blocks: a recompilation or two a step, well below Dynamo's limit;
+        # three steps, so that it compiles again in two of them (once could be Dynamo's own).
         pins={
-            "steps": 2,
+            "steps": 3,
             "microbatches": 1,
             "model.widths": st.just((5, 7, 3)),
             "compile": "units",
