@@ -38,6 +38,7 @@ from fsdp_verify.case import (
     OptimSpec,
     PrecisionSpec,
     check_field_value,
+    not_modelled_with_compile,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.engines.placement import PLACEMENTS
@@ -591,8 +592,8 @@ def _cases(
 def compile_scopes(case: Case, rate: float) -> SearchStrategy[str | None]:
     """None, or a compile scope with probability `rate` (the profile's: `profiles.COMPILE_RATES`):
     "units" where the plan has a unit besides the root, else "model". None where the case cannot
-    be compiled (routed experts, a user's step: Case refuses them). Shrinks to None."""
-    if rate <= 0 or case.model.experts or case.step is not None or case.zoom is not None:
+    be compiled (`case.NOT_WITH_COMPILE`: Case refuses them). Shrinks to None."""
+    if rate <= 0 or not_modelled_with_compile(case) is not None:
         return st.just(None)
     scopes = ("units", "model") if len(case.wrap_plan) > 1 else ("model",)
     hundredths = round(100 * min(rate, 1.0))

@@ -44,7 +44,7 @@ EVERYTHING = "examples/engine/my_engine.py:shard_everything"
         ({"compile": "units", "model": ModelSpec(kind="mlp", experts=2)}, "compile"),
         ({"compile": "model", "compile_fullgraph": True}, "compile_fullgraph"),  # units inside the model
         (
-            {"compile": "units", "compile_fullgraph": True, "wrap": ("layers.0", "layers.0.linear", "")},
+            {"compile": "units", "compile_fullgraph": True, "wrap": ("layers.0.linear", "layers.0", "")},
             "compile_fullgraph",
         ),
         ({"compile": "units", "zoom": "1"}, "compile"),
@@ -92,8 +92,7 @@ def test_compile_is_drawn_at_the_profiles_rate():
     assert not any(c.compile for c in draw_cases(cases(compile_rate=0.0), 15, 7))
     assert [c.hash for c in draw_cases(cases(), 15, 7)] == before  # the default profile's rate is 0
     drawn = draw_cases(cases(compile_rate=1.0, model_kinds=("mlp",)), 30, 7)
-    assert sum(c.compile is not None for c in drawn) >= 25  # all but the cases that cannot compile
-    assert all(c.compile is None for c in drawn if c.model.experts)
+    assert all((c.compile is None) == bool(c.model.experts) for c in drawn)  # all that can compile do
 
 
 @settings(max_examples=100, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -102,10 +101,13 @@ def test_a_plain_plugin_is_never_drawn_compile(case):
     assert case.compile is None
 
 
-def test_compile_rate_takes_a_profile_or_a_share():
-    from fsdp_verify.commands.cli import main
-
-    assert main(["sweep", "--cases", "1", "--compile-rate", "1.5", "--out", "/nonexistent"]) == 2
+def test_compile_rate_takes_a_profile_or_a_share(capsys):
+    sweep = ["sweep", "--cases", "1", "--out", "unused", "--compile-rate"]
+    assert build_parser().parse_args([*sweep, "nightly"]).compile_rate == COMPILE_RATES["nightly"]
+    assert build_parser().parse_args([*sweep, "0.5"]).compile_rate == 0.5
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*sweep, "1.5"])
+    assert e.value.code == 2 and "--compile-rate: expected a number from 0 to 1" in capsys.readouterr().err
 
 
 def test_check_compile_on_a_plain_plugin_exits_2_naming_the_declaration():
@@ -130,8 +132,9 @@ def test_the_fusion_floor_moves_each_operation_within_its_bound_and_nothing_exac
         viewed = a.t()
         picked = torch.where(a > 0, a, b.sum() * 0)
     exact = a @ b
-    bound = 2 * 6 * u * (a.abs().double() @ b.abs().double()) + u * exact.abs().double()
-    assert ((mm.double() - exact.double()).abs() <= bound * (1 + 1e-6) + 1e-30).all()
+    # 2 (K - 1) u |a||b| for the order, u |y| for an FMA, and the moved value's own rounding to fp32
+    bound = 2 * 6 * u * (a.abs().double() @ b.abs().double()) + 2 * u * exact.abs().double()
+    assert ((mm.double() - exact.double()).abs() <= bound).all()
     assert (mm != exact).any()  # it moved
     assert torch.equal(viewed, a.t()) and torch.equal(picked, torch.where(a > 0, a, torch.zeros(())))
 
@@ -171,8 +174,9 @@ def test_compiled_fsdp2_agrees_with_the_compiled_reference(fsdp_check):
 
 
 def test_unfreezing_compiles_again_once_and_that_is_no_finding(fsdp_check):
-    case = mlp_case(2, steps=3, compile="units", compile_backend="eager", unfreeze_step=2)
-    verdict = fsdp_check(case.with_(model=ModelSpec(kind="mlp", widths=(16, 33, 17, 8), frozen=("layers.0",))))
+    case = mlp_case(2, steps=3, compile="units", compile_backend="eager")
+    frozen = ModelSpec(kind="mlp", widths=(16, 33, 17, 8), frozen=("layers.0",))
+    verdict = fsdp_check(case.with_(model=frozen, unfreeze_step=2))
     assert verdict.ok, verdict.summary()
     assert "step 2:" in _compile_findings(verdict)["compile"].message  # it did compile again, at the unfreeze
 

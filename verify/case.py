@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -808,26 +808,8 @@ class Case:
             "'model' or null for a wrap plan of the root alone ('units' compiles each unit but the root)",
             self.compile,
         )
-        # Each count of samples routed to an expert is a shape of its own: the graphs a rank and
-        # the reference (which meets every rank's counts in one process) compile would differ.
-        check(
-            not self.model.experts,
-            "compile",
-            "null with routed experts (data-dependent routing: a graph per count of routed samples)",
-            self.compile,
-        )
-        check(
-            self.step is None,
-            "compile",
-            "null with a user's step (its reference, reference/user_step.py, runs eagerly)",
-            self.compile,
-        )
-        check(
-            self.zoom is None,
-            "compile",
-            "null with a zoom (per-module and per-op probes cannot see inside a compiled graph)",
-            self.compile,
-        )
+        beside = not_modelled_with_compile(self)
+        check(beside is None, "compile", f"null with {beside}", self.compile)
 
     # ---- derived ------------------------------------------------------------------------------
     @property
@@ -956,6 +938,33 @@ def check_field_value(name: str, value: Any) -> None:
             raise
     except TypeError:
         pass  # a value of the wrong kind altogether: the Case it is drawn into names it
+
+
+# What the compiled runs do not model, in one place: validation refuses a compiled case that has
+# one (`Case._validate_compile`) and the draw never compiles one (properties/strategies.py
+# `compile_scopes`). A Case field not modelled beside compile (a new parallelism) adds a row:
+# (what, whether the case has it).
+NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
+    # Each count of samples routed to an expert is a shape of its own: the graphs a rank and the
+    # reference (which meets every rank's counts in one process) compile would differ.
+    (
+        "routed experts (data-dependent routing: a graph per count of routed samples)",
+        lambda case: bool(case.model.experts),
+    ),
+    (
+        "a user's step (its reference, reference/user_step.py, runs eagerly)",
+        lambda case: case.step is not None,
+    ),
+    (
+        "a zoom (per-module and per-op probes cannot see inside a compiled graph)",
+        lambda case: case.zoom is not None,
+    ),
+)
+
+
+def not_modelled_with_compile(case: Case) -> str | None:
+    """The first thing `case` has that compile is not modelled beside (NOT_WITH_COMPILE), or None."""
+    return next((what for what, has in NOT_WITH_COMPILE if has(case)), None)
 
 
 def fullgraph_breaks(case: Case) -> str | None:

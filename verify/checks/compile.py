@@ -92,6 +92,9 @@ def compile_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     cache = record.get("cache") or {}
     if cache.get("hit") or cache.get("miss"):
         tail += f"; {cache['hit']} of {cache['hit'] + cache['miss']} graphs from Inductor's cache"
+    once = [f"{name} at step {late[0][0]}" for (name, _), late in late_compiles(case, record).items()]
+    again = f"; compiled again once: {', '.join(once)}" if once else ""
     return (
-        f"rank 0 compiled {case.compile} ({case.compile_backend}): {steps or 'nothing'}{tail}; nothing compiled again"
+        f"rank 0 compiled {case.compile} ({case.compile_backend}): {steps or 'nothing'}{tail}{again};"
+        " no frame compiled every step"
     )
