@@ -149,10 +149,33 @@ def compare_pages(tmp_path_factory) -> dict[str, Path]:
     train(d / "bad", model=bad)
     assert main(["compare", str(d / "ref"), str(d / "twin"), "--out", str(d / "pass")]) == 0
     assert main(["compare", str(d / "ref"), str(d / "bad"), "--out", str(d / "fail")]) == 1
-    return {"pass": d / "pass" / "report.html", "fail": d / "fail" / "report.html"}
+    import torch.multiprocessing as mp
+
+    mp.spawn(_train_apart, args=(str(d / "store"), str(d / "apart")), nprocs=2)
+    assert main(["compare", str(d / "ref"), str(d / "apart"), "--out", str(d / "not-sharded")]) == 1
+    return {
+        "pass": d / "pass" / "report.html",
+        "fail": d / "fail" / "report.html",
+        "not-sharded": d / "not-sharded" / "report.html",
+    }
 
 
-@pytest.mark.parametrize("outcome", ["pass", "fail"])
+def _train_apart(rank: int, store: str, out: str) -> None:
+    """Two gloo ranks that each train their own copy (no FSDP, no collective): NOT SHARDED."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from tests.test_recorder import train
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Recorder's own warning: every parameter is plain
+        train(Path(out), batch=3 + rank)  # the ranks' batches differ, so do their gradients
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail", "not-sharded"])
 def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, compare_pages, outcome):
     """One pair of runs: none of the sweep page's widgets that mean nothing for it ("Engine None",
     cases a minute, a one-case histogram, the slowest cases); the runs, the rules used and the
@@ -183,6 +206,14 @@ def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, com
         failures = browser.find_element("id", "failures")
         assert "First divergence at step 1, gradients, 'lin.weight'" in failures.text
         assert failures.location["y"] < top["runs"]
+    elif outcome == "not-sharded":
+        assert status.endswith("NOT SHARDED") and "FAIL" not in status
+        failures = browser.find_element("id", "failures")
+        assert (
+            failures.text.startswith("Not sharded")
+            and "every one of its 4 parameters is a plain tensor" in failures.text
+        )
+        assert "sharding" in browser.find_element("id", "steps").text.split("\n")[0]
     else:
         assert "PASS" in status and "EQUIVALENT" in browser.find_element("id", "verdict").text
 

@@ -14,6 +14,7 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
+from fsdp_verify.sharded.pool import RankFailure
 from tests.conftest import lm_case, mlp_case, regression, require
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
@@ -439,4 +440,89 @@ def test_a_frozen_parameters_constructor_state_survives_the_load(fsdp_pool):
     case = regression("dcce5f442d64")
     assert (case.optim.name, case.unfreeze_step, case.resume_after) == ("adagrad", 3, 2)  # the premise
     verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+
+
+# ---- a rank that holds nothing of a parameter (issue 37) --------------------------------------------
+def _tiny(world: int, resumed: int, **changes) -> Case:
+    """tests/regressions/26aa94bc541d.json (a one-unit MLP of 2 elements, SGD with momentum) on
+    `world` ranks resumed on `resumed`: beyond 2 ranks some hold no element at all."""
+    return regression("26aa94bc541d").with_(world_size=world, resume_world_size=resumed, **changes)
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        pytest.param(regression("26aa94bc541d"), id="issue-2to1"),
+        pytest.param(_tiny(1, 4, **{"data.batch_size": 4, "model.frozen": _FROZEN}), id="1to4-frozen"),
+        pytest.param(_tiny(4, 1, **{"data.batch_size": 4, "optim.name": "adagrad"}), id="4to1-adagrad"),
+        pytest.param(_tiny(4, 3, **{"data.batch_size": 12, "optim.name": "adam"}), id="4to3-adam"),
+        pytest.param(
+            mlp_case(3, steps=3, resume_after=1, resume_world_size=2, data=DataSpec(batch_size=6)).with_(
+                **{"optim.name": "rmsprop", "optim.schedule": "linear_warmup"}
+            ),
+            id="3to2-rmsprop-schedule",
+        ),
+        pytest.param(
+            lm_case(
+                4, steps=3, resume_after=1, resume_world_size=3, precision=BF16, data=DataSpec(batch_size=12)
+            ).with_(**{"model.tie_embeddings": True}),
+            id="4to3-tied-lm-bf16",
+            marks=pytest.mark.slow,
+        ),
+    ],
+)
+@pytest.mark.parametrize("engine", ["flat", "fsdp1"])
+def test_a_resume_reshards_where_a_rank_holds_nothing_of_a_parameter(case, engine, fsdp_pool):
+    """The flat engine's parameters are plain pieces (maybe empty): handed to `get_state_dict`
+    as they were, DCP kept one rank's piece as if replicated, and a load crashed ("Size mismatch
+    between saved torch.Size([0]) and current: torch.Size([1]) for
+    optim.state.layers.0.linear.bias.momentum_buffer": a fresh-seed `fuzz --engine flat
+    --resume`, issue 37; at the same world size, saved [10] against current [6]). It saves whole
+    tensors now and each rank loads its piece (verify/engines/flat/checkpoint.py). FSDP1, whose
+    ShardedTensors describe a rank without a shard, loads the same cases."""
+    case = case.with_(engine=engine)
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+    resumed = [f for f in verdict.findings if f.phase == "resumed" and f.name.startswith("optim.")]
+    assert resumed and all(f.ok for f in resumed)  # the optimizer state was loaded, and compared
+
+
+@pytest.mark.parametrize("engines", [("flat", "fsdp2"), ("fsdp2", "flat")], ids=["flat-to-fsdp2", "fsdp2-to-flat"])
+def test_the_flat_engines_checkpoint_is_fsdp2s_layout(engines, fsdp_pool):
+    """Whole tensors in the parameters' shapes under FSDP2's flattened keys, with its
+    `stepped.<fqn>` marks: each engine resumes from the other's checkpoint on another world size."""
+    before, after = engines
+    adam, six = OptimSpec(name="adam"), DataSpec(batch_size=6)
+    case = mlp_case(
+        2, steps=3, resume_after=1, resume_world_size=3, engine=before, resume_engine=after, optim=adam, data=six
+    )
+    verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    assert verdict.ok, verdict.table()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=RankFailure,
+    reason="torch 2.13: FSDP1 NO_SHARD leaves an all-frozen root's parameters unregistered after backward, and "
+    "state_dict() asserts (tests/upstream/test_fsdp1_no_shard_frozen_root_state_dict.py)",
+)
+@pytest.mark.parametrize(
+    ("name", "missing"),
+    [
+        ("6623a1f52a02", "FSDP assumes moe.gate.weight is in the state_dict"),
+        # a unit other than the root frozen whole (`moe`, its gate a unit of its own): fuzz seed 20270213
+        ("27731e33e8e1", "FSDP assumes _fsdp_wrapped_module.moe.experts.0.weight is in the state_dict"),
+    ],
+)
+def test_fsdp1_no_shard_saves_a_unit_whose_parameters_are_all_frozen(fsdp_pool, name, missing):
+    """FSDP1 at world size 1 (NO_SHARD), the routed experts (all in the root unit) frozen: the
+    save after step 1 crashes in FSDP1's own state_dict (a fresh-seed `fuzz --engine fsdp1 --hsdp
+    --resume`, seed 20270103). A PyTorch bug; left out of the FSDP1 resume draw (`fsdp1_modelled`)."""
+    case = regression(name)
+    try:
+        verdict = check_case(case, pool=fsdp_pool(case.world_size))
+    except RankFailure as e:
+        assert "save checkpoint" in str(e) and missing in str(e)
+        raise
     assert verdict.ok, verdict.table()

@@ -45,3 +45,7 @@ def expected_cause(row: dict) -> str | None:
     if row["world_size"] == 3:
         return "raises while sharding"
     return "crash in the second forward" if row["steps"] >= 2 else None
+
+
+# Built on the built-in engine: drawn what it is drawn (verify/engines/capabilities.py).
+shard.capabilities = fully_shard_engine.capabilities

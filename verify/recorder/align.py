@@ -21,6 +21,9 @@ class Rows:
     sq: torch.Tensor
     row_len: int
     full: torch.Tensor | None = None  # the tensor whole, where it was recorded so
+    # Rows that more than one rank holds (a plain tensor, a replicated DTensor): the largest
+    # deviation between two ranks' copies, and those two ranks (the first holder, the other).
+    spread: tuple[float, int, int] | None = None
 
     @property
     def norms(self) -> torch.Tensor:
@@ -29,6 +32,26 @@ class Rows:
     @property
     def total(self) -> float:
         return float(self.sum.sum())
+
+
+def row_deviation(ref: Rows, got: Rows) -> float:
+    """Normwise: the row norms' largest change relative to the largest row norm, and the row
+    sums' relative to the largest value a row's sum can take at that norm (sqrt(row length) x
+    norm): both at most the elements' relative change, so one rule fits both."""
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
+    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
+    if scale == 0:
+        return 0.0 if d_norm == d_sum == 0 else math.inf
+    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
+
+
+def _widen(target: Rows, first: Rows, other: Rows, first_rank: int, rank: int) -> None:
+    """Keep in `target.spread` the largest deviation between two ranks' copies of the same rows:
+    `first` as its first holder recorded them, `other` as `rank` did."""
+    dev = row_deviation(first, other)
+    if target.spread is None or dev > target.spread[0]:
+        target.spread = (dev, first_rank, rank)
 
 
 @dataclass
@@ -48,8 +71,8 @@ class Step:
 
 def reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
     out: dict[str, Rows] = {}
-    filled: dict[str, torch.Tensor] = {}
-    for t, h in zip(tensors, headers):
+    owner: dict[str, torch.Tensor] = {}  # per row, the first rank that held it (-1: none yet)
+    for rank, (t, h) in enumerate(zip(tensors, headers)):
         layout = h.get(prefix)
         if layout is None:
             continue
@@ -62,22 +85,32 @@ def reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[st
                 if name not in out:
                     zero = torch.zeros(1, dtype=torch.float64)
                     out[name] = Rows(zero.clone(), zero.clone(), numel)
-                    filled[name] = torch.zeros(1, dtype=torch.bool)
-                if kind == "total" or not filled[name][0]:  # shards add up; a replica counts once
+                    owner[name] = torch.full((1,), -1)
+                if kind == "total" or owner[name][0] < 0:  # shards add up; a replica counts once
                     out[name].sum += sums[start]
                     out[name].sq += squares[start]
-                filled[name][0] = True
+                    owner[name][0] = rank
+                else:
+                    other = Rows(sums[start : start + 1], squares[start : start + 1], numel)
+                    _widen(out[name], Rows(out[name].sum, out[name].sq, numel), other, int(owner[name][0]), rank)
                 start += 1
             else:
                 if name not in out:
                     zeros = torch.zeros(full_rows, dtype=torch.float64)
                     out[name] = Rows(zeros.clone(), zeros.clone(), numel // max(full_rows, 1))
-                    filled[name] = torch.zeros(full_rows, dtype=torch.bool)
+                    owner[name] = torch.full((full_rows,), -1)
                 sl = slice(offset, offset + rows)
-                new = ~filled[name][sl]  # replicas (plain tensors on every rank): the first rank's rows
-                out[name].sum[sl][new] = sums[start : start + rows][new]
-                out[name].sq[sl][new] = squares[start : start + rows][new]
-                filled[name][sl] = True
+                here_sum, here_sq = sums[start : start + rows], squares[start : start + rows]
+                held = owner[name][sl] >= 0  # replicas (plain tensors on every rank): the first rank's rows
+                if held.any():
+                    row_len = out[name].row_len
+                    first = Rows(out[name].sum[sl][held], out[name].sq[sl][held], row_len)
+                    other = Rows(here_sum[held], here_sq[held], row_len)
+                    _widen(out[name], first, other, int(owner[name][sl][held][0]), rank)
+                new = ~held
+                out[name].sum[sl][new] = here_sum[new]
+                out[name].sq[sl][new] = here_sq[new]
+                owner[name][sl][new] = rank
                 start += rows
             full = t.get(f"full/{prefix}/{name}")
             if full is not None:
@@ -136,19 +169,12 @@ def steps(run: Run):
 
 
 def deviation(ref, got) -> float:
-    """Normwise: the largest change relative to the largest magnitude. For row fingerprints, the
-    row norms relative to the largest row norm, and the row sums relative to the largest value a
-    row's sum can take at that norm (sqrt(row length) x norm): both at most the elements'
-    relative change, so one rule fits both."""
+    """Normwise: the largest change relative to the largest magnitude; for row fingerprints
+    `row_deviation`."""
     if isinstance(ref, float):
         if ref == got:
             return 0.0
         return abs(ref - got) / abs(ref) if ref else math.inf
     if isinstance(ref, torch.Tensor):
         return measure(ref, got).normwise
-    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
-    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
-    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
-    if scale == 0:
-        return 0.0 if d_norm == d_sum == 0 else math.inf
-    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
+    return row_deviation(ref, got)

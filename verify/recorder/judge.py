@@ -9,11 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.recorder import datacheck, loadcheck, rules
+from fsdp_verify.recorder import datacheck, loadcheck, rules, sharding
 from fsdp_verify.recorder.align import Rows, Step, deviation, steps
 from fsdp_verify.recorder.store import Run, RunError
 
-PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state")
+PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state", "sharding")
 COMPARATORS = {
     "init": "InitFingerprint",
     "modules": "ModuleFingerprint",
@@ -22,6 +22,7 @@ COMPARATORS = {
     "grads": "GradsFingerprint",
     "params": "ParamsFingerprint",
     "optim_state": "OptimStateFingerprint",
+    "sharding": sharding.COMPARATOR,
 }
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -83,8 +84,14 @@ class Comparison:
         return all(f.ok for f in self.findings)
 
     @property
+    def not_sharded(self) -> list[Finding]:
+        """Why the run recorded as sharded is not (sharding.py): its own verdict, before any record."""
+        return [f for f in self.findings if f.phase == "sharding" and not f.ok]
+
+    @property
     def first_divergence(self) -> Finding | None:
-        return next((f for f in self.findings if not f.ok), None)
+        """The first record of the two runs that parts (the sharding check aside)."""
+        return next((f for f in self.findings if not f.ok and f.phase != "sharding"), None)
 
     def rules_used(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -93,7 +100,7 @@ class Comparison:
         return counts
 
 
-def _dtype(run: Run, kind: str) -> torch.dtype:
+def record_dtype(run: Run, kind: str) -> torch.dtype:
     seen = [DTYPES.get(d, torch.float32) for m in run.meta for d in m.get("dtypes_seen", {}).get(kind, [])]
     return max(seen or [torch.float32], key=rules.unit_roundoff)
 
@@ -207,6 +214,11 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             result.notes.append(note)
         if run.before is not None:
             loads.setdefault(run.resumed_after, []).extend(found)
+    unsharded = sharding.unsharded(got)
+    if unsharded is not None:
+        result.findings.append(unsharded)
+    elif (partly := sharding.partly_plain(got)) is not None:
+        result.notes.append(partly)
     unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
@@ -214,6 +226,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         world = got.world_at(r_step.call)
         if progress:
             progress(r_step.call)
+        result.findings.extend(sharding.drift(g_step, got, record_dtype(got, "params")))
         if r_step.hashes is not None and g_step.hashes is not None:
             result.findings.append(datacheck.check(r_step.call, r_step.hashes, g_step.hashes))
         ref_rec, got_rec = _records(r_step, None), _records(g_step, _order(r_step, g_step))
@@ -240,7 +253,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                 msg = f"{what} {shapes[1]} on the sharded run's ranks together, {shapes[0]} in the reference"
                 result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
                 continue
-            dtype = _dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
+            dtype = record_dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
             dtype = max(dtype, param_dtype, key=rules.unit_roundoff)  # under a policy: rounded in param_dtype
             before_update = phase == "init" or (phase in ("modules", "logits", "loss") and r_step.opt_before == 0)
             before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import platform
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -90,6 +91,26 @@ def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -
         )
 
 
+def _warn_if_not_sharded(params: list[tuple[str, nn.Parameter]], intent: dict, rank: int) -> None:
+    """Said at once, on rank 0, when a run meant to shard holds no DTensor: FSDP was not applied
+    here (a silent fallback). `compare` gives the verdict, NOT SHARDED, from every rank's record."""
+    if rank == 0 and intent["expected"] and params and all(getattr(p, "placements", None) is None for _, p in params):
+        warnings.warn(
+            f"fsdp-verify Recorder: this run is meant to shard its parameters ({intent['by']}), but every one of"
+            f" its {len(params)} parameters is a plain tensor here: FSDP was not applied; `fsdp-verify compare`"
+            " will say NOT SHARDED",
+            stacklevel=3,
+        )
+
+
+def sharding_intent(world_size: int, sharded: bool | None, sharded_by: str | None) -> dict:
+    """settings.sharded in meta.json: whether the run is meant to shard its parameters, and what
+    said so (the user, an integration naming its library's setting, or the world size)."""
+    if sharded is None:
+        return {"expected": world_size > 1, "by": sharded_by or f"it runs on {world_size} ranks"}
+    return {"expected": bool(sharded), "by": sharded_by or "Recorder(sharded=...)"}
+
+
 def resumed_from_meta(path: str | Path) -> dict:
     """Where the run at `path` stopped (its rank 0's meta: steps and optimizer steps), and its
     absolute path, which the resumed run's meta names."""
@@ -124,6 +145,16 @@ class Recorder:
       the state it finds (parameters, optimizer state, param groups) is compared exactly with
       the state the run before closed with (its checkpoint's, saved at its end).
     scheduler: the lr scheduler, if the loop has one: its position is part of that state.
+    sharded: whether this run is meant to shard its parameters (FSDP). None: yes when it runs on
+      more than one rank (the sharded twin); False for a data-parallel run that replicates them on
+      purpose (DDP). `compare` says NOT SHARDED when a run meant to shard holds parameters that are
+      plain tensors on every rank (sharding.py); replicas that drift apart are named either way.
+    sharded_by: what said the run is meant to shard (the integrations name the library setting,
+      "TrainingArguments.fsdp"), quoted in that verdict.
+    closure_step: the loop steps the optimizer with a closure that runs forward and backward
+      inside `optimizer.step` (Lightning's automatic optimization, LBFGS): the gradients are not
+      there when the optimizer's pre-step hook runs, so the caller calls
+      `before_optimizer_step()` once they are.
     """
 
     def __init__(
@@ -138,10 +169,14 @@ class Recorder:
         modules: Iterable[str] = (),
         resumed_from: str | Path | None = None,
         scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        sharded: bool | None = None,
+        sharded_by: str | None = None,
+        closure_step: bool = False,
     ):
         self.out = Path(out)
         self.resumed_from = resumed_from_meta(resumed_from) if resumed_from is not None else None
         self.rank, self.world_size = _dist()
+        self.sharding = sharding_intent(self.world_size, sharded, sharded_by)
         self.full_steps, self.full_params = set(full_steps), list(full_params)
         self.optimizer, self.scheduler = optimizer, scheduler
         self.params: list[tuple[str, nn.Parameter]] = []
@@ -153,6 +188,7 @@ class Recorder:
             seen[name] = fqn
             self.params.append((name, p))
         _check_optimizer_holds(model, optimizer)
+        _warn_if_not_sharded(self.params, self.sharding, self.rank)
         # Where each rank's rows sit never changes, and gradients and optimizer state are placed as
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).
@@ -178,10 +214,9 @@ class Recorder:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-verify-recorder")
         self._written = None
         self._header: dict = {"opt_steps": []}
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._before_optimizer),
-            optimizer.register_step_post_hook(self._after_optimizer),
-        ]
+        self._hooks = [optimizer.register_step_post_hook(self._after_optimizer)]
+        if not closure_step:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step()))
         self.module_patterns = list(modules)
         self._outputs: dict[str, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         self._ran: list[str] = []  # this step's modules in the order they first ran
@@ -327,7 +362,9 @@ class Recorder:
         self._pending, self._header, self.dtypes = kept
 
     @torch.no_grad()
-    def _before_optimizer(self, optimizer, args, kwargs) -> None:
+    def before_optimizer_step(self) -> None:
+        """Record the gradients of the optimizer step about to run (the optimizer's pre-step hook
+        calls it, or the caller with `closure_step=True`)."""
         if self.opt_step == 0 and self._rounded:  # stored with the first optimizer step's gradients
             names = sorted(self._rounded)
             self._pending["rounding/row_norm"] = torch.cat([self._rounded[n] for n in names])
@@ -420,7 +457,11 @@ class Recorder:
                     "perturb": self.perturbation.seed if self.perturbation else None,
                     "modules": self.module_patterns,
                     "precision": self.precision,
+                    "sharded": self.sharding,
                 },
+                # Parameters that are plain tensors here (not a DTensor): on every rank of a run
+                # meant to shard, FSDP was not applied to them (compare's NOT SHARDED verdict).
+                "plain_params": [n for n, p in self.params if getattr(p, "placements", None) is None],
                 **(
                     {"resumed_from": self.resumed_from["path"], "resumed_after": self.resumed_from["steps"]}
                     if self.resumed_from is not None

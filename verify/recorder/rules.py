@@ -123,3 +123,13 @@ def unjudged(
         or "after an optimizer step rounding compounds beyond any a-priori bound; shown against the bound"
         " for information only (record the reference again with FSDP_VERIFY_PERTURB=1 and pass --calibration)",
     )
+
+
+def replica(dtype: torch.dtype) -> Tolerance:
+    """Two ranks' copies of one replicated tensor (a plain tensor on every rank, a replicated
+    DTensor): a data-parallel step gives every rank the same reduced gradient and the same update,
+    so the copies hold the same values and their fingerprints, computed by the same kernels, agree
+    (the bound's few units of roundoff, without a reduction between them). Ranks that train apart
+    (no collective between them) differ by a learning-rate step, thousands of times more."""
+    b = bound(dtype, 1)
+    return Tolerance("replica", b.limit, f"replicas hold the same values on every rank ({b.why})")
