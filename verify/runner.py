@@ -5,9 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-
-import torch
+from collections.abc import Callable
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
@@ -22,20 +20,9 @@ from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.compile import fresh_compiler
+from fsdp_verify.training.threads import rank_like_threads
 from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
-
-
-@contextlib.contextmanager
-def rank_like_threads() -> Iterator[None]:
-    """Run the reference with the thread count of a rank process (1, see verify/sharded/worker.py): a
-    multi-threaded CPU kernel may split a sum over threads and so round differently."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def emulating_reference(case: Case, share: RankShare | None = None) -> Trace:

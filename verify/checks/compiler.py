@@ -47,7 +47,7 @@ def check_compiler(case: Case, compiled: Trace) -> list[Finding]:
     says how close the worst came."""
     from fsdp_verify.engines import engine_arithmetic
     from fsdp_verify.reference import train_reference
-    from fsdp_verify.runner import rank_like_threads
+    from fsdp_verify.training.threads import rank_like_threads
 
     if case.compile is None or case.step is not None:
         return []
