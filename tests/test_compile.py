@@ -56,6 +56,15 @@ def test_a_bad_compile_is_refused_naming_the_field(changes, field):
     assert e.value.field_path == field, str(e.value)
 
 
+def test_fullgraph_is_refused_for_a_unit_that_is_a_torch_nn_module():
+    """Sweep seed 4187 drew it (case 9bd93574164f, a Linear unit): every rank raised "fullgraph=True
+    found no compiled frames" (Dynamo skips torch.nn's forwards)."""
+    with pytest.raises(CaseError) as e:
+        mlp_case(2).with_(compile="units", compile_fullgraph=True, wrap=("layers.0.linear", ""))
+    assert e.value.field_path == "compile_fullgraph" and "('layers.0.linear', Linear)" in str(e.value)
+    mlp_case(2).with_(compile="units", wrap=("layers.0.linear", ""))  # without fullgraph it is a case
+
+
 def test_fullgraph_holds_where_no_unit_runs_inside_a_compiled_module():
     mlp_case(2).with_(compile="units", compile_fullgraph=True)  # layers.0, layers.1, ... and the root
     mlp_case(2).with_(compile="model", compile_fullgraph=True, wrap=("",))
