@@ -16,7 +16,7 @@ same, so the sharded comparison stands).
 from __future__ import annotations
 
 from fsdp_verify.case import Case
-from fsdp_verify.compare.comparators import CompareContext, _finite_parts, _same_nonfinite
+from fsdp_verify.compare.comparators import Comparator, CompareContext, _finite_parts, _same_nonfinite
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.compare.tolerance import NOISE_MULTIPLE, Tolerance, bound_tolerance, measure
 from fsdp_verify.trace import Trace
@@ -88,21 +88,8 @@ def check_compiler(case: Case, compiled: Trace) -> list[Finding]:
                     f"{NOISE_MULTIPLE:g}x the fusion floor {floor:.3g} (eager with every operation of the compiled"
                     " graphs moved by what a compiler may change in it: reference/fusion.py)",
                 )
-        finding = Finding(
-            step,
-            "compiler",
-            f"{phase}.{name}",
-            dev.normwise <= tol.limit,
-            "deviation",
-            COMPARATOR,
-            max_abs=dev.max_abs,
-            normwise=dev.normwise,
-            max_rel=dev.max_rel,
-            max_ulp=dev.max_ulp,
-            tolerance=tol.limit,
-            mode=tol.mode,
-            why=tol.why,
-        )
+        base = {"step": step, "phase": "compiler", "name": f"{phase}.{name}", "comparator": COMPARATOR}
+        finding = Comparator._finding(base, dev.normwise <= tol.limit, dev, tol)
         if not finding.ok:
             finding.message = _blame(phase)
             failures.append(finding)
