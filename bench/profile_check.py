@@ -19,8 +19,9 @@ import statistics
 import time
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec
-from fsdp_verify.runner import emulating_reference, judge, rank_like_threads
+from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.pool import RankPool
+from fsdp_verify.training.threads import rank_like_threads
 
 CASE = Case(model=ModelSpec(kind="mlp", widths=(16, 33, 17, 8)), world_size=2, steps=3, data=DataSpec(batch_size=8))
 

@@ -38,6 +38,27 @@ PROFILES = {
 SHRINK_SECONDS: dict[str, float | None] = {"ci": 60.0, "dev": 120.0, "nightly": 900.0}
 
 
+# The share of drawn cases that torch.compile is drawn in (docs/compile.md), for an engine that
+# takes it. A compiled case costs what Inductor compiles that no process compiled before: on a
+# loaded 2-core machine the first graphs ever compiled into a cache directory cost about two
+# minutes (Inductor's C++ headers and its first kernels), a graph in the cache about a second
+# more than the eager case (bench/compile.py). CI starts from an empty cache and the README's test
+# command must stay short: compiled cases there are dedicated tests (tests/test_compile.py), never
+# drawn, and so at a desk (pin `--compile` to draw them). The nightly keeps its cache between
+# nights: a fifth of its cases compiled.
+COMPILE_RATES: dict[str, float] = {"ci": 0.0, "dev": 0.0, "nightly": 0.2}
+
+
+def profile_compile_rate(profile: str | None = None) -> float:
+    """The compile rate of `profile` (default: the Hypothesis profile loaded now); 0 for a profile
+    not named in COMPILE_RATES (a user's own, or Hypothesis's default): compile is drawn where a
+    budget says so, or pinned."""
+    if profile is None:
+        get = getattr(settings, "get_current_profile_name", None)
+        profile = get() if get is not None else None
+    return COMPILE_RATES.get(profile or "", 0.0)
+
+
 def shrink_seconds(profile: str) -> float | None:
     return SHRINK_SECONDS.get(profile)
 

@@ -26,6 +26,7 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
+    COMPILE_BACKENDS,
     GRAD_REDUCTIONS,
     OPTIMIZERS,
     SCHEDULES,
@@ -37,11 +38,13 @@ from fsdp_verify.case import (
     OptimSpec,
     PrecisionSpec,
     check_field_value,
+    not_modelled_with_compile,
 )
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.engines.compositions import beside_another, off_beside, pinned_beside
 from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
+from fsdp_verify.properties.profiles import profile_compile_rate
 
 PRECISIONS = PRECISION_POLICIES
 MAX_WIDTH = 40
@@ -482,6 +485,7 @@ def _cases(
     model_kinds: tuple[str, ...],
     pins: dict[str, Any],
     hsdp: bool = False,
+    compile_rate: float | None = None,
 ) -> Case:
     def field(name: str, default: SearchStrategy) -> Any:
         return draw(_pinned(pins, name, default))
@@ -568,17 +572,57 @@ def _cases(
         assume(False)
         raise
     if "model.frozen" in pins or ("model" in pins and not isinstance(pins["model"], SearchStrategy)):
-        return case  # the frozen set (or the whole model) is the user's
+        return _with_compile(draw, case, pins, compile_rate)  # the frozen set (or the whole model) is the user's
     # Frozen parameters mixed into the units (a whole frozen unit, a unit half frozen, the root's),
     # drawn last so that a seed's earlier draws stay what they were.
     model = _with_frozen_in_units(model, draw(frozen_in_units(model, case.wrap_plan)))
-    if model is case.model:
+    if model is not case.model:
+        unfreeze = values["unfreeze_step"]
+        if unfreeze is None and not case.model.frozen:  # none was drawn: nothing was frozen then
+            unfreeze = field(
+                "unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None)
+            )
+        try:
+            case = case.with_(model=model, unfreeze_step=unfreeze)
+        except CaseError:
+            assume(False)
+            raise
+    return _with_compile(draw, case, pins, compile_rate)
+
+
+def compile_scopes(case: Case, rate: float) -> SearchStrategy[str | None]:
+    """None, or a compile scope with probability `rate` (the profile's: `profiles.COMPILE_RATES`):
+    "units" where the plan has a unit besides the root, else "model". None where the case cannot
+    be compiled (`case.NOT_WITH_COMPILE`: Case refuses them). Shrinks to None."""
+    if rate <= 0 or not_modelled_with_compile(case) is not None:
+        return st.just(None)
+    scopes = ("units", "model") if len(case.wrap_plan) > 1 else ("model",)
+    hundredths = round(100 * min(rate, 1.0))
+    return st.integers(0, 99).flatmap(lambda k: st.sampled_from(scopes) if k >= 100 - hundredths else st.none())
+
+
+def fullgraph_takes(case: Case) -> bool:
+    """Whether fullgraph=True can hold: no unit's FSDP2 hooks (outside any graph) inside a
+    compiled module (Case refuses the rest)."""
+    from fsdp_verify.case import fullgraph_breaks
+
+    return fullgraph_breaks(case) is None
+
+
+def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float | None) -> Case:
+    """`case` with torch.compile drawn last (docs/compile.md), so that a seed's earlier draws stay
+    what they were, and nothing drawn at all where the rate is 0 or the engine does not take it
+    (`_knob_pins` pinned it off): a seed then draws what it drew before."""
+    rate = profile_compile_rate() if rate is None else rate
+    scope = draw(_pinned(pins, "compile", compile_scopes(case, rate)))
+    if scope is None:
         return case
-    unfreeze = values["unfreeze_step"]
-    if unfreeze is None and not case.model.frozen:  # none was drawn: nothing was frozen then
-        unfreeze = field("unfreeze_step", unfreeze_steps(model, steps) if pins.get("step") is None else st.just(None))
-    try:
-        return case.with_(model=model, unfreeze_step=unfreeze)
+    try:  # a pinned scope the drawn case cannot take ("units" with the root alone) is discarded
+        with_scope = case.with_(compile=scope)
+        takes = fullgraph_takes(with_scope)
+        fullgraph = draw(_pinned(pins, "compile_fullgraph", st.booleans() if takes else st.just(False)))
+        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(COMPILE_BACKENDS)))
+        return with_scope.with_(compile_fullgraph=fullgraph, compile_backend=backend)
     except CaseError:
         assume(False)
         raise
@@ -593,6 +637,7 @@ def cases(
     hsdp: bool = False,
     custom_model: ModelSpec | None = None,
     resume: bool = False,
+    compile_rate: float | None = None,
     **pins: Any,
 ) -> SearchStrategy[Case]:
     """Valid, tiny Cases for `engine`. `pins`: Case field names or dotted nested names mapped to a
@@ -601,7 +646,9 @@ def cases(
     other field is drawn. `model`: "mlp", "transformer", a user's factory as `check --model`
     spells it ("pkg.module:NAME" or "path/to/file.py:NAME", with `model_kwargs`, `init_fn`,
     `output_fn`, `shrinkable`) or a ModelSpec. For "fsdp1", only cases FSDP1 can express and the
-    reference models (`fsdp1_modelled`)."""
+    reference models (`fsdp1_modelled`). `compile_rate`: the share of cases torch.compile is drawn
+    in, for an engine that takes it (None: the Hypothesis profile's, `profiles.COMPILE_RATES`);
+    a `compile` pin draws it in every case."""
     from fsdp_verify.commands.case_flags import keyword_pins
 
     pins = keyword_pins(pins, _valid_pin_names())
@@ -626,11 +673,14 @@ def cases(
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
     world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
     pins = _knob_pins(engine, pins)
+    rate = compile_rate  # None: the profile loaded when the case is drawn (`_with_compile`)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
-        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp).filter(fsdp1_modelled)
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp, rate).filter(
+            fsdp1_modelled
+        )
     else:
-        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp)
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp, rate)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
     if resume:  # docs/resume.md

@@ -14,6 +14,7 @@ each a screen long, so that a new knob changes one phase and the reference stays
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -31,14 +32,16 @@ from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.expert_parallel import ep_average, ep_sums, global_routing, update_router_biases
+from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
 from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
-from fsdp_verify.training.checkpointing import without_kv_cache
+from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import (
@@ -61,6 +64,7 @@ def train_reference(
     perturb: int | None = None,
     arithmetic: Arithmetic = FSDP2,
     share: RankShare | None = None,
+    fusion: int | None = None,
 ) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
     reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
@@ -75,8 +79,10 @@ def train_reference(
     "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
     reduction and the clip's norm, and its `unit_input_node` is the default. `share` splits the
     emulated ranks' forward and backward passes over processes (verify/sharded/shared_reference.py:
-    the ranks of a run in place under torchrun); every process then averages and steps alike."""
-    run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share)
+    the ranks of a run in place under torchrun); every process then averages and steps alike.
+    `fusion=SEED` (a compiled case): the run eager, every operation of the compiled modules moved
+    by what a compiler may change in it (reference/fusion.py): the floor of compiled against eager."""
+    run = _Run.build(case, emulate, order, unit_input_node, perturb, arithmetic, share, fusion)
     for step in range(1, case.steps + 1):
         run.unfreeze(step)
         state = run.begin_step(step)
@@ -152,6 +158,7 @@ class _Run:
     # Where the engine computes on views of each unit's flat buffer, that buffer's layout
     # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
     views: _FlatLayout | None = None
+    fusion: FusionJolt | None = None  # the compiler's freedoms, on an eager run (reference/fusion.py)
 
     @classmethod
     def build(
@@ -163,10 +170,12 @@ class _Run:
         perturb: int | None,
         arithmetic: Arithmetic,
         share: RankShare | None,
+        fusion: int | None = None,
     ) -> _Run:
         """The model with the engine's casts, its optimizer, the emulated layout, and the initial
         records (step 0)."""
-        model = reference_model(case, arithmetic, unit_input_node)
+        model = reference_model(case, arithmetic, unit_input_node, compiled=fusion is None)
+        jolted = _fusion(case, model, FusionJolt(fusion) if fusion is not None else None)
         watch = ModuleWatch(model, case.zoom) if case.zoom is not None else None
         if share is not None:
             share.begin(model)
@@ -176,7 +185,10 @@ class _Run:
         flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
         layout = _FlatLayout(model, case, emulated) if flat else None
-        trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
+        moves = perturb if perturb is not None else fusion
+        trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": moves})
+        if fusion is not None:
+            trace.meta["moved"] = []  # every record inherits the moves (reference/fusion.py)
         jolt = Perturbation(perturb, case.dp_size) if perturb is not None else None
         _record_params(trace, 0, params, initial=True)
         _record_buffers(trace, 0, model)
@@ -207,6 +219,7 @@ class _Run:
             trace=trace,
             watch=watch,
             views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
+            fusion=jolted,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -226,7 +239,7 @@ class _Run:
         and trace carried over in memory (copies, exact: what a correct save and load give). A
         rank the run had keeps its dropout generator; a new one starts from its fresh seed (as
         verify/training/resume.py restores them)."""
-        model = reference_model(after, arithmetic, unit_input_node)
+        model = reference_model(after, arithmetic, unit_input_node, compiled=self.fusion is None)
         carried_over(self.model, model)
         params = dict(model.named_parameters())
         if after.unfreeze_step is not None and after.unfreeze_step <= self.case.resume_after:
@@ -266,6 +279,7 @@ class _Run:
             rng_states=rng_states,
             trace=self.trace,
             views=_FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
+            fusion=_fusion(after, model, self.fusion),
         )
 
     def record_resumed(self, step: int) -> None:
@@ -343,8 +357,9 @@ class _Run:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
-        out = functional_call(self.model, state.compute, args, kwargs, tie_weights=not untied(self.case))
-        out = logits_of(self.case.model, out)
+        with self.fusion.forward() if self.fusion is not None else contextlib.nullcontext():
+            out = functional_call(self.model, state.compute, args, kwargs, tie_weights=not untied(self.case))
+            out = logits_of(self.case.model, out)
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
@@ -356,13 +371,28 @@ class _Run:
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
-        grads = torch.autograd.grad(
-            backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
-        )
+        with (
+            self.fusion.backward_pass() if self.fusion is not None else contextlib.nullcontext(),
+            self.recomputing(state),
+        ):
+            grads = torch.autograd.grad(
+                backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+            )
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
         return RankPass(dict(zip(state.trainable, grads)), *passed)
+
+    def recomputing(self, state: _Step) -> contextlib.AbstractContextManager:
+        """Where the model's units are checkpointed (the compiled reference of a checkpointing
+        case, `reference_model`), their forward runs again in backward, outside `functional_call`:
+        the model holds the compute copies through the backward too, so the recomputation
+        computes with what the forward did (fp32 masters there fail checkpoint's check in bf16)."""
+        reparametrize = private_name("torch.nn.utils.stateless", "_reparametrize_module")
+        checkpointed = self.case.activation_checkpointing and self.case.compile is not None and self.fusion is None
+        if not checkpointed or reparametrize is None:
+            return contextlib.nullcontext()
+        return reparametrize(self.model, state.compute, tie_weights=True)
 
     def collect(self, state: _Step, m: int, group: list, ranks: dict[int, RankPass]) -> list[dict[str, torch.Tensor]]:
         """The ranks' passes of micro-batch m taken in rank order, as one process runs them: their
@@ -577,21 +607,67 @@ class _Run:
         return self.trace
 
 
-def reference_model(case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None) -> nn.Module:
+def reference_model(
+    case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None, compiled: bool = True
+) -> nn.Module:
     """The case's model as built (eager, from its seed) with the casts and the unit-input node of
-    the engine's arithmetic installed: what every reference run computes with."""
+    the engine's arithmetic installed, compiled as the case compiles (`compiled=False`: eager):
+    what every reference run computes with."""
     model = build_model(case.model, case.seed, init="eager")
+    compile_it = case.compile is not None and compiled
     if case.activation_checkpointing:
-        # The reference never checkpoints (recomputation must not change a value), but it runs the
-        # forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
+        # Eager, the reference never checkpoints (recomputation must not change a value), but it runs
+        # the forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
         without_kv_cache(model)
+        if compile_it:
+            # Compiled, it does: the backward graph then recomputes the forward inside it, fused
+            # otherwise than the forward graph (bf16 gradients one ulp apart from an uncheckpointed
+            # compiled run's, measured); the same units checkpointed give the ranks' graphs.
+            checkpoint_units(model, case.wrap_plan)
     _install_precision_hooks(
         model,
         case,
         arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
         arithmetic.casts_inputs_without_params,
     )
+    if compile_it:
+        _compile_as_sharded(model, case)
     return model
+
+
+def _fusion(case: Case, model: nn.Module, fusion: FusionJolt | None) -> FusionJolt | None:
+    """`fusion` counting the forward's depth in what the case compiles, on `model`."""
+    if fusion is not None:
+        from fsdp_verify.training.compile import compiled_modules
+
+        fusion.attach([module for _, module in compiled_modules(case, model)])
+    return fusion
+
+
+def _compile_as_sharded(model: nn.Module, case: Case) -> None:
+    """The reference compiled as the engine compiles the ranks' model (verify/training/compile.py:
+    each unit but the root, or the whole model, in place), so that both run the same graphs. FSDP2
+    runs its pre- and post-forward hooks outside any graph (`_dynamo_disable`): under "model" the
+    graph breaks at every inner unit. The hooks standing for them here (the casts, the unit-input
+    node) run outside the graphs likewise, and a unit without any gets an empty pair, so the graphs
+    break at the same places and hold the same operations."""
+    import torch._dynamo
+
+    from fsdp_verify.training.compile import compile_in_place
+
+    empty = torch._dynamo.disable(_nothing, recursive=True)
+    for fqn in case.wrap_plan:
+        module = model.get_submodule(fqn)
+        for hooks in (module._forward_pre_hooks, module._forward_hooks):
+            for key, hook in list(hooks.items()):
+                hooks[key] = torch._dynamo.disable(hook, recursive=True)
+        module.register_forward_pre_hook(empty)
+        module.register_forward_hook(empty)
+    compile_in_place(case, model)
+
+
+def _nothing(*_args) -> None:
+    """A hook that does nothing: where FSDP2 runs its own, outside any graph."""
 
 
 def _average(

@@ -22,10 +22,10 @@ import torch.multiprocessing as mp
 
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.reference import train_reference
-from fsdp_verify.runner import rank_like_threads
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe
 from fsdp_verify.sharded.worker import exit_now, leave_process_group
+from fsdp_verify.training.threads import rank_like_threads
 from tests.conftest import lm_case, mlp_case
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -12,7 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -28,6 +28,9 @@ SCHEDULES = ("exponential", "linear_warmup")
 DATA_KINDS = ("normal", "cancellation")
 GRAD_REDUCTIONS = ("avg", "sum")  # Case.grad_reduction
 INIT_MODES = ("eager", "meta")
+# torch.compile (docs/compile.md): what is compiled (Case.compile) and by which backend.
+COMPILE_SCOPES = ("units", "model")
+COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
 @dataclass(frozen=True)
@@ -318,6 +321,14 @@ class Case:
     # The stages: None = the built-in model's blocks split evenly; "pkg.module:NAME" or
     # "file.py:NAME" = fn(model, n_stages) -> the stage modules (a user's code: verify/trust.py).
     pp_split: str | None = None
+    # torch.compile (docs/compile.md), applied by the engine in place (`module.compile()`, FQNs
+    # kept) after activation checkpointing and before fully_shard, torchtitan's order: None, "units"
+    # (each unit of the wrap plan but the root) or "model" (the whole model); the reference is
+    # compiled alike. `compile_fullgraph`: a graph break is an error; `compile_backend`: inductor,
+    # aot_eager (Dynamo and AOTAutograd, no code generation) or eager (Dynamo alone).
+    compile: str | None = None
+    compile_fullgraph: bool = False
+    compile_backend: str = "inductor"
 
     OPTIONAL_FIELDS = (
         "loss",
@@ -341,6 +352,9 @@ class Case:
         "pp",
         "pp_schedule",
         "pp_split",
+        "compile",
+        "compile_fullgraph",
+        "compile_backend",
     )
 
     def __post_init__(self) -> None:
@@ -467,6 +481,7 @@ class Case:
         from fsdp_verify.engines.pipeline_parallel import check_pipeline
 
         check_pipeline(self)
+        self._validate_compile()
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -789,6 +804,41 @@ class Case:
                 True,
             )
 
+    def _validate_compile(self) -> None:
+        """torch.compile's options (docs/compile.md), and what the compiled runs cannot take."""
+        check(
+            self.compile is None or self.compile in COMPILE_SCOPES,
+            "compile",
+            f"null or one of {COMPILE_SCOPES}",
+            self.compile,
+        )
+        check(isinstance(self.compile_fullgraph, bool), "compile_fullgraph", "true or false", self.compile_fullgraph)
+        check(
+            self.compile_backend in COMPILE_BACKENDS,
+            "compile_backend",
+            f"one of {COMPILE_BACKENDS}",
+            self.compile_backend,
+        )
+        if self.compile is None:
+            check(not self.compile_fullgraph, "compile_fullgraph", "false without compile", True)
+            check(
+                self.compile_backend == "inductor",
+                "compile_backend",
+                "'inductor' without compile",
+                self.compile_backend,
+            )
+            return
+        breaks = fullgraph_breaks(self) if self.compile_fullgraph else None
+        check(breaks is None, "compile_fullgraph", f"false where {breaks}", True)
+        check(
+            self.compile != "units" or len(self.wrap_plan) > 1,
+            "compile",
+            "'model' or null for a wrap plan of the root alone ('units' compiles each unit but the root)",
+            self.compile,
+        )
+        beside = not_modelled_with_compile(self)
+        check(beside is None, "compile", f"null with {beside}", self.compile)
+
     # ---- derived ------------------------------------------------------------------------------
     @property
     def mesh(self) -> tuple[int, ...]:
@@ -924,12 +974,75 @@ def check_field_value(name: str, value: Any) -> None:
                 changes["world_size"] = _product(value)
             if name == "replica_sync_last":  # wrong only beside a 1-D mesh: judged on a 2-D one
                 changes.update(mesh_shape=(1, 2), world_size=2)
+            if name in ("compile_fullgraph", "compile_backend"):  # options of compile: judged with it
+                changes.update(compile="model", wrap=("",))
             Case().with_(**changes)
     except CaseError as e:
         if e.field_path == name:
             raise
     except TypeError:
         pass  # a value of the wrong kind altogether: the Case it is drawn into names it
+
+
+# What the compiled runs do not model, in one place: validation refuses a compiled case that has
+# one (`Case._validate_compile`) and the draw never compiles one (properties/strategies.py
+# `compile_scopes`). A Case field not modelled beside compile (a new parallelism) adds a row:
+# (what, whether the case has it).
+NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
+    # Each count of samples routed to an expert is a shape of its own: the graphs a rank and the
+    # reference (which meets every rank's counts in one process) compile would differ.
+    (
+        "routed experts (data-dependent routing: a graph per count of routed samples)",
+        lambda case: bool(case.model.experts),
+    ),
+    (
+        "a user's step (its reference, reference/user_step.py, runs eagerly)",
+        lambda case: case.step is not None,
+    ),
+    (
+        "a zoom (per-module and per-op probes cannot see inside a compiled graph)",
+        lambda case: case.zoom is not None,
+    ),
+    (
+        "pipeline parallelism (compiled stages were not tried: docs/pipeline-parallel.md)",
+        lambda case: getattr(case, "pp", 1) > 1,
+    ),
+)
+
+
+def not_modelled_with_compile(case: Case) -> str | None:
+    """The first thing `case` has that compile is not modelled beside (NOT_WITH_COMPILE), or None."""
+    return next((what for what, has in NOT_WITH_COMPILE if has(case)), None)
+
+
+def fullgraph_breaks(case: Case) -> str | None:
+    """Why fullgraph=True cannot hold for `case`, or None: what `compile_fullgraph` needs. A unit
+    inside a compiled module (FSDP2 runs its hooks outside any graph: a graph break), or, under
+    `units`, a unit that is a torch.nn module (its forward is in a file Dynamo skips, so there is
+    no frame to compile, which fullgraph=True raises on: pytorch/pytorch#150915; judged by class
+    name, as the model is known by its classes before it is built)."""
+    compiled = [""] if case.compile == "model" else [u for u in case.wrap_plan if u]
+    classes = module_classes(case.model)
+    for outer in compiled:
+        inner = next((u for u in case.wrap_plan if u != outer and _is_ancestor(outer, u)), None)
+        if inner is not None:
+            return (
+                f"a unit's FSDP2 hooks run inside a compiled module (unit {inner!r} inside the compiled"
+                f" {repr(outer) if outer else 'model'}): FSDP2 runs them outside any graph (a graph break),"
+                " which fullgraph=True refuses"
+            )
+        if outer and _is_torch_nn(classes.get(outer)):
+            return (
+                f"a compiled unit is a torch.nn module ({outer!r}, {classes[outer]}): Dynamo skips its forward,"
+                " so fullgraph=True finds no frame to compile (pytorch/pytorch#150915)"
+            )
+    return None
+
+
+def _is_torch_nn(class_name: str | None) -> bool:
+    import torch
+
+    return class_name is not None and isinstance(getattr(torch.nn, class_name, None), type)
 
 
 def _product(values: tuple[int, ...]) -> int:

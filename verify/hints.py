@@ -220,8 +220,8 @@ def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: s
         return "build the model from the seed alone: every rank and the reference must construct the same model"
     if first is not None and first.phase == "resumed":
         return resume_hint(first, ref, got)
-    if first is None or first.kind != "deviation":
-        return ""
+    if first is None or first.kind != "deviation" or first.key not in got.records:
+        return ""  # a finding of no record (the compiled reference against eager: verify/checks/compiler.py)
     if first.phase == "loss":
         return loss_hint(first, got)
     a, b = ref.records[first.key], got.records[first.key]

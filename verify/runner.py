@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import contextlib
 import time
-from collections.abc import Callable, Iterator
-
-import torch
+from collections.abc import Callable
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
+from fsdp_verify.checks.compiler import check_compiler
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
@@ -20,20 +19,10 @@ from fsdp_verify.reference.trainer import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace
+from fsdp_verify.training.compile import fresh_compiler
+from fsdp_verify.training.threads import rank_like_threads
 from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
-
-
-@contextlib.contextmanager
-def rank_like_threads() -> Iterator[None]:
-    """Run the reference with the thread count of a rank process (1, see verify/sharded/worker.py): a
-    multi-threaded CPU kernel may split a sum over threads and so round differently."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 def emulating_reference(case: Case, share: RankShare | None = None) -> Trace:
@@ -86,9 +75,11 @@ def judge(
     got: Trace,
     calibrate: bool = True,
     checks: Callable[[], list[Finding]] | None = None,
+    compiler: list[Finding] | None = None,
 ) -> Verdict:
     """`checks`: the checks' findings when they are not `run_checks` on the two traces (a resume
-    checks each run on its own: verify/sharded/resume.py)."""
+    checks each run on its own: verify/sharded/resume.py). `compiler`: a compiled case's
+    compiled-against-eager findings (verify/checks/compiler.py), when computed already."""
     calibrated: list[float] = []
 
     def calibration() -> list[Trace]:
@@ -107,6 +98,7 @@ def judge(
         findings = compare_traces(ref, got, calibration if calibrate else None)
         t_checks = time.perf_counter()
         findings += checks() if checks is not None else run_checks(case, ref, got)
+    findings += compiler if compiler is not None else check_compiler(case, ref)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
     verdict.seconds = {
         "compare": t_checks - t - sum(calibrated),
@@ -151,22 +143,37 @@ def check_case(
     refuse_untakeable(case)
     pool = pool or get_pool(case.world_size)
     t0 = time.perf_counter()
-    pool.submit(case)
+    # A compiled case compiles its reference first: the ranks then load the same graphs from
+    # Inductor's cache (verify/training/compile.py) instead of compiling them W + 1 times at once.
+    submitted = case.compile is None
+    if submitted:
+        pool.submit(case)
     try:
         with rank_like_threads():
+            if case.compile is not None:
+                fresh_compiler()
             ref = emulating_reference(case)  # overlaps with the ranks' work
+        t_ref = time.perf_counter()
+        if not submitted:
+            pool.submit(case)
+            submitted = True
+        compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
-        with contextlib.suppress(RankFailure):
-            pool.result(timeout_s)
+        if submitted:
+            with contextlib.suppress(RankFailure):
+                pool.result(timeout_s)
         raise
     except BaseException:
-        pool.result(timeout_s)  # keep the pool in step before propagating
+        if submitted:
+            pool.result(timeout_s)  # keep the pool in step before propagating
         raise
     t1 = time.perf_counter()
     got = pool.result(timeout_s)
     t2 = time.perf_counter()
-    verdict = judge(case, ref, got, calibrate)
-    verdict.seconds = {"reference": t1 - t0, "sharded_wait": t2 - t1, **verdict.seconds}
+    verdict = judge(case, ref, got, calibrate, compiler=compiler)
+    verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t2 - t1, **verdict.seconds}  # compiled: not overlapped
+    if case.compile is not None:
+        verdict.seconds["compiler_check"] = t1 - t_ref
     return verdict
 
 

@@ -53,6 +53,8 @@ PHASES = (
     "resumed",
     "comm",
     "memory",
+    "compile",
+    "compiler",
 )
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 

@@ -33,6 +33,8 @@ PHASE_TITLES = {
     "resumed": "state right after the resume's load",
     "comm": "communication contract",
     "memory": "memory contract",
+    "compile": "compilation (graphs, breaks, recompilations)",
+    "compiler": "compiled against eager (the compiler's, not the sharding's)",
 }
 
 
@@ -109,7 +111,17 @@ class Verdict:
             cells.setdefault((f.step, f.phase), []).append(f)
         # "build" is shown only when it has something to say (a user's model, or a failure),
         # "loss_scale" only in loss-scaled cases, "resumed" only in resumed ones.
-        optional = ("build", "loss_scale", "resumed", "modules", "module_grads", "ops", "op_inputs")
+        optional = (
+            "build",
+            "loss_scale",
+            "resumed",
+            "modules",
+            "module_grads",
+            "ops",
+            "op_inputs",
+            "compile",
+            "compiler",
+        )
         phases = [p for p in PHASES if p not in optional or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]
         for step in sorted({s for s, _ in cells}):

@@ -24,6 +24,7 @@ def shard(model, mesh, spec):
 
 
 def shard_everything(model, mesh, spec):
+    spec.compile(model)
     kwargs = spec.fully_shard_kwargs(model, mesh)
     for fqn in spec.wrap:
         fully_shard(model.get_submodule(fqn), **kwargs)

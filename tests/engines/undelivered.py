@@ -41,6 +41,7 @@ drops_ignored = _dropping("ignored")
 drops_grad_reduction = _dropping("grad_reduction")
 drops_prefetch = _dropping("prefetch")
 drops_experts = _dropping("experts")
+drops_compile = _dropping("compile")  # never calls spec.compile(model)
 
 
 def drops_ep(model, mesh, spec):

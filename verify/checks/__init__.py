@@ -17,6 +17,7 @@ from fsdp_verify.case import Case
 from fsdp_verify.checks.build import build_summary, check_build
 from fsdp_verify.checks.checkpointing import checkpointing_notes
 from fsdp_verify.checks.comm import check_comm, comm_summary
+from fsdp_verify.checks.compile import check_compile, compile_summary
 from fsdp_verify.checks.knobs import check_knobs, knobs_summary
 from fsdp_verify.checks.memory import check_memory, memory_summary
 from fsdp_verify.checks.ownership import check_ownership
@@ -84,6 +85,7 @@ CHECKS: list[Check] = [
     Check("FrozenParamsCheck", "params", check_frozen_params, _frozen_summary, optional=True),
     Check("CommContract", "comm", check_comm, comm_summary, off=_contract_off("comm")),
     Check("MemoryContract", "memory", check_memory, memory_summary, off=_contract_off("memory")),
+    Check("CompileReport", "compile", check_compile, compile_summary, optional=True),
 ]
 
 

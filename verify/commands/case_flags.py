@@ -177,6 +177,7 @@ CODE = "engine and your code"
 RESUME = "checkpoint and resume (docs/resume.md)"
 EP = "expert parallelism (docs/expert-parallel.md)"
 PP = "pipeline parallelism (docs/pipeline-parallel.md)"
+COMPILE = "torch.compile (docs/compile.md)"
 
 FLAGS: tuple[Flag, ...] = (
     # model
@@ -666,6 +667,32 @@ FLAGS: tuple[Flag, ...] = (
         or_none(str),
         "ENGINE",
         draw=None,
+    ),
+    Flag(
+        "--compile",
+        "compile",
+        COMPILE,
+        "units (each unit of the wrap plan but the root, in place, before fully_shard) | model (the whole"
+        " model) | none; the reference is compiled alike and checked against eager",
+        or_none(str),
+        "SCOPE",
+    ),
+    Flag(
+        "--compile-fullgraph",
+        "compile_fullgraph",
+        COMPILE,
+        "torch.compile(fullgraph=True): a graph break is an error",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
+        "--compile-backend",
+        "compile_backend",
+        COMPILE,
+        "inductor (default) | aot_eager (Dynamo and AOTAutograd, no code generation) | eager (Dynamo alone)",
+        str,
+        "NAME",
     ),
     Flag(
         "--loss",

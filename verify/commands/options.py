@@ -313,12 +313,38 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
         " and engine it resumes on (docs/resume.md)",
     )
     p.add_argument(
+        "--compile-rate",
+        type=compile_rate,
+        default=None,
+        metavar="RATE",
+        help="the share of cases torch.compile is drawn in for an engine that takes it, 0 to 1, or a Hypothesis"
+        " profile's (ci, dev: 0; nightly: 0.2; docs/compile.md); default: the profile's (fuzz --profile), 0 for"
+        " sweep; --compile pins it in every case",
+    )
+    p.add_argument(
         "--pin",
         action="append",
         default=[],
         metavar="FIELD=JSON",
         help="fix a Case field in every generated case: --pin steps=1 --pin optim.name=sgd (repeatable)",
     )
+
+
+def compile_rate(text: str) -> float:
+    """`--compile-rate`: a number in [0, 1] or a profile's name (properties/profiles.py)."""
+    from fsdp_verify.properties.profiles import COMPILE_RATES
+
+    if text in COMPILE_RATES:
+        return COMPILE_RATES[text]
+    try:
+        rate = float(text)
+    except ValueError:
+        rate = -1.0
+    if not 0 <= rate <= 1:
+        raise argparse.ArgumentTypeError(
+            f"expected a number from 0 to 1 or one of {sorted(COMPILE_RATES)}, got {text!r}"
+        )
+    return rate
 
 
 def _mesh_world_sizes(args: argparse.Namespace, pins: dict) -> list[int]:
@@ -384,6 +410,6 @@ def strategy_from_args(args: argparse.Namespace, **options):
         precisions=args.precisions,
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
         custom_model=custom,
-        **{"resume": getattr(args, "resume", False), **options},
+        **{"resume": getattr(args, "resume", False), "compile_rate": getattr(args, "compile_rate", None), **options},
         **pins,
     )

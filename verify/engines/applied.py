@@ -190,6 +190,19 @@ def _experts_divide(case: Case, model: nn.Module) -> str:
     return ""
 
 
+def _compile(case: Case, model: nn.Module) -> str:
+    """Each module the case compiles has `module.compile()` applied (its `_compiled_call_impl`);
+    one compiled otherwise (a `torch.compile(module)` wrapper registered in its place) changes the
+    parameters' FQNs, which the records then show."""
+    from fsdp_verify.training.compile import compiled_modules, is_compiled
+
+    for fqn, module in compiled_modules(case, model):
+        if is_compiled(module) is False:
+            what = "the model" if not fqn else f"unit {fqn!r}"
+            return f"{what} is not compiled (module.compile() not called: ShardSpec.compile(model) before fully_shard)"
+    return ""
+
+
 _READERS = {
     "ep": _ep,
     "offload": _offload,
@@ -198,4 +211,5 @@ _READERS = {
     "grad_reduction": _grad_reduction,
     "prefetch": _prefetch,
     "experts": _experts,
+    "compile": _compile,
 }

@@ -6,7 +6,7 @@ An engine is held only to what it declares. One that declares nothing takes the 
 what the toolkit's loop does to any FSDP2 module (micro-batches and no-sync, `replica_sync_last`,
 `reshard_after_backward_last`, unfreezing, optimizers, schedules, clipping, checkpointing,
 resume). Every knob the *engine* must apply itself (`offload`, `shard_placement`, `ignored`,
-`grad_reduction`, `prefetch`, routed experts) is opt-in: drawn, and taken by `check`, only for an
+`grad_reduction`, `prefetch`, routed experts, `compile`) is opt-in: drawn, and taken by `check`, only for an
 engine that lists it in `takes`:
 
     shard.capabilities = Capabilities(takes=("offload", "prefetch"))
@@ -58,6 +58,10 @@ ENGINE_KNOBS: dict[str, Knob] = {
         Knob("grad_reduction", "grad_reduction", "avg", "set_gradient_divide_factor(1.0) on every unit"),
         Knob("prefetch", "prefetch", None, "set_modules_to_forward_prefetch / set_modules_to_backward_prefetch"),
         Knob("experts", "model.experts", 0, "set_reduce_scatter_unused_params(True) (routed experts)"),
+        # torch.compile, applied by the engine where torchtitan applies it (after activation
+        # checkpointing, before fully_shard), its options `compile_fullgraph` and `compile_backend`
+        # with it: docs/compile.md.
+        Knob("compile", "compile", None, "ShardSpec.compile(model) before fully_shard: module.compile(...) in place"),
     )
 }
 # Parallelisms composed with FSDP: the engine applies them before `fully_shard` (`ShardSpec.

@@ -25,6 +25,7 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "offload": (False, "CPU offload of the experts"),
         # zoom's per-module probes were not tried on the experts' all-to-all (pp refuses it too)
         "zoom": (None, "zoom"),
+        "compile": (None, "torch.compile (routed experts: a graph per count of routed samples)"),
     },
     "pp": {
         "step": (None, "a user's step (the schedule runs forward and backward)"),
@@ -41,6 +42,7 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "unfreeze_step": (None, "unfreezing mid-run"),
         "zoom": (None, "zoom"),
         "ep": (1, "expert parallelism"),
+        "compile": (None, "torch.compile (compiled stages were not tried)"),
     },
 }
 

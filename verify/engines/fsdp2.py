@@ -16,6 +16,7 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
     pipelined = spec.pipeline(model, mesh, fully_shard_engine)  # each stage sharded as below
     if pipelined is not None:
         return pipelined
+    spec.compile(model)  # torchtitan's order: checkpointing (the loop's), compile, fully_shard
     kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
         unit = model.get_submodule(fqn)

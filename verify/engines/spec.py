@@ -3,9 +3,11 @@
 The three fields (`wrap`, `mp_policy`, `reshard_after_forward`) are what every engine applies.
 The case's engine-side knobs (verify/engines/capabilities.py: offload, placements, ignored
 parameters, the divide factor, prefetching, routed experts) come as FSDP2 arguments in one call,
-so a plug-in that passes them through takes them all and may declare so:
+and torch.compile as one call before sharding, so a plug-in that passes them through takes them
+all and may declare so:
 
     def shard(model, mesh, spec):
+        spec.compile(model)
         kwargs = spec.fully_shard_kwargs(model, mesh)
         for fqn in spec.wrap:
             fully_shard(model.get_submodule(fqn), **kwargs)
@@ -111,6 +113,17 @@ class ShardSpec:
             ),
             "ignored_params": ignored or None,
         }
+
+    def compile(self, model: nn.Module) -> None:
+        """torch.compile as the case asks (`case.compile`: each unit but the root, or the whole
+        model), in place: `module.compile(backend=..., fullgraph=..., dynamic=False)`, parameter
+        FQNs kept. Call it before the first `fully_shard`, where torchtitan compiles (after
+        activation checkpointing, which the loop applied already); nothing without `compile`
+        (verify/training/compile.py, docs/compile.md)."""
+        from fsdp_verify.training.compile import compile_in_place
+
+        if self.case is not None:
+            compile_in_place(self.case, model)
 
     def after_sharding(self, model: nn.Module) -> None:
         """What the case sets on the FSDP2 modules once every unit is sharded: the divide factor

@@ -10,6 +10,7 @@ from fsdp_verify.probes.base import Probe
 from fsdp_verify.probes.buffers import BuffersProbe
 from fsdp_verify.probes.build import BuildProbe
 from fsdp_verify.probes.comm import CommProbe
+from fsdp_verify.probes.compile import CompileProbe
 from fsdp_verify.probes.knobs import KnobsProbe
 from fsdp_verify.probes.memory import MemoryProbe
 from fsdp_verify.probes.ownership import OwnershipProbe
@@ -26,6 +27,7 @@ PROBES: list[type[Probe]] = [
     PrecisionProbe,
     CommProbe,
     MemoryProbe,
+    CompileProbe,
     ZoomProbe,
 ]
 

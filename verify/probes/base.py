@@ -13,6 +13,18 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.trace import Trace
 
 
+def eager_hook(case: Case, hook):
+    """A probe's module hook, run eagerly under torch.compile (verify/training/compile.py): a
+    compiled unit calls its hooks from its compiled `__call__`, and Dynamo would compile a hook
+    that is not disabled as a frame of its own (an observer's introspection: graph breaks and a
+    recompilation per call). Unchanged without compile."""
+    if case.compile is None:
+        return hook
+    import torch._dynamo
+
+    return torch._dynamo.disable(hook, recursive=True)
+
+
 class Probe:
     def __init__(self, case: Case, rank: int, world_size: int, trace: Trace | None):
         self.case, self.rank, self.world_size, self.trace = case, rank, world_size, trace

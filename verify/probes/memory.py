@@ -49,7 +49,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_verify.engines.view import EngineView
-from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 
@@ -267,7 +267,7 @@ class MemoryProbe(Probe):
                     if p.microbatch == 0 and not _needs_backward(output):
                         p.record["no_backward"].append(_unit)
 
-            module.register_forward_hook(after_unit)
+            module.register_forward_hook(eager_hook(self.case, after_unit))
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
         self.optimizer = optimizer

@@ -33,7 +33,7 @@ from torch import nn
 
 from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
-from fsdp_verify.probes.base import Probe
+from fsdp_verify.probes.base import Probe, eager_hook
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
@@ -124,8 +124,9 @@ class PrecisionProbe(Probe):
             module = model.get_submodule(unit)
             # FSDP1 unshards and casts inside its forward, not in hooks: observe the module it wraps.
             module = getattr(module, "_fsdp_wrapped_module", module)
-            module.register_forward_pre_hook(self._pre_forward(model, unit, owned[unit]), with_kwargs=True)
-            module.register_forward_hook(self._post_forward(unit))
+            pre = eager_hook(self.case, self._pre_forward(model, unit, owned[unit]))
+            module.register_forward_pre_hook(pre, with_kwargs=True)
+            module.register_forward_hook(eager_hook(self.case, self._post_forward(unit)))
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
         self.optimizer = optimizer

@@ -25,6 +25,7 @@ from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
+from fsdp_verify.training.compile import fresh_compiler
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
@@ -63,6 +64,8 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     rows = range(case.dp_size) if case.pp > 1 else None
     records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
+    if case.compile is not None:
+        fresh_compiler()  # this case's graphs and counts only (verify/training/compile.py)
     ctx.phase("build model")
     model = build_model(case.model, case.seed, case.init, device=ctx.device)
     for probe in probes:

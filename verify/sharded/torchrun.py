@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from fsdp_verify.case import Case
-from fsdp_verify.runner import emulating_reference, judge, rank_like_threads
+from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.allocator import keep_freed_memory
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.loop import RankContext, run_sharded
@@ -25,6 +25,7 @@ from fsdp_verify.sharded.pool import memory_dir
 from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe
 from fsdp_verify.sharded.worker import MeshCache, device_for
 from fsdp_verify.trace import Trace
+from fsdp_verify.training.threads import rank_like_threads
 from fsdp_verify.verdict import Verdict
 
 

@@ -600,6 +600,71 @@ ZOO += [
         ("resumed",),
         pins={**_RESUME, "optim.schedule": st.sampled_from(("exponential", "linear_warmup"))},
     ),
+    # torch.compile (issue 41, docs/compile.md): aot_eager, Dynamo and AOTAutograd without Inductor's
+    # code generation, shows each of these (what they get wrong is traced, not generated) at a
+    # fraction of Inductor's cost; no dropout where the compiled and eager runs are compared.
+    ZooBug(
+        "compiled_backward_differs",
+        _mutant("compiled_backward_differs"),
+        "a custom autograd matmul whose compiled backward returns another gradient than eager's (correct sharding)",
+        "pytorch/pytorch#184113: torch.compile changed the gradients of a custom autograd matmul (high"
+        " priority, silent); a compiler's bug, named the compiler's by the compiled-against-eager check",
+        ("compiler",),
+        world_sizes=(1, 2, 3, 4),
+        pins={
+            **_CHEAP,
+            "model": "fsdp_verify.zoo.mutants:custom_function_lm",
+            "compile": "model",
+            "compile_backend": "aot_eager",
+        },
+    ),
+    ZooBug(
+        "unit_compiled_with_unsharded_params",
+        _mutant("unit_compiled_with_unsharded_params"),
+        "each unit compiled before fully_shard as a function of its unsharded parameters: stale weights,"
+        " gradients to tensors the optimizer does not hold",
+        "a functional compile of each block ahead of sharding (`functional_call` with the block's parameters"
+        " as they are then), torchtitan's compile-before-fully_shard order gone wrong",
+        ("grads",),
+        world_sizes=(1, 2, 3, 4),
+        precisions=("fp32",),
+        pins={**_CHEAP, "compile": "units", "compile_backend": "aot_eager", "model.widths": st.just((7, 5, 3))},
+    ),
+    ZooBug(
+        "hook_dropped_by_compile",
+        _mutant("hook_dropped_by_compile"),
+        "the first unit averaged, from the second forward on, by a full backward pre-hook on its input layer,"
+        " which torch.compile drops: that unit's gradients summed over ranks",
+        "home-grown engines that drive reductions from module hooks; pytorch/pytorch#117265's family (module"
+        " backward hooks silently ignored under torch.compile)",
+        ("grads",),
+        pins={
+            "steps": 2,
+            "compile": "units",
+            "compile_backend": "aot_eager",
+            "grad_reduction": "avg",
+            "ignored": (),
+            "model.widths": st.tuples(st.integers(1, 12), st.integers(2, 12), st.integers(1, 12)),
+            "wrap": ("layers.0", ""),
+        },
+    ),
+    ZooBug(
+        "recompiles_every_step",
+        _mutant("recompiles_every_step"),
+        "each unit's compiled forward reads a Python counter: its guard fails and it compiles again every step",
+        "an int read in a compiled region (a step number for a schedule): a recompilation per step",
+        ("compile",),
+        world_sizes=(1, 2, 3, 4),
+        # One micro-batch and two blocks: a recompilation or two a step, well below Dynamo's limit;
+        # three steps, so that it compiles again in two of them (once could be Dynamo's own).
+        pins={
+            "steps": 3,
+            "microbatches": 1,
+            "model.widths": st.just((5, 7, 3)),
+            "compile": "units",
+            "compile_backend": "eager",
+        },
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

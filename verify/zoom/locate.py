@@ -96,8 +96,9 @@ def _fqn(fqn: str) -> str:
 
 # ---- running a zoom pass ------------------------------------------------------------------------
 def _run(case: Case, pool, timeout_s: float | None) -> tuple[Trace, Trace]:
-    from fsdp_verify.runner import emulating_reference, rank_like_threads
+    from fsdp_verify.runner import emulating_reference
     from fsdp_verify.sharded.pool import get_pool
+    from fsdp_verify.training.threads import rank_like_threads
 
     pool = pool or get_pool(case.world_size)
     pool.submit(case)

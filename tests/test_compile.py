@@ -1,0 +1,299 @@
+"""Issue 41: torch.compile under test (docs/compile.md). The Case field and its one spelling, the
+capability that makes it opt-in, the reference compiled alike (bit for bit against FSDP2), the
+compiler checked on its own against eager within a derived bound, compilation in the verdict,
+Inductor's caches shared, and the mutants each caught where they belong.
+
+CI compiles with `aot_eager` (Dynamo and AOTAutograd: real graphs, no code generation) and
+`eager`; Inductor, whose first kernels in an empty cache cost minutes on a loaded 2-core machine,
+runs in the tests marked slow (the nightly)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+
+from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.commands.case_flags import case_to_flags
+from fsdp_verify.commands.cli import build_parser
+from fsdp_verify.commands.options import case_from_args
+from fsdp_verify.properties.draw import draw_cases
+from fsdp_verify.properties.profiles import COMPILE_RATES, profile_compile_rate
+from fsdp_verify.properties.strategies import cases
+from fsdp_verify.reference.fusion import FusionJolt
+from fsdp_verify.training.compile import CACHE_ENV, use_cache_dir
+from tests.conftest import mlp_case
+
+PLAIN = "examples/engine/my_engine.py:shard"
+EVERYTHING = "examples/engine/my_engine.py:shard_everything"
+
+
+# ---- the field, validated -------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("changes", "field"),
+    [
+        ({"compile": "jit"}, "compile"),
+        ({"compile_fullgraph": True}, "compile_fullgraph"),
+        ({"compile": "units", "compile_backend": "tvm"}, "compile_backend"),
+        ({"compile_backend": "aot_eager"}, "compile_backend"),
+        ({"compile": "units", "wrap": ("",)}, "compile"),
+        ({"compile": "units", "model": ModelSpec(kind="mlp", experts=2)}, "compile"),
+        ({"compile": "model", "compile_fullgraph": True}, "compile_fullgraph"),  # units inside the model
+        (
+            {"compile": "units", "compile_fullgraph": True, "wrap": ("layers.0.linear", "layers.0", "")},
+            "compile_fullgraph",
+        ),
+        ({"compile": "units", "zoom": "1"}, "compile"),
+    ],
+)
+def test_a_bad_compile_is_refused_naming_the_field(changes, field):
+    with pytest.raises(CaseError) as e:
+        mlp_case(2).with_(**changes)
+    assert e.value.field_path == field, str(e.value)
+
+
+def test_fullgraph_is_refused_for_a_unit_that_is_a_torch_nn_module():
+    """Sweep seed 4187 drew it (case 9bd93574164f, a Linear unit): every rank raised "fullgraph=True
+    found no compiled frames" (Dynamo skips torch.nn's forwards)."""
+    with pytest.raises(CaseError) as e:
+        mlp_case(2).with_(compile="units", compile_fullgraph=True, wrap=("layers.0.linear", ""))
+    assert e.value.field_path == "compile_fullgraph" and "('layers.0.linear', Linear)" in str(e.value)
+    mlp_case(2).with_(compile="units", wrap=("layers.0.linear", ""))  # without fullgraph it is a case
+
+
+def test_fullgraph_holds_where_no_unit_runs_inside_a_compiled_module():
+    mlp_case(2).with_(compile="units", compile_fullgraph=True)  # layers.0, layers.1, ... and the root
+    mlp_case(2).with_(compile="model", compile_fullgraph=True, wrap=("",))
+
+
+# ---- one spelling ---------------------------------------------------------------------------------
+def _checked(flags: list[str]) -> Case:
+    return case_from_args(build_parser().parse_args(["check", *flags]))
+
+
+def test_check_flags_build_the_field_and_a_case_prints_as_them():
+    case = _checked(["--model", "mlp", "--compile", "units", "--compile-fullgraph", "--compile-backend", "aot_eager"])
+    assert (case.compile, case.compile_fullgraph, case.compile_backend) == ("units", True, "aot_eager")
+    flags = case_to_flags(case)
+    assert flags[flags.index("--compile") + 1] == "units" and "--compile-fullgraph" in flags
+    again = _checked(flags)
+    assert again.hash == case.hash
+    assert Case().hash == Case(compile=None).hash  # no compile: the JSON and hash of before
+
+
+def test_the_draw_takes_the_same_spelling_as_check_and_fsdp_cases():
+    # fuzz/sweep: --compile units model; the pytest plugin's fsdp_cases(compile=[...]): the same pins
+    drawn = draw_cases(cases(engine="fsdp2", compile=["units", "model"], model_kinds=("mlp",)), 12, 1)
+    assert {c.compile for c in drawn} <= {"units", "model"} and all(c.compile for c in drawn)
+    assert all(c.compile == "model" for c in draw_cases(cases(compile="model", model_kinds=("mlp",)), 5, 2))
+
+
+def test_compile_is_drawn_at_the_profiles_rate():
+    assert COMPILE_RATES["ci"] == COMPILE_RATES["dev"] == 0.0 and 0 < COMPILE_RATES["nightly"] <= 0.5
+    assert profile_compile_rate("nightly") == COMPILE_RATES["nightly"]
+    assert profile_compile_rate("a-profile-of-yours") == 0.0
+    # rate 0: nothing is drawn, so a seed draws the cases it drew before compile existed
+    before = [c.hash for c in draw_cases(cases(compile_rate=0.0), 15, 7)]
+    assert not any(c.compile for c in draw_cases(cases(compile_rate=0.0), 15, 7))
+    assert [c.hash for c in draw_cases(cases(), 15, 7)] == before  # the default profile's rate is 0
+    drawn = draw_cases(cases(compile_rate=1.0, model_kinds=("mlp",)), 30, 7)
+    assert all((c.compile is None) == bool(c.model.experts) for c in drawn)  # all that can compile do
+
+
+@settings(max_examples=100, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases(engine=PLAIN, compile_rate=1.0, hsdp=True))
+def test_a_plain_plugin_is_never_drawn_compile(case):
+    assert case.compile is None
+
+
+def test_compile_rate_takes_a_profile_or_a_share(capsys):
+    sweep = ["sweep", "--cases", "1", "--out", "unused", "--compile-rate"]
+    assert build_parser().parse_args([*sweep, "nightly"]).compile_rate == COMPILE_RATES["nightly"]
+    assert build_parser().parse_args([*sweep, "0.5"]).compile_rate == 0.5
+    with pytest.raises(SystemExit) as e:
+        build_parser().parse_args([*sweep, "1.5"])
+    assert e.value.code == 2 and "--compile-rate: expected a number from 0 to 1" in capsys.readouterr().err
+
+
+def test_check_compile_on_a_plain_plugin_exits_2_naming_the_declaration():
+    r = subprocess.run(
+        [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--engine", PLAIN, "--compile", "units"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "compile: expected None" in r.stderr and "Capabilities(takes=('compile', ...))" in r.stderr
+
+
+# ---- the fusion floor -----------------------------------------------------------------------------
+def test_the_fusion_floor_moves_each_operation_within_its_bound_and_nothing_exact():
+    torch.manual_seed(0)
+    a, b = torch.randn(5, 7), torch.randn(7, 3)
+    u = 2.0**-24
+    with FusionJolt(1) as jolt:
+        jolt.backward = True  # move everything
+        mm = a @ b
+        viewed = a.t()
+        picked = torch.where(a > 0, a, b.sum() * 0)
+    exact = a @ b
+    # 2 (K - 1) u |a||b| for the order, u |y| for an FMA, and the moved value's own rounding to fp32
+    bound = 2 * 6 * u * (a.abs().double() @ b.abs().double()) + 2 * u * exact.abs().double()
+    assert ((mm.double() - exact.double()).abs() <= bound).all()
+    assert (mm != exact).any()  # it moved
+    assert torch.equal(viewed, a.t()) and torch.equal(picked, torch.where(a > 0, a, torch.zeros(())))
+
+
+def test_the_fusion_floor_of_a_bf16_case_is_wider_than_of_fp32():
+    from fsdp_verify.compare.tolerance import measure
+    from fsdp_verify.reference import train_reference
+
+    case = mlp_case(2, steps=1, compile="units")
+    floors = {}
+    for name, precision in (("fp32", PrecisionSpec()), ("bf16", PrecisionSpec(param_dtype="bf16"))):
+        c = case.with_(precision=precision)
+        eager = train_reference(c.with_(compile=None))
+        moved = train_reference(c, fusion=3)
+        key = (1, "logits", "logits")
+        floors[name] = measure(eager.records[key], moved.records[key]).normwise
+    assert 0 < floors["fp32"] < floors["bf16"]
+
+
+# ---- compiled runs (aot_eager in CI) --------------------------------------------------------------
+def _compile_findings(verdict):
+    return {f.phase: f for f in verdict.findings if f.phase in ("compile", "compiler")}
+
+
+def test_compiled_fsdp2_agrees_with_the_compiled_reference(fsdp_check):
+    case = mlp_case(2, compile="units", compile_backend="aot_eager", activation_checkpointing=True, microbatches=2)
+    verdict = fsdp_check(case.with_(precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")))
+    assert verdict.ok, verdict.summary()
+    said = _compile_findings(verdict)
+    assert (
+        "compiled units (aot_eager)" in said["compile"].message
+        and "no frame compiled every step" in said["compile"].message
+    )
+    assert "within the fusion bound of eager" in said["compiler"].message
+    exact = [f for f in verdict.findings if f.phase in ("logits", "grads", "params") and f.kind == "deviation"]
+    assert exact and all(f.normwise == 0 for f in exact)  # the same graphs on both sides: bit for bit
+
+
+def test_unfreezing_compiles_again_once_and_that_is_no_finding(fsdp_check):
+    case = mlp_case(2, steps=3, compile="units", compile_backend="eager")
+    frozen = ModelSpec(kind="mlp", widths=(16, 33, 17, 8), frozen=("layers.0",))
+    verdict = fsdp_check(case.with_(model=frozen, unfreeze_step=2))
+    assert verdict.ok, verdict.summary()
+    assert "step 2:" in _compile_findings(verdict)["compile"].message  # it did compile again, at the unfreeze
+
+
+def test_a_compiler_bug_is_named_the_compilers_not_the_engines(fsdp_check):
+    case = Case(
+        model=ModelSpec(kind="custom", factory="fsdp_verify.zoo.mutants:custom_function_lm", seq_len=4),
+        world_size=2,
+        steps=1,
+        data=DataSpec(batch_size=4),
+        engine="fsdp_verify.zoo.mutants:compiled_backward_differs",
+        compile="model",
+        compile_backend="aot_eager",
+    )
+    verdict = fsdp_check(case)
+    assert not verdict.ok
+    assert {f.phase for f in verdict.failures} == {"compiler"}  # the sharded run agrees with the compiled reference
+    first = verdict.first_divergence
+    assert first.comparator == "CompiledVsEager" and first.name == "grads.mix.weight"
+    assert "the compiler's, not the sharding's" in verdict.summary()
+    assert fsdp_check(case.with_(compile=None, compile_backend="inductor")).ok  # eager: nothing wrong
+
+
+def test_the_hook_mutant_is_correct_eagerly(fsdp_check):
+    case = mlp_case(2, steps=2, engine="fsdp_verify.zoo.mutants:hook_dropped_by_compile", wrap=("layers.0", ""))
+    assert fsdp_check(case).ok
+
+
+@pytest.mark.parametrize("case_hash", ["96057a5e8b38", "7777b4796553"])
+def test_the_sweeps_compiled_false_alarms_stay_fixed(fsdp_check, case_hash):
+    from tests.conftest import regression
+
+    verdict = fsdp_check(regression(case_hash))
+    assert verdict.ok, verdict.summary()
+
+
+# ---- Inductor's caches ----------------------------------------------------------------------------
+def test_the_cache_directory_is_shared_and_yours_to_choose(monkeypatch, tmp_path):
+    monkeypatch.delenv(CACHE_ENV, raising=False)
+    monkeypatch.setenv("FSDP_VERIFY_CACHE_DIR", str(tmp_path / "mine"))
+    assert use_cache_dir() == str(tmp_path / "mine" / "inductor") == os.environ[CACHE_ENV]
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "set"))
+    assert use_cache_dir() == str(tmp_path / "set")
+
+
+# ---- nightly: Inductor, the composition matrix ----------------------------------------------------
+MATRIX = [
+    (scope, precision, checkpointing, mesh)
+    for scope in ("units", "model")
+    for precision in ("fp32", "bf16")
+    for checkpointing in (False, True)
+    for mesh in ((1,), (2,), (3,), (4,), (2, 2))
+]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("scope", "precision", "checkpointing", "mesh"), MATRIX)
+def test_compiled_fsdp2_passes_with_inductor(fsdp_check, scope, precision, checkpointing, mesh):
+    world = mesh[0] * (mesh[1] if len(mesh) == 2 else 1)
+    policy = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32") if precision == "bf16" else PrecisionSpec()
+    case = mlp_case(world, compile=scope, activation_checkpointing=checkpointing, precision=policy)
+    verdict = fsdp_check(case.with_(mesh_shape=mesh if len(mesh) == 2 else None))
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scope", ["units", "model"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_a_compiled_transformers_llama_passes(fsdp_check, scope, precision):
+    from tests.conftest import require
+
+    require("transformers")
+    policy = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32") if precision == "bf16" else PrecisionSpec()
+    case = Case(
+        model=ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", seq_len=6),
+        world_size=2,
+        steps=2,
+        data=DataSpec(batch_size=4),
+        wrap=("LlamaDecoderLayer", ""),
+        compile=scope,
+        precision=policy,
+        activation_checkpointing=scope == "units",
+    )
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+
+
+@pytest.mark.slow
+def test_two_processes_compile_into_one_cache_and_a_third_finds_it_warm(tmp_path):
+    env = {**os.environ, CACHE_ENV: str(tmp_path / "inductor")}
+    command = [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--widths", "6,10,3"]
+    command += ["--compile", "units", "--world-size", "2", "--steps", "1"]
+    both = [
+        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for _ in range(2)
+    ]
+    for p in both:
+        out, _ = p.communicate(timeout=900)
+        assert p.returncode == 0 and "EQUIVALENT" in out, out[-2000:]
+    third = subprocess.run(
+        command + ["--json", str(tmp_path / "v.json")], env=env, capture_output=True, text=True, timeout=900
+    )
+    assert third.returncode == 0, third.stdout[-2000:]
+    import json
+
+    compile_check = next(
+        f for f in json.loads((tmp_path / "v.json").read_text())["findings"] if f["phase"] == "compile"
+    )
+    hits = compile_check["message"].split(" graphs from Inductor's cache")[0].rsplit("; ", 1)[-1]
+    hit, total = hits.split(" of ")
+    assert int(hit) == int(total) > 0, compile_check["message"]
