@@ -303,6 +303,22 @@ class Case:
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
 
+    # ---- tensor parallelism (docs/tensor-parallel.md) ----
+    # The tp degree: `world_size` counts every rank, data-parallel ranks times `tp`; the ranks form
+    # the mesh `mesh + (tp,)`, its dims named ("shard", "tp") or ("replicate", "shard", "tp"), and
+    # `mesh_shape` is the data-parallel part. The engine applies the plan over "tp" first, then
+    # `fully_shard` over the data-parallel dims (torchtitan's order). 1: no tensor parallelism.
+    tp: int = 1
+    # The plan (verify/engines/tensor_parallel.py): None = the built-in model's, or a transformers
+    # model's own `base_model_tp_plan`; "pkg.module:NAME" / "file.py:NAME" = a dict of module FQN to
+    # ParallelStyle, or a function (model, tp_mesh) returning one (a user's code: verify/trust.py).
+    tp_plan: str | None = None
+    # The built-in Transformer's plan with sequence parallelism (norms on sequence shards) and
+    # with loss parallelism (the head's output left sharded over the vocabulary, the
+    # cross-entropy computed under `loss_parallel()`).
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -321,6 +337,10 @@ class Case:
         "resume_world_size",
         "resume_mesh_shape",
         "resume_engine",
+        "tp",
+        "tp_plan",
+        "sequence_parallel",
+        "loss_parallel",
     )
 
     def __post_init__(self) -> None:
@@ -333,6 +353,13 @@ class Case:
         self.optim.validate()
         self.data.validate()
         check(is_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
+        check(is_int(self.tp) and self.tp >= 1, "tp", "a positive integer (1: no tensor parallelism)", self.tp)
+        check(
+            self.world_size % self.tp == 0,
+            "world_size",
+            f"a multiple of tp={self.tp} (every rank: data-parallel ranks times tp)",
+            self.world_size,
+        )
         self._validate_zoom()
         mesh = self.mesh
         check(
@@ -345,9 +372,10 @@ class Case:
         for d in mesh:
             prod *= d
         check(
-            prod == self.world_size,
+            prod == self.dp_size,
             "mesh_shape",
-            f"dimensions whose product is world_size={self.world_size}",
+            f"dimensions whose product is world_size={self.world_size}"
+            + (f" / tp={self.tp} = {self.dp_size} (the data-parallel ranks)" if self.tp > 1 else ""),
             self.mesh_shape,
         )
         check(is_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
@@ -357,11 +385,12 @@ class Case:
             "a positive integer",
             self.microbatches,
         )
-        per = self.world_size * self.microbatches
+        per = self.dp_size * self.microbatches
+        ranks = "world_size" if self.tp == 1 else "(world_size / tp)"
         check(
             self.data.batch_size % per == 0,
             "data.batch_size",
-            f"a multiple of world_size * microbatches = {self.world_size} * {self.microbatches} = {per}",
+            f"a multiple of {ranks} * microbatches = {self.dp_size} * {self.microbatches} = {per}",
             self.data.batch_size,
         )
         check(
@@ -432,6 +461,7 @@ class Case:
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
+        self._validate_tp()
         if self.data.kind == "cancellation":
             check(
                 self.model.kind == "mlp",
@@ -755,10 +785,70 @@ class Case:
                 True,
             )
 
+    def _validate_tp(self) -> None:
+        """Tensor parallelism's fields (docs/tensor-parallel.md): a degree, a plan that splits the
+        model evenly over it, and the knobs modelled beside it."""
+        for name in ("sequence_parallel", "loss_parallel"):
+            check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+        check(self.tp_plan is None or is_import_path(self.tp_plan), "tp_plan", f"null or {IMPORT_PATH}", self.tp_plan)
+        if self.tp == 1:
+            for name in ("tp_plan", "sequence_parallel", "loss_parallel"):
+                value = getattr(self, name)
+                check(value in (None, False), name, f"{'null' if name == 'tp_plan' else 'false'} with tp=1", value)
+            return
+        # What the reference does not model beside tensor parallelism: refused, naming the field.
+        for name, value, off, why in (
+            ("step", self.step, None, "a user's step (its own collectives are not modelled)"),
+            ("ignored", self.ignored, (), "ignored parameters (the loop's all-reduce is over every rank)"),
+            ("shard_placement", self.shard_placement, "dim0", "Shard(1) placements of 2-D parameters"),
+            ("offload", self.offload, False, "CPU offload of 2-D parameters"),
+            ("model.experts", self.model.experts, 0, "routed experts"),
+            ("resume_after", self.resume_after, None, "a resume (not modelled yet)"),
+            ("loss_scaling", self.loss_scaling, None, "fp16 loss scaling"),
+        ):
+            check(
+                value == off, name, f"{off!r} with tp={self.tp}: {why} beside tensor parallelism is not modelled", value
+            )
+        if self.model.kind == "transformer":
+            check(
+                not self.model.tie_embeddings,
+                "model.tie_embeddings",
+                f"false with tp={self.tp} (the embedding is split by rows, the head by columns: one tensor cannot be both)",
+                True,
+            )
+        if self.sequence_parallel:
+            check(
+                self.model.kind == "transformer" and self.tp_plan is None,
+                "sequence_parallel",
+                "false unless the built-in Transformer's plan is used (a plan of your own decides its own styles)",
+                True,
+            )
+        if self.loss_parallel:
+            check(
+                self.model.kind != "mlp" and self.loss is None,
+                "loss_parallel",
+                "false for an MLP or a loss of your own (loss parallelism computes the cross-entropy)",
+                True,
+            )
+        from fsdp_verify.engines.tensor_parallel import check_plan
+
+        check_plan(self)
+
     # ---- derived ------------------------------------------------------------------------------
     @property
     def mesh(self) -> tuple[int, ...]:
-        return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.world_size,)
+        """The data-parallel mesh: (shard,) or (replicate, shard), of `dp_size` ranks."""
+        return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.dp_size,)
+
+    @property
+    def dp_size(self) -> int:
+        """The data-parallel ranks: every rank, or every tp group of `tp` ranks, takes its own batch."""
+        return self.world_size // self.tp if is_int(self.tp) and self.tp >= 1 else self.world_size
+
+    @property
+    def device_mesh_shape(self) -> tuple[int, ...]:
+        """Every rank's mesh: the data-parallel mesh, with `tp` last when there is tensor parallelism."""
+        return self.mesh + ((self.tp,) if self.tp > 1 else ())
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
@@ -779,7 +869,8 @@ class Case:
 
     @property
     def local_batch(self) -> int:
-        return self.data.batch_size // self.world_size
+        """Samples of one data-parallel rank (the ranks of a tp group share them)."""
+        return self.data.batch_size // self.dp_size
 
     # ---- JSON ---------------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -874,6 +965,8 @@ def check_field_value(name: str, value: Any) -> None:
                 changes["world_size"] = _product(value)
             if name == "replica_sync_last":  # wrong only beside a 1-D mesh: judged on a 2-D one
                 changes.update(mesh_shape=(1, 2), world_size=2)
+            if name in ("sequence_parallel", "loss_parallel", "tp_plan"):  # wrong only without tp
+                changes.update(tp=2)
             Case().with_(**changes)
     except CaseError as e:
         if e.field_path == name:

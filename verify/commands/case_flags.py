@@ -174,6 +174,7 @@ LOOP = "training loop"
 DATA = "data"
 SCALE = "fp16 dynamic loss scaling"
 CODE = "engine and your code"
+TP = "tensor parallelism (docs/tensor-parallel.md)"
 RESUME = "checkpoint and resume (docs/resume.md)"
 
 FLAGS: tuple[Flag, ...] = (
@@ -272,7 +273,7 @@ FLAGS: tuple[Flag, ...] = (
         "--mesh-shape",
         "mesh_shape",
         MESH,
-        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product; none = 1-D",
+        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product (times --tp); none = 1-D",
         mesh,
         "R,S",
         special=True,
@@ -557,6 +558,43 @@ FLAGS: tuple[Flag, ...] = (
         "fsdp2 | fsdp1 | flat | pkg.module:NAME | path/to/file.py:NAME",
         metavar="ENGINE",
         draw=None,
+    ),
+    # tensor parallelism (docs/tensor-parallel.md)
+    Flag(
+        "--tp",
+        "tp",
+        TP,
+        "the tensor-parallel degree: the ranks form the mesh (dp, tp) or (replicate, shard, tp), --world-size counting"
+        " every rank (dp x tp) and --mesh-shape the data-parallel part; 1 = none (default)",
+        integer,
+        "N",
+    ),
+    Flag(
+        "--tp-plan",
+        "tp_plan",
+        TP,
+        "your plan: a dict of module FQN to ParallelStyle, or a function (model, tp_mesh) returning one; none = the"
+        " built-in model's, or a transformers model's own base_model_tp_plan",
+        or_none(str),
+        "IMPORT",
+    ),
+    Flag(
+        "--sequence-parallel",
+        "sequence_parallel",
+        TP,
+        "the built-in Transformer's plan with sequence parallelism (SequenceParallel norms)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
+        "--loss-parallel",
+        "loss_parallel",
+        TP,
+        "the head's output sharded over the vocabulary, the cross-entropy under loss_parallel()",
+        boolean,
+        "BOOL",
+        const=True,
     ),
     # checkpoint and resume: drawn together by fuzz/sweep --resume (their values depend on the
     # steps, world size and engine drawn), so no draw option of their own

@@ -60,6 +60,17 @@ ENGINE_KNOBS: dict[str, Knob] = {
         Knob("experts", "model.experts", 0, "set_reduce_scatter_unused_params(True) (routed experts)"),
     )
 }
+# Parallelisms composed with FSDP (docs/tensor-parallel.md): the engine applies the case's plan
+# before `fully_shard` (`ShardSpec.parallelize`). Not among ENGINE_KNOBS: a plug-in that passes
+# `fully_shard_kwargs` through takes every FSDP2 knob, yet applies no plan unless it says so.
+PARALLEL_KNOBS: dict[str, Knob] = {
+    k.name: k
+    for k in (
+        Knob("tp", "tp", 1, "parallelize_module(model, mesh['tp'], plan) before fully_shard: ShardSpec.parallelize"),
+        Knob("sequence_parallel", "sequence_parallel", False, "the plan's SequenceParallel norms"),
+        Knob("loss_parallel", "loss_parallel", False, "the plan's head sharded over the vocabulary"),
+    )
+}
 # What the toolkit's loop applies to the engine's module (FSDPModule's setters, requires_grad_):
 # taken by an engine that declares nothing, since any FSDP2 module has them; FSDP1 and the flat
 # engine do not (their modules lack the setters, or fix what trains when they shard).
@@ -73,7 +84,9 @@ LOOP_KNOBS: dict[str, Knob] = {
         Knob("unfreeze_step", "unfreeze_step", None, "requires_grad_(True) on the frozen parameters mid-run"),
     )
 }
-KNOBS: dict[str, Knob] = {**ENGINE_KNOBS, **LOOP_KNOBS}
+KNOBS: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS, **LOOP_KNOBS}
+# What `takes` may name: what the engine applies itself.
+TAKEABLE: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS}
 
 
 def _names(given, allowed: dict[str, Knob], what: str) -> frozenset[str]:
@@ -89,7 +102,8 @@ class Capabilities:
     # The mesh ranks the engine shards on: 1 = a 1-D mesh (shard,); 2 = (replicate, shard), every
     # shape (HSDP, and the degenerate (1, W), (W, 1) and (1, 1)).
     mesh_dims: tuple[int, ...] = (1, 2)
-    # The engine-side knobs it applies (names from ENGINE_KNOBS): none unless declared.
+    # The engine-side knobs and parallelisms it applies (names from ENGINE_KNOBS and
+    # PARALLEL_KNOBS): none unless declared.
     takes: frozenset[str] = field(default_factory=frozenset)
     # The loop-side settings its module takes (names from LOOP_KNOBS): all of them, as any FSDP2
     # module does, unless declared otherwise.
@@ -103,7 +117,7 @@ class Capabilities:
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
             raise ValueError(f"capabilities: mesh_dims must be a non-empty subset of (1, 2), got {self.mesh_dims!r}")
-        object.__setattr__(self, "takes", _names(self.takes, ENGINE_KNOBS, "takes"))
+        object.__setattr__(self, "takes", _names(self.takes, TAKEABLE, "takes"))
         object.__setattr__(self, "module_takes", _names(self.module_takes, LOOP_KNOBS, "module_takes"))
 
     def taken(self) -> frozenset[str]:
@@ -139,7 +153,7 @@ def not_declared(engine: str, knob: str) -> str:
     if knob in LOOP_KNOBS:
         return f"engine {engine!r} declares its module does not take `{knob}` ({LOOP_KNOBS[knob].applies})"
     return (
-        f"engine {engine!r} does not declare `{knob}` ({ENGINE_KNOBS[knob].applies}); an engine that applies it"
+        f"engine {engine!r} does not declare `{knob}` ({TAKEABLE[knob].applies}); an engine that applies it"
         f" declares `capabilities = Capabilities(takes=({knob!r}, ...))` (docs/engines.md#what-an-engine-declares)"
     )
 
@@ -147,7 +161,8 @@ def not_declared(engine: str, knob: str) -> str:
 # An engine that declares nothing: the stable contract and the loop's settings.
 PLAIN = Capabilities()
 # `fully_shard` with every knob applied (the built-in engine, and a plug-in that passes
-# `ShardSpec.fully_shard_kwargs` through and calls `ShardSpec.after_sharding`).
+# `ShardSpec.fully_shard_kwargs` through and calls `ShardSpec.after_sharding`), after the case's
+# tensor-parallel plan (`ShardSpec.parallelize`).
 FSDP2 = Capabilities(takes=frozenset(ENGINE_KNOBS))
 
 
