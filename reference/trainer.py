@@ -31,6 +31,7 @@ from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
+from fsdp_verify.reference.tensor_parallel import TensorParallel
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import without_kv_cache
@@ -145,6 +146,8 @@ class _Run:
     # Where the engine computes on views of each unit's flat buffer, that buffer's layout
     # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
     views: _FlatLayout | None = None
+    # Tensor parallelism's arithmetic, emulated on `model` (reference/tensor_parallel.py).
+    tp: TensorParallel | None = None
 
     @classmethod
     def build(
@@ -170,14 +173,14 @@ class _Run:
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
         layout = _FlatLayout(model, case, emulated) if flat else None
         trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": perturb})
-        jolt = Perturbation(perturb, case.world_size) if perturb is not None else None
+        jolt = Perturbation(perturb, case.dp_size) if perturb is not None else None
         _record_params(trace, 0, params, initial=True)
         _record_buffers(trace, 0, model)
 
         param_dtype = to_torch(case.precision.param_dtype) or torch.float32
         reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
         # The engine's own division of the average (every order: a division, not a summation order).
-        divide = _divide_factors(case, arithmetic, reduce_dtype, case.world_size)
+        divide = _divide_factors(case, arithmetic, reduce_dtype, case.dp_size)
         # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
         rng_states = dropout_states(case)
         scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -200,6 +203,7 @@ class _Run:
             trace=trace,
             watch=watch,
             views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
+            tp=TensorParallel(case, model) if case.tp > 1 else None,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -278,7 +282,7 @@ class _Run:
         the parameters."""
         case = self.case
         inputs, targets = global_batch(case, step)
-        per_rank = [microbatch_slices(case, r) for r in range(case.world_size)]
+        per_rank = [microbatch_slices(case, r) for r in range(case.dp_size)]
         groups = [[ranks[m] for ranks in per_rank] for m in range(case.microbatches)]
         if not self.emulate:
             groups = [[torch.cat([torch.arange(s.start, s.stop) for s in g])] for g in groups]
@@ -333,14 +337,25 @@ class _Run:
             return self._rank_pass(state, r, index)
 
     def _rank_pass(self, state: _Step, r: int, index) -> RankPass:
+        if self.tp is not None:  # its tp ranks side by side (reference/tensor_parallel.py)
+            with self.tp.region():
+                return self._rank_pass_of(state, r, index)
+        return self._rank_pass_of(state, r, index)
+
+    def _rank_pass_of(self, state: _Step, r: int, index) -> RankPass:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
-        out = logits_of(self.case.model, functional_call(self.model, state.compute, args, kwargs))
+        compute, leaves = self.tp.split(state.compute) if self.tp is not None else (state.compute, None)
+        out = logits_of(self.case.model, functional_call(self.model, compute, args, kwargs))
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
-        loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
+        if self.tp is not None:
+            loss = self.tp.loss(self.case, out, state.targets[index], state.loss_factor)
+            out = self.tp.whole(out)
+        else:
+            loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
             summed = loss / len(state.groups[0])
         else:
@@ -348,9 +363,15 @@ class _Run:
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).
-        grads = torch.autograd.grad(
-            backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
-        )
+        if leaves is None:
+            grads = torch.autograd.grad(
+                backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+            )
+        else:  # against each tp rank's leaf, then put back together
+            flat = [leaf for n in state.trainable for leaf in leaves[n]]
+            got = torch.autograd.grad(backpropagated, flat, allow_unused=True, materialize_grads=True)
+            per = [list(got[i * self.case.tp : (i + 1) * self.case.tp]) for i in range(len(state.trainable))]
+            grads = self.tp.gradients(state.trainable, per)
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
@@ -362,10 +383,11 @@ class _Run:
         rank_grads = []
         for r, index in enumerate(group):
             done = ranks[r]
-            if self.emulate:  # verify/probes/rng.py
-                state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
-                state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
-                state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
+            if self.emulate:  # verify/probes/rng.py: every rank's, those of a tp group alike
+                for _ in range(self.case.tp):
+                    state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
+                    state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
+                    state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
             rank_grads.append(done.grads)
             state.rank_loss[r] += done.loss
             _store_logits(state.logits, index, done.logits)
@@ -391,11 +413,16 @@ class _Run:
             if m < len(state.groups) - 1:
                 return
             rank_grads = state.local_grads
+        if self.tp is not None:  # each partial gradient summed over its tp ranks first, as FSDP2 does
+            rank_grads = self.tp.combine(rank_grads, self.reduce_dtype)
         if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`_FlatLayout.carry`)
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
-            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide, state.partial, last)
+            averaged = self._per_tp_rank(
+                lambda grads: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide, state.partial, last),
+                rank_grads,
+            )
             for n, avg in averaged.items():
                 state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
             return
@@ -451,8 +478,10 @@ class _Run:
         perturbation when there is one."""
         if self.layout is not None:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
-        elif self.order == "ring" and len(rank_grads) == self.case.world_size:
-            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
+        elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
+            averaged = self._per_tp_rank(
+                lambda grads: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
+            )
         else:
             averaged = {
                 n: _average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
@@ -463,6 +492,11 @@ class _Run:
                 n: self.jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
             }
         return averaged
+
+    def _per_tp_rank(self, average, rank_grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """`average` of the ranks' gradients; under tensor parallelism on each tp rank's local
+        shards, as FSDP2 reduce-scatters them (reference/tensor_parallel.py)."""
+        return average(rank_grads) if self.tp is None else self.tp.per_tp_rank(average, rank_grads)
 
     def hand_grads_to_params(self, state: _Step) -> None:
         """The reduced fp32 gradients become the parameters' `.grad` (the same tensors)."""
@@ -638,7 +672,7 @@ def _hsdp_average(
     gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
     micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
     partial_reduce_output`), then all-reduces the sum."""
-    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.world_size)  # a 1-D mesh: (1, W)
+    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.dp_size)  # a 1-D mesh: (1, W)
     pre, post = divide
     # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
     # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
@@ -730,7 +764,7 @@ class _FlatLayout:
 
     def __init__(self, model: nn.Module, case: Case, arithmetic: Arithmetic):
         self.world = case.mesh[-1]  # the shard group
-        self.replicas = case.world_size // self.world
+        self.replicas = case.dp_size // self.world
         params = dict(model.named_parameters())  # tied weights once, under their first name
         by_unit: dict[str, list[str]] = {}
         for n in params:

@@ -163,7 +163,7 @@ PLAIN = Capabilities()
 # `fully_shard` with every knob applied (the built-in engine, and a plug-in that passes
 # `ShardSpec.fully_shard_kwargs` through and calls `ShardSpec.after_sharding`), after the case's
 # tensor-parallel plan (`ShardSpec.parallelize`).
-FSDP2 = Capabilities(takes=frozenset(ENGINE_KNOBS))
+FSDP2 = Capabilities(takes=frozenset(TAKEABLE))
 
 
 def capabilities_of(engine: object) -> Capabilities:

@@ -1,6 +1,7 @@
 """The built-in engine: PyTorch FSDP2, `torch.distributed.fsdp.fully_shard`, per the wrap plan,
 with every knob of the case (verify/engines/spec.py): what a plug-in that passes the spec's
-arguments through does, and declares, too."""
+arguments through does, and declares, too. With tensor parallelism the case's plan comes first,
+then `fully_shard` over the data-parallel dims (torchtitan's order; docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    kwargs = spec.fully_shard_kwargs(model, mesh)
+    kwargs = spec.fully_shard_kwargs(model, spec.parallelize(model, mesh))
     for fqn in spec.wrap:
         fully_shard(model.get_submodule(fqn), **kwargs)
     spec.after_sharding(model)

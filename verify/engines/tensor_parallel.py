@@ -23,7 +23,9 @@ case that cannot shard evenly is bad input naming the field, not a crash inside 
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import functools
 from typing import Any
 
 from torch import nn
@@ -137,22 +139,27 @@ def mlp_plan(model: nn.Module) -> dict[str, Any]:
 
 
 def hf_plan(model: nn.Module, loss_parallel: bool) -> dict[str, Any] | None:
-    """A transformers model's own plan (`config.base_model_tp_plan` under the base model's
-    prefix, and the head's `_tp_plan`) as torch's styles; None when it has none. Under loss
-    parallelism the head keeps its output sharded over the vocabulary."""
+    """A transformers model's own plan as torch's styles: the whole model's as transformers puts it
+    together when it builds one (`model._tp_plan`: the base model's `config.base_model_tp_plan`
+    under its prefix, its embedding's, the head's), else the config's base plan under the prefix
+    and the class's head plan; None when it has none. Under loss parallelism the head (the
+    class's `_tp_plan` entries) keeps its output sharded over the vocabulary."""
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel
 
-    config = getattr(model, "config", None)
-    base = dict(getattr(config, "base_model_tp_plan", None) or {})
-    if not base:
+    head = dict(getattr(type(model), "_tp_plan", None) or {})
+    own = dict(getattr(model, "_tp_plan", None) or {})
+    if not own:
+        config = getattr(model, "config", None)
+        base = dict(getattr(config, "base_model_tp_plan", None) or {})
+        prefix = getattr(model, "base_model_prefix", "")
+        has_base = bool(prefix) and hasattr(model, prefix)
+        own = {**{(f"{prefix}.{k}" if has_base else k): v for k, v in base.items()}, **head}
+    if not own:
         return None
-    prefix = getattr(model, "base_model_prefix", "")
-    has_base = bool(prefix) and hasattr(model, prefix)
-    plan = {(f"{prefix}.{k}" if has_base else k): _style(v, k) for k, v in base.items()}
-    for k, v in (getattr(model, "_tp_plan", None) or {}).items():
-        plan[k] = _style(v, k)
-        if loss_parallel:
+    plan = {k: _style(v, k) for k, v in own.items()}
+    if loss_parallel:
+        for k in head:
             plan[k] = ColwiseParallel(output_layouts=Shard(-1), use_local_output=False)
     return plan
 
@@ -211,6 +218,49 @@ def apply_plan(model: nn.Module, tp_mesh, plan: dict[str, Any]) -> None:
     from torch.distributed.tensor.parallel import parallelize_module
 
     parallelize_module(model, tp_mesh, plan)
+
+
+def split_parameters(case) -> dict[str, int]:
+    """The parameters the case's plan splits over its tp ranks, each with the dim it splits (a
+    colwise linear's weight and bias by rows, a rowwise one's weight by columns, an embedding by
+    rows under RowwiseParallel and by columns under ColwiseParallel); the others stay whole on
+    every tp rank (a rowwise bias, a SequenceParallel norm, a module the plan leaves alone)."""
+    return dict(_split_parameters(case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel))
+
+
+@functools.lru_cache(maxsize=64)
+def _split_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> tuple:
+    import torch
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    from fsdp_verify.models import _construct
+
+    if tp == 1:
+        return ()
+    with torch.device("meta"):
+        model = _construct(spec)
+    case = _PlanOf(spec, tp, tp_plan, sequence_parallel, loss_parallel)
+    out = []
+    for fqn, style in plan_for(case, model).items():
+        module = model.get_submodule(fqn)
+        embedding = isinstance(module, nn.Embedding)
+        for name, _ in module.named_parameters(recurse=False):
+            if isinstance(style, ColwiseParallel):
+                out.append((f"{fqn}.{name}", 1 if embedding else 0))
+            elif isinstance(style, RowwiseParallel) and name == "weight":
+                out.append((f"{fqn}.{name}", 0 if embedding else 1))
+    return tuple(out)
+
+
+@dataclasses.dataclass(frozen=True)
+class _PlanOf:
+    """The fields of a case its plan follows from (`plan_for` reads these)."""
+
+    model: Any
+    tp: int
+    tp_plan: str | None
+    sequence_parallel: bool
+    loss_parallel: bool
 
 
 def divisions(plan: dict[str, Any], model: nn.Module) -> list[tuple[str, str, int]]:

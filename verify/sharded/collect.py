@@ -51,8 +51,12 @@ class Collector:
         world_size: int,
         device: torch.device | None = None,
         spill_dir: str | None = None,
+        row_stride: int = 1,
     ):
         self.trace, self.rank, self.world_size = trace, rank, world_size
+        # Ranks 0, s, 2s, ... record rows and means (s = the tp degree: a tp group's ranks hold
+        # the same ones, its first records them); the others record none.
+        self.row_stride = row_stride
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
         # Given a directory every rank reaches on one host (the pool's, on /dev/shm where there
@@ -75,11 +79,13 @@ class Collector:
 
     def rows(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's rows of a tensor whose rows are the ranks' in rank order (logits)."""
-        self._keep((step, phase, name), ROWS, self.rank, local)
+        if self.rank % self.row_stride == 0:
+            self._keep((step, phase, name), ROWS, self.rank, local)
 
     def mean(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's value of a scalar averaged over ranks (the loss)."""
-        self._keep((step, phase, name), MEAN, self.rank, local)
+        if self.rank % self.row_stride == 0:
+            self._keep((step, phase, name), MEAN, self.rank, local)
 
     def tensors(self, step: int, phase: str, named: dict[str, torch.Tensor], sums: str | None = None) -> None:
         """Full values of `named` (DTensors or plain tensors every rank holds whole); with `sums`,
@@ -255,7 +261,9 @@ class Collector:
         assert self.trace is not None
         for key, (kind, _, mine) in self.pieces.items():  # rank 0 holds a piece of every record
             if kind in (ROWS, MEAN):
-                values = [mine] + [_holding(fill, key, r).read(key) for r, fill in enumerate(others, 1)]
+                values = [mine] + [
+                    _holding(fill, key, r).read(key) for r, fill in enumerate(others, 1) if r % self.row_stride == 0
+                ]
             else:  # SUM: the ranks of rank 0's group, by position
                 values = [mine] + [fill.read(key) for fill in _placed(others, key)]
             self.trace.records[key] = _whole(kind, values)

@@ -75,13 +75,20 @@ class MeshCache:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple[int, ...], DeviceMesh] = {}
+        self._meshes: dict[tuple[tuple[int, ...], bool], DeviceMesh] = {}
 
-    def get(self, shape: tuple[int, ...]) -> DeviceMesh:
-        if shape not in self._meshes:
-            names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-            self._meshes[shape] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-        return self._meshes[shape]
+    def get(self, shape: tuple[int, ...], tp: bool = False) -> DeviceMesh:
+        """The mesh of `shape`, its dims named (shard,) or (replicate, shard), with a last "tp"
+        dim where `tp` (a case's `device_mesh_shape`)."""
+        if (shape, tp) not in self._meshes:
+            dp = len(shape) - tp
+            names = (("shard",) if dp == 1 else ("replicate", "shard")) + (("tp",) if tp else ())
+            self._meshes[shape, tp] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
+        return self._meshes[shape, tp]
+
+    def of(self, case: Case) -> DeviceMesh:
+        """The case's mesh: every rank's (`Case.device_mesh_shape`)."""
+        return self.get(case.device_mesh_shape, case.tp > 1)
 
 
 def _die_with_parent() -> None:
@@ -181,7 +188,7 @@ def run_case(
     clock.mark("decode case")
     case = Case.from_json(case_json)
     clock.mark("mesh")
-    mesh = meshes.get(case.mesh)
+    mesh = meshes.of(case)
     ctx = RankContext(
         rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir, resume=resume
     )

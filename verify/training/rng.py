@@ -19,7 +19,7 @@ def dropout_states(case: Case) -> list[torch.Tensor]:
     """Every data-parallel rank's first CPU generator state, for the reference to replay: a
     fresh generator's (`torch.manual_seed` gives the same state but seeds every device type as
     well, a tenth of a millisecond a call)."""
-    return [torch.Generator().manual_seed(dropout_seed(case, r)).get_state() for r in range(case.world_size)]
+    return [torch.Generator().manual_seed(dropout_seed(case, r)).get_state() for r in range(case.dp_size)]
 
 
 def rng_fingerprint(state: torch.Tensor) -> int:
