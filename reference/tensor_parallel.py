@@ -38,6 +38,7 @@ data-parallel reduction on each tp rank's local shards, as FSDP2 reduce-scatters
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -121,6 +122,13 @@ def _sum(values: list[torch.Tensor]) -> torch.Tensor:
     if len(values) == 1:
         return values[0]
     return gloo_allreduce_sum([v.contiguous().reshape(-1) for v in values]).view_as(values[0])
+
+
+def _in_order(values: list[torch.Tensor]) -> torch.Tensor:
+    total = values[0]
+    for v in values[1:]:
+        total = total + v
+    return total
 
 
 class _AllReduce(torch.autograd.Function):
@@ -565,11 +573,11 @@ class TensorParallel:
         return out
 
     def per_tp_rank(
-        self, average: Callable[[list[dict[str, torch.Tensor]]], dict[str, torch.Tensor]], rank_grads: list[dict]
+        self, average: Callable[[list[dict[str, torch.Tensor]], int], dict[str, torch.Tensor]], rank_grads: list[dict]
     ) -> dict[str, torch.Tensor]:
-        """The data-parallel reduction `average` run on each tp rank's local gradients, as FSDP2
-        reduce-scatters each rank's local shard over the data-parallel ranks, and the shards put
-        back together."""
+        """The data-parallel reduction `average(local, t)` run on each tp rank t's local gradients,
+        as FSDP2 reduce-scatters each rank's local shard over the data-parallel ranks (what it keeps
+        between micro-batches, each rank its own), and the shards put back together."""
         sharded = {n for n in rank_grads[0] if self.placement(n).kind == "shard"}
         results = []
         for t in range(self.n):
@@ -580,13 +588,35 @@ class TensorParallel:
                 }
                 for grads in rank_grads
             ]
-            results.append(average(local))
-            if not sharded:
-                break
+            results.append(average(local, t))
         out = dict(results[0])
         for n in sharded & set(out):
             out[n] = torch.cat([r[n] for r in results], dim=self.placement(n).dim)
         return out
+
+    def norm(self, named: list[tuple[str, torch.Tensor]], shards: int) -> torch.Tensor:
+        """The clip's total norm as torch 2.13's `clip_grad_norm_` computes it on FSDP2's 2-D
+        gradients (measured bit-exact on (2, 2) meshes): on each rank the norm of its local piece
+        of each gradient (its tp piece's chunk of rows over the shard group), a gradient
+        replicated over tp divided there by sqrt(tp) (`_NormPartial._partition_value`: `stack`
+        makes every norm partial on both dims); each parameter's norms reduced over the shard
+        group (squares summed, the root) and then over tp, and the norm of those. The ranks'
+        squares are added in rank order, as FSDP2's shard-group norm is (`_norm_from_shards`)."""
+        spread = math.pow(self.n, 1 / 2.0)
+        totals = []
+        for name, g in named:
+            placement = self.placement(name)
+            split = placement.kind == "shard"
+            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * self.n
+            over_tp = []
+            for piece in pieces:
+                local = (
+                    [c.contiguous().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
+                )
+                squares = [(n if split else n / spread) ** 2.0 for n in local]
+                over_tp.append(_in_order(squares) ** 0.5)
+            totals.append(_in_order([t**2.0 for t in over_tp]) ** 0.5)
+        return torch.linalg.vector_norm(torch.stack(totals))
 
     def whole(self, out) -> torch.Tensor:
         """The logits as recorded: a vocabulary-sharded output gathered, a replicated one rank 0's."""

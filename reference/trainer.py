@@ -113,8 +113,8 @@ class _Step:
     local_grads: list[dict[str, torch.Tensor]]  # sync-last accumulators, per rank
     fingerprints: dict[str, list[int]]  # verify/probes/rng.py
     # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
-    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
-    partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype; by tp rank.
+    partial: dict[int, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     # `ignored`: each rank's gradients of the parameters FSDP2 leaves alone, accumulated in fp32
     # over the micro-batches until the loop all-reduces them.
     ignored_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -420,7 +420,9 @@ class _Run:
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
             averaged = self._per_tp_rank(
-                lambda grads: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide, state.partial, last),
+                lambda grads, t: _hsdp_average(
+                    grads, self.case, self.reduce_dtype, self.divide, state.partial.setdefault(t, {}), last
+                ),
                 rank_grads,
             )
             for n, avg in averaged.items():
@@ -480,7 +482,7 @@ class _Run:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
         elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
             averaged = self._per_tp_rank(
-                lambda grads: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
+                lambda grads, _t: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
             )
         else:
             averaged = {
@@ -494,9 +496,9 @@ class _Run:
         return averaged
 
     def _per_tp_rank(self, average, rank_grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        """`average` of the ranks' gradients; under tensor parallelism on each tp rank's local
-        shards, as FSDP2 reduce-scatters them (reference/tensor_parallel.py)."""
-        return average(rank_grads) if self.tp is None else self.tp.per_tp_rank(average, rank_grads)
+        """`average(rank_grads, t)` of the ranks' gradients; under tensor parallelism on each tp
+        rank t's local shards, as FSDP2 reduce-scatters them (reference/tensor_parallel.py)."""
+        return average(rank_grads, 0) if self.tp is None else self.tp.per_tp_rank(average, rank_grads)
 
     def hand_grads_to_params(self, state: _Step) -> None:
         """The reduced fp32 gradients become the parameters' `.grad` (the same tensors)."""
@@ -530,6 +532,8 @@ class _Run:
         grads = [p.grad for p in with_grad]
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
+        elif self.emulate and self.order in ("ring", "rank") and self.tp is not None:  # 2-D gradients
+            norm = self.tp.norm([(n, p.grad) for n, p in named], self.case.mesh[-1])
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
             dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
             norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks

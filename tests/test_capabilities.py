@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import find as hypothesis_find
 
 from fsdp_verify.case import ModelSpec
-from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, Capabilities
+from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, PARALLEL_KNOBS, Capabilities
 from fsdp_verify.properties.strategies import PinError, cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.sharded.pool import RankFailure
@@ -50,7 +50,7 @@ def test_an_engine_that_declares_every_knob_is_drawn_each(knob):
 def test_the_builtin_engines_declare_what_they_take():
     from fsdp_verify.engines import engine_capabilities
 
-    assert engine_capabilities("fsdp2").takes == frozenset(ENGINE_KNOBS)
+    assert engine_capabilities("fsdp2").takes == frozenset(ENGINE_KNOBS) | frozenset(PARALLEL_KNOBS)
     assert engine_capabilities("fsdp1").taken() == {"experts", "unfreeze_step"}
     assert engine_capabilities("flat").taken() == {"experts"}
     assert engine_capabilities(PLAIN).taken() == frozenset(LOOP_KNOBS)

@@ -10,18 +10,27 @@ import subprocess
 import sys
 
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import find as hypothesis_find
 
-from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
+from tests.conftest import require
 
 PLAIN = "examples/engine/my_engine.py:shard"
 TINY = ModelSpec(vocab_size=64, dim=16, n_heads=2, ffn_hidden=24, n_layers=1, seq_len=4)
 
 
+def find(strategy, condition):
+    return hypothesis_find(strategy, condition, settings=settings(max_examples=2000, database=None))
+
+
 def tp_case(**changes) -> Case:
-    base = {"model": TINY, "world_size": 2, "tp": 2, "steps": 2, "data": Case().data}
+    world = changes.get("world_size", 2)
+    base = {"model": TINY, "world_size": 2, "tp": 2, "steps": 2, "data": DataSpec(batch_size=2 * world)}
     return Case(**{**base, **changes})
 
 
@@ -89,6 +98,21 @@ def test_a_tensor_parallel_case_is_its_flags(case):
 
 
 # ---- who is drawn it ---------------------------------------------------------------------------------
+@settings(max_examples=60, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases(world_sizes=(2, 4, 8), tp=[1, 2, 4], hsdp=True, precisions=("fp32", "bf16")))
+def test_the_draw_gives_tensor_parallel_cases_fsdp2_takes(case):
+    refuse_untakeable(case)  # every drawn case is one check takes
+    p = case.precision
+    if case.sequence_parallel:  # pytorch/pytorch#190626 is not drawn
+        assert p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype)
+
+
+def test_tensor_parallel_degrees_are_drawn_only_where_asked():
+    drawn = find(cases(world_sizes=(2, 4), tp=[1, 2], hsdp=True), lambda c: c.tp == 2 and c.sequence_parallel)
+    assert drawn.dp_size * 2 == drawn.world_size
+    assert find(cases(world_sizes=(2, 4)), lambda c: True).tp == 1
+
+
 def test_a_plain_plugin_is_never_drawn_tensor_parallelism():
     with pytest.raises(PinError, match=r"tp: expected 1: engine .* does not declare `tp`"):
         cases(engine=PLAIN, tp=2)
@@ -103,3 +127,93 @@ def test_check_with_tp_on_a_plugin_that_declares_nothing_exits_2():
     )
     assert run.returncode == 2, run.stderr
     assert "tp: expected 1" in run.stderr and "Capabilities(takes=('tp', ...))" in run.stderr
+
+
+# ---- correct runs: bit-exact ---------------------------------------------------------------------
+def exact(verdict) -> None:
+    """Every record equal to the bit (the reference emulates the ranks' arithmetic where the order
+    is fixed: two tp ranks add commutatively), and the verdict passes."""
+    assert verdict.ok, verdict.summary()
+    inexact = [(f.key, f.max_ulp) for f in verdict.findings if f.phase != "param_sums" and f.max_abs != 0]
+    assert not inexact, inexact
+
+
+LLAMA = {"num_key_value_heads": 2, "vocab_size": 64}
+
+
+def llama(**changes) -> Case:
+    require("transformers")
+    spec = ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", kwargs=LLAMA)
+    return Case(model=spec, wrap=("LlamaDecoderLayer", ""), steps=2, data=DataSpec(batch_size=4), **changes)
+
+
+BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
+
+
+@pytest.mark.parametrize(
+    "case",
+    [
+        tp_case(),
+        tp_case(sequence_parallel=True, loss_parallel=True, precision=BF16, clip_norm=0.01),
+        tp_case(sequence_parallel=True, model=TINY.__class__(**{**TINY.__dict__, "dropout": 0.1})),
+        Case(
+            model=ModelSpec(kind="mlp", widths=(16, 32, 18, 8), dropout=0.1),
+            world_size=2,
+            tp=2,
+            microbatches=2,
+            sync_every_microbatch=False,
+            clip_norm=0.01,
+            steps=2,
+            data=DataSpec(batch_size=4),
+        ),
+    ],
+    ids=["plain", "sp-lp-bf16-clip", "sp-dropout", "mlp-rowwise-bias"],
+)
+def test_fsdp2_with_tensor_parallelism_is_bit_exact(fsdp_check, case):
+    exact(fsdp_check(case, calibrate=False))
+
+
+def test_a_transformers_model_with_its_own_plan_is_bit_exact(fsdp_check):
+    exact(fsdp_check(llama(world_size=2, tp=2, loss_parallel=True), calibrate=False))
+
+
+def test_fsdp2_summing_sequence_parallel_norm_gradients_in_bf16_is_caught(fsdp_check):
+    """pytorch/pytorch#190626 (tests/upstream/test_fsdp2_tp_reduce_dtype.py): the norms' partial
+    gradients summed over tp in param_dtype, bf16, while reduce_dtype is fp32. Only they part."""
+    precision = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
+    verdict = fsdp_check(tp_case(sequence_parallel=True, precision=precision, steps=1), calibrate=False)
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.step, first.phase) == (1, "grads"), verdict.summary()
+    parted = {f.name for f in verdict.findings if f.phase == "grads" and f.max_abs != 0}
+    assert parted and all(n.endswith("norm.weight") for n in parted), parted
+
+
+MESHES = [(2, None), (4, None), (4, (1, 2)), (8, (2, 2))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, mesh", MESHES, ids=["1x2", "2x2", "(1,2)x2", "(2,2)x2"])
+@pytest.mark.parametrize("precision", [PrecisionSpec(), BF16, PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")])
+@pytest.mark.parametrize(
+    "styles", [{}, {"sequence_parallel": True}, {"sequence_parallel": True, "loss_parallel": True}]
+)
+def test_the_transformer_on_every_mesh(fsdp_check, world, mesh, precision, styles):
+    if styles.get("sequence_parallel") and precision.reduce_dtype == "fp32":
+        pytest.skip("pytorch/pytorch#190626: test_fsdp2_summing_sequence_parallel_norm_gradients_in_bf16_is_caught")
+    exact(fsdp_check(tp_case(world_size=world, mesh_shape=mesh, precision=precision, **styles), calibrate=False))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world, tp", [(2, 2), (4, 2), (4, 4)], ids=["1x2", "2x2", "1x4"])
+@pytest.mark.parametrize("precision", [PrecisionSpec(), BF16])
+def test_tiny_llama_on_every_mesh(fsdp_check, world, tp, precision):
+    kwargs = {"num_key_value_heads": 4, "num_attention_heads": 4, "vocab_size": 64} if tp == 4 else LLAMA
+    case = llama(world_size=world, tp=tp, loss_parallel=True, precision=precision)
+    exact(
+        fsdp_check(case.with_(model=case.model.__class__(**{**case.model.__dict__, "kwargs": kwargs})), calibrate=False)
+    )
+
+
+@pytest.mark.slow
+def test_tiny_llama_on_a_3d_mesh(fsdp_check):
+    exact(fsdp_check(llama(world_size=8, mesh_shape=(2, 2), tp=2, precision=BF16), calibrate=False))
