@@ -92,7 +92,14 @@ class Ranks(torch.Tensor):
             return args[0]
         if "out" in kwargs:
             return kwargs["out"]
-        return _wrap(results)
+        out = _wrap(results)
+        if func in _KEEPS_LAYOUT and isinstance(out, Ranks):  # a DTensor cast (FSDP2's output_dtype) stays one
+            out.placement = args[0].placement
+        return out
+
+
+_aten = torch.ops.aten
+_KEEPS_LAYOUT = (_aten._to_copy.default, _aten.clone.default, _aten.detach.default, _aten.alias.default)
 
 
 def _count(tree) -> int:
@@ -402,7 +409,10 @@ class TensorParallel:
                 lambda _m, args, kwargs: (before(args), kwargs) if self.inside else None, with_kwargs=True
             )
         if after is not None:
-            module.register_forward_hook(lambda _m, _a, out: after(out) if self.inside else None)
+            # Before the unit's output cast, which the reference installed first: on the ranks the
+            # plan's hooks come first and FSDP2 appends its post-forward (its pre-forward, the
+            # input cast, is prepended: before the plan's, as the reference's is).
+            module.register_forward_hook(lambda _m, _a, out: after(out) if self.inside else None, prepend=True)
 
     def _ranks(self, x) -> Ranks:
         return x if isinstance(x, Ranks) else _Enter.apply(x, self.n)

@@ -141,9 +141,9 @@ def exact(verdict) -> None:
 LLAMA = {"num_key_value_heads": 2, "vocab_size": 64}
 
 
-def llama(**changes) -> Case:
+def llama(kwargs: dict = LLAMA, **changes) -> Case:
     require("transformers")
-    spec = ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", kwargs=LLAMA)
+    spec = ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", kwargs=kwargs)
     return Case(model=spec, wrap=("LlamaDecoderLayer", ""), steps=2, data=DataSpec(batch_size=4), **changes)
 
 
@@ -208,10 +208,7 @@ def test_the_transformer_on_every_mesh(fsdp_check, world, mesh, precision, style
 @pytest.mark.parametrize("precision", [PrecisionSpec(), BF16])
 def test_tiny_llama_on_every_mesh(fsdp_check, world, tp, precision):
     kwargs = {"num_key_value_heads": 4, "num_attention_heads": 4, "vocab_size": 64} if tp == 4 else LLAMA
-    case = llama(world_size=world, tp=tp, loss_parallel=True, precision=precision)
-    exact(
-        fsdp_check(case.with_(model=case.model.__class__(**{**case.model.__dict__, "kwargs": kwargs})), calibrate=False)
-    )
+    exact(fsdp_check(llama(kwargs, world_size=world, tp=tp, loss_parallel=True, precision=precision), calibrate=False))
 
 
 @pytest.mark.slow
