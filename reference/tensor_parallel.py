@@ -93,13 +93,21 @@ class Ranks(torch.Tensor):
         if "out" in kwargs:
             return kwargs["out"]
         out = _wrap(results)
-        if func in _KEEPS_LAYOUT and isinstance(out, Ranks):  # a DTensor cast (FSDP2's output_dtype) stays one
+        if func in _KEEPS_LAYOUT and isinstance(out, Ranks) and out.shape == args[0].shape:
+            # a DTensor stays one through a cast (FSDP2's output_dtype) or an alias of itself (an
+            # identity autograd node's output: FSDP2's post-backward node on a unit's inputs)
             out.placement = args[0].placement
         return out
 
 
 _aten = torch.ops.aten
-_KEEPS_LAYOUT = (_aten._to_copy.default, _aten.clone.default, _aten.detach.default, _aten.alias.default)
+_KEEPS_LAYOUT = (
+    _aten._to_copy.default,
+    _aten.clone.default,
+    _aten.detach.default,
+    _aten.alias.default,
+    _aten.view.default,
+)
 
 
 def _count(tree) -> int:
@@ -172,7 +180,7 @@ def _scatter_sum(values: list[torch.Tensor], dim: int) -> list[torch.Tensor]:
     n = len(values)
     moved = [torch.cat(v.chunk(n, dim=dim), dim=0) for v in values]  # the chunks along dim 0
     total = _sum(moved)
-    return [c.contiguous() for c in total.chunk(n, dim=0)]
+    return [c.clone() for c in total.chunk(n, dim=0)]  # fresh, as a reduce-scatter's outputs are
 
 
 class _AllGather(torch.autograd.Function):
@@ -545,7 +553,10 @@ class TensorParallel:
         for name, p in compute.items():
             placement = self.placement(name)
             if placement.kind == "shard":
-                mine = [c.detach().contiguous() for c in p.detach().chunk(self.n, dim=placement.dim)]
+                # fresh tensors, as the ranks' local shards are: a view that starts off a 16-byte
+                # boundary takes another BLAS path (a (1, 7) input through a colwise shard at row
+                # offset 6 of a 7-wide weight: 1 ulp in 2 of 24 logits, measured)
+                mine = [c.detach().clone() for c in p.detach().chunk(self.n, dim=placement.dim)]
             else:
                 mine = [p.detach().clone() for _ in range(self.n)]
             mine = [m.requires_grad_(p.requires_grad) for m in mine]
@@ -620,9 +631,7 @@ class TensorParallel:
             pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * self.n
             over_tp = []
             for piece in pieces:
-                local = (
-                    [c.contiguous().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
-                )
+                local = [c.clone().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
                 squares = [(n if split else n / spread) ** 2.0 for n in local]
                 over_tp.append(_in_order(squares) ** 0.5)
             totals.append(_in_order([t**2.0 for t in over_tp]) ** 0.5)

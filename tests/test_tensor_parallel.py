@@ -188,6 +188,34 @@ def test_fsdp2_summing_sequence_parallel_norm_gradients_in_bf16_is_caught(fsdp_c
     assert parted and all(n.endswith("norm.weight") for n in parted), parted
 
 
+def test_sequence_parallel_training_a_frozen_norm_is_caught(fsdp_check):
+    """torch 2.13's SequenceParallel makes a frozen parameter trainable
+    (tests/upstream/test_sequence_parallel_unfreezes_params.py): the frozen norm gets a gradient
+    the reference's does not have, at step 1."""
+    model = TINY.__class__(**{**TINY.__dict__, "frozen": ("layers.0.attention_norm.weight",)})
+    verdict = fsdp_check(tp_case(sequence_parallel=True, model=model, steps=1), calibrate=False)
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.step, first.phase, first.name) == (
+        1,
+        "grads",
+        "layers.0.attention_norm.weight",
+    ), verdict.summary()
+
+
+def test_colwise_shards_start_where_the_ranks_do(fsdp_check):
+    """The reference's shards are fresh tensors, as the ranks' are: a (1, 7) input through a
+    colwise shard viewed at row 6 of a 7-wide weight took another BLAS path (1 ulp, a sweep's)."""
+    case = Case(
+        model=ModelSpec(kind="mlp", widths=(1, 2, 7, 12)),
+        world_size=4,
+        mesh_shape=(1, 2),
+        tp=2,
+        steps=1,
+        data=DataSpec(batch_size=2, kind="cancellation", scale=0.01),
+    )
+    exact(fsdp_check(case, calibrate=False))
+
+
 MESHES = [(2, None), (4, None), (4, (1, 2)), (8, (2, 2))]
 
 
