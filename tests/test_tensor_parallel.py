@@ -6,6 +6,7 @@ field and the declaration)."""
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 
@@ -242,3 +243,53 @@ def test_tiny_llama_on_every_mesh(fsdp_check, world, tp, precision):
 @pytest.mark.slow
 def test_tiny_llama_on_a_3d_mesh(fsdp_check):
     exact(fsdp_check(llama(world_size=8, mesh_shape=(2, 2), tp=2, precision=BF16), calibrate=False))
+
+
+# ---- the Recorder on a tensor-parallel run ---------------------------------------------------------
+def _recorded_rank(rank: int, world: int, rendezvous: str, out: str) -> None:
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from fsdp_verify.engines.tensor_parallel import apply_plan, transformer_plan
+    from fsdp_verify.models import build_model
+    from fsdp_verify.recorder import Recorder
+
+    dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=world)
+    mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "tp"))
+    model = build_model(TINY, 0)
+    apply_plan(model, mesh["tp"], transformer_plan(model, sequence_parallel=True, loss_parallel=False))
+    for block in model.layers:
+        fully_shard(block, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    rec = Recorder(model, optimizer, out=out, full_steps=[1])
+    tokens = torch.randint(0, TINY.vocab_size, (2, TINY.seq_len + 1), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens[:, :-1])
+    loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens[:, 1:].flatten())
+    loss.backward()
+    optimizer.step()
+    rec.step(loss=loss, logits=logits, batch=(tokens[:, :-1], tokens[:, 1:]))
+    rec.close()
+    dist.barrier()
+    os._exit(0)
+
+
+def test_the_recorder_records_a_tensor_parallel_runs_2d_shards_whole(tmp_path):
+    """A colwise weight is `_StridedShard` rows over the data-parallel dims and Shard(0) over tp, a
+    rowwise one Shard(1): no block of rows a rank holds. The Recorder gathers them whole (its only
+    collective) where it records a plain FSDP2 shard's rows."""
+    import torch.multiprocessing as mp
+
+    from fsdp_verify.recorder.store import Run
+
+    out = tmp_path / "run"
+    mp.spawn(_recorded_rank, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2)
+    run = Run(out, "tp")
+    for rank in range(2):
+        tensors, header = run.load(rank, 1)
+        layout = {entry[0]: entry for entry in header["opt1/params"]}
+        wq, wo = layout["layers.0.attention.wq.weight"], layout["layers.0.attention.wo.weight"]
+        assert wq[1:4] == [16, 0, 16] and wo[1:4] == [16, 0, 16], (wq, wo)  # every row, from row 0
+        assert tensors["full/opt1/params/layers.0.attention.wo.weight"].shape == (16, 16)

@@ -805,6 +805,7 @@ class Case:
             ("model.experts", self.model.experts, 0, "routed experts"),
             ("resume_after", self.resume_after, None, "a resume (not modelled yet)"),
             ("loss_scaling", self.loss_scaling, None, "fp16 loss scaling"),
+            ("zoom", self.zoom, None, "zoom's per-module probes"),
         ):
             check(
                 value == off, name, f"{off!r} with tp={self.tp}: {why} beside tensor parallelism is not modelled", value
