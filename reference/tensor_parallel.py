@@ -28,7 +28,12 @@ torch 2.13, and the plans here apply dropout to local tensors, where it does not
 
 Where the ranks' partial sums meet in another order than the single device's, the emulation adds
 them as the ranks do, so a correct engine agrees bit for bit where the order is fixed: two tp ranks
-add commutatively; more are added in gloo's ring order (`gloo_allreduce_sum`). The gradients leave
+add commutatively; more are added in gloo's ring order (`gloo_allreduce_sum`). One known departure:
+a `Ranks` has its local shape, a DTensor its global one, and autograd picks `mm`'s backward by the
+input's strides (`mm_mat1_backward`): a local input of one row and one column (a rowwise linear
+with one input feature a rank, and one sample) looks column-major here and not on the ranks, and
+its input gradient rounds otherwise (1 ulp: fresh-seed sweep 20263902, case 849d741911c9, 0.11x
+the bound, which holds it). The gradients leave
 as full tensors (a sharded parameter's shards concatenated), except that a partial gradient stays
 one per tp rank, stacked, until `combine` sums it where FSDP2 reduces it (after a no-sync
 micro-batch's accumulation, which FSDP2 does per rank in reduce_dtype). `per_tp_rank` runs the
@@ -268,7 +273,9 @@ class _Enter(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, n: int) -> Ranks:
-        return Ranks([x.clone() for _ in range(n)])
+        # the tensor itself on every rank, not a copy: a rank's input may be a view into its
+        # batch (a sample at row 1 starts off a 16-byte boundary), which its first matmul sees
+        return Ranks([x] * n)
 
     @staticmethod
     def backward(ctx, g):
@@ -556,7 +563,10 @@ class TensorParallel:
                 # fresh tensors, as the ranks' local shards are: a view that starts off a 16-byte
                 # boundary takes another BLAS path (a (1, 7) input through a colwise shard at row
                 # offset 6 of a 7-wide weight: 1 ulp in 2 of 24 logits, measured)
-                mine = [c.detach().clone() for c in p.detach().chunk(self.n, dim=placement.dim)]
+                mine = [
+                    c.detach().clone(memory_format=torch.contiguous_format)
+                    for c in p.detach().chunk(self.n, dim=placement.dim)
+                ]
             else:
                 mine = [p.detach().clone() for _ in range(self.n)]
             mine = [m.requires_grad_(p.requires_grad) for m in mine]
