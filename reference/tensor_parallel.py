@@ -627,24 +627,27 @@ class TensorParallel:
 
     def norm(self, named: list[tuple[str, torch.Tensor]], shards: int) -> torch.Tensor:
         """The clip's total norm as torch 2.13's `clip_grad_norm_` computes it on FSDP2's 2-D
-        gradients (measured bit-exact on (2, 2) meshes): on each rank the norm of its local piece
-        of each gradient (its tp piece's chunk of rows over the shard group), a gradient
-        replicated over tp divided there by sqrt(tp) (`_NormPartial._partition_value`: `stack`
-        makes every norm partial on both dims); each parameter's norms reduced over the shard
-        group (squares summed, the root) and then over tp, and the norm of those. The ranks'
-        squares are added in rank order, as FSDP2's shard-group norm is (`_norm_from_shards`)."""
+        gradients (measured bit-exact on (2, 2) and (1, 2) meshes): on each rank the norm of its
+        local piece of each gradient (its tp piece's chunk of rows over the shard group); where
+        some gradient is split over tp, `stack` makes every norm partial over tp, a replicated
+        one's divided by sqrt(tp) there (`_NormPartial._partition_value`), and each parameter's
+        norms are reduced over the shard group (squares summed, the root) and then over tp;
+        where none is, they stay replicated over tp and only the shard group reduces them. Then
+        the norm of those. The ranks' squares are added in rank order, as FSDP2's shard-group
+        norm is (`_norm_from_shards`)."""
         spread = math.pow(self.n, 1 / 2.0)
+        partial = any(self.placement(name).kind == "shard" for name, _ in named)
         totals = []
         for name, g in named:
             placement = self.placement(name)
             split = placement.kind == "shard"
-            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * self.n
+            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * (self.n if partial else 1)
             over_tp = []
             for piece in pieces:
                 local = [c.clone().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
-                squares = [(n if split else n / spread) ** 2.0 for n in local]
-                over_tp.append(_in_order(squares) ** 0.5)
-            totals.append(_in_order([t**2.0 for t in over_tp]) ** 0.5)
+                local = [n if split or not partial else n / spread for n in local]
+                over_tp.append(_in_order([n**2.0 for n in local]) ** 0.5)
+            totals.append(_in_order([t**2.0 for t in over_tp]) ** 0.5 if partial else over_tp[0])
         return torch.linalg.vector_norm(torch.stack(totals))
 
     def whole(self, out) -> torch.Tensor:

@@ -167,8 +167,18 @@ BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
             steps=2,
             data=DataSpec(batch_size=4),
         ),
+        # Only a rowwise bias trains (replicated over tp): the clip's norms stay replicated over tp,
+        # none divided by sqrt(tp) (a fresh-seed sweep's 4b03409051d9, 1 ulp otherwise).
+        Case(
+            model=ModelSpec(kind="mlp", widths=(23, 28, 9), frozen=("layers.0.linear", "layers.1.linear.weight")),
+            world_size=2,
+            tp=2,
+            clip_norm=0.001,
+            steps=2,
+            data=DataSpec(batch_size=2, scale=100.0),
+        ),
     ],
-    ids=["plain", "sp-lp-bf16-clip", "sp-dropout", "mlp-rowwise-bias"],
+    ids=["plain", "sp-lp-bf16-clip", "sp-dropout", "mlp-rowwise-bias", "clip-of-replicated-only"],
 )
 def test_fsdp2_with_tensor_parallelism_is_bit_exact(fsdp_check, case):
     exact(fsdp_check(case, calibrate=False))
