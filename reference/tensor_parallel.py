@@ -633,22 +633,25 @@ class TensorParallel:
         one's divided by sqrt(tp) there (`_NormPartial._partition_value`), and each parameter's
         norms are reduced over the shard group (squares summed, the root) and then over tp;
         where none is, they stay replicated over tp and only the shard group reduces them. Then
-        the norm of those. The ranks' squares are added in rank order, as FSDP2's shard-group
-        norm is (`_norm_from_shards`)."""
+        the norm of those. The shard group's squares are added in rank order, as FSDP2's
+        shard-group norm is (`_norm_from_shards`); the tp ranks', all-reduced as one vector, in
+        gloo's order (tp 4: 1 ulp in 3 of a fresh-seed sweep's 300 cases in rank order)."""
         spread = math.pow(self.n, 1 / 2.0)
         partial = any(self.placement(name).kind == "shard" for name, _ in named)
-        totals = []
+        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.n if partial else 1)]
         for name, g in named:
             placement = self.placement(name)
             split = placement.kind == "shard"
-            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * (self.n if partial else 1)
-            over_tp = []
-            for piece in pieces:
+            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * len(per_rank)
+            for t, piece in enumerate(pieces):
                 local = [c.clone().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
                 local = [n if split or not partial else n / spread for n in local]
-                over_tp.append(_in_order([n**2.0 for n in local]) ** 0.5)
-            totals.append(_in_order([t**2.0 for t in over_tp]) ** 0.5 if partial else over_tp[0])
-        return torch.linalg.vector_norm(torch.stack(totals))
+                per_rank[t].append(_in_order([n**2.0 for n in local]) ** 0.5)
+        if not partial:
+            return torch.linalg.vector_norm(torch.stack(per_rank[0]))
+        # the stacked norms all-reduced over tp at once: gloo's order over the vector
+        totals = _sum([torch.stack(norms) ** 2.0 for norms in per_rank]) ** 0.5
+        return torch.linalg.vector_norm(totals)
 
     def whole(self, out) -> torch.Tensor:
         """The logits as recorded: a vocabulary-sharded output gathered, a replicated one rank 0's."""

@@ -177,8 +177,18 @@ BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")
             steps=2,
             data=DataSpec(batch_size=2, scale=100.0),
         ),
+        # tp 4: the stacked norms all-reduced in gloo's order (a fresh-seed sweep's 64c33b71b948)
+        Case(
+            model=ModelSpec(kind="mlp", widths=(1, 40)),
+            world_size=4,
+            tp=4,
+            clip_norm=0.0001,
+            steps=2,
+            data=DataSpec(batch_size=1, scale=0.01),
+            data_seed=0,
+        ),
     ],
-    ids=["plain", "sp-lp-bf16-clip", "sp-dropout", "mlp-rowwise-bias", "clip-of-replicated-only"],
+    ids=["plain", "sp-lp-bf16-clip", "sp-dropout", "mlp-rowwise-bias", "clip-of-replicated-only", "clip-tp4"],
 )
 def test_fsdp2_with_tensor_parallelism_is_bit_exact(fsdp_check, case):
     exact(fsdp_check(case, calibrate=False))
