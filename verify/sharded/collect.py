@@ -31,7 +31,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_verify.engines.arithmetic import gloo_scalar_sum
 from fsdp_verify.sharded.arena import Arena, Fill, arena, read_fill
-from fsdp_verify.sharded.gather import all_gather_ints, shard_dim
+from fsdp_verify.sharded.gather import all_gather_ints, full_quietly, shard_dim
 from fsdp_verify.trace import Key, Trace
 
 ROWS, MEAN, SHARD, SUM = "rows", "mean", "shard", "sum"
@@ -108,7 +108,7 @@ class Collector:
                 if sums:
                     self.full(step, sums, name, local.double().sum())
             elif position is None:  # another layout, or rank 0 outside the mesh: whole, now
-                whole = t.detach().full_tensor()
+                whole = full_quietly(t.detach())
                 self.full(*key, whole)
                 if sums:
                     self.full(step, sums, name, whole.double().sum())

@@ -14,9 +14,23 @@ Every rank must call these with the same list (they are collectives).
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+
+
+def full_quietly(t: DTensor) -> torch.Tensor:
+    """`t.full_tensor()`, without DTensor's warning that a 2-D shard (a tensor-parallel run's
+    `_StridedShard` rows) takes two all-gathers: the records' gather, not the engine's traffic."""
+    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)
+    try:
+        return t.full_tensor()
+    finally:
+        quiet.setLevel(level)
 
 
 def shard_dim(t: DTensor) -> int | None:
@@ -42,7 +56,7 @@ def gather_full(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         if dim == -1:
             out[i] = t.to_local()
         elif dim is None:
-            out[i] = t.full_tensor()
+            out[i] = full_quietly(t)
         else:
             buckets.setdefault((t.device_mesh, dim), []).append(i)
     for (mesh, dim), items in buckets.items():
