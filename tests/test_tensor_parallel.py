@@ -38,7 +38,7 @@ def tp_case(**changes) -> Case:
 # ---- the case --------------------------------------------------------------------------------------
 def test_the_world_counts_every_rank_and_the_mesh_is_the_data_parallel_part():
     case = tp_case(world_size=8, mesh_shape=(2, 2))
-    assert (case.dp_size, case.mesh, case.device_mesh_shape, case.local_batch) == (4, (2, 2), (2, 2, 2), 2)
+    assert (case.dp_size, case.mesh, case.device_mesh_shape, case.local_batch) == (4, (2, 2), (2, 2, 2), 4)
     assert tp_case(world_size=4).device_mesh_shape == (2, 2)
     assert Case().device_mesh_shape == (2,)  # no tp: the mesh as before
 
