@@ -43,8 +43,8 @@ class TimedRecorder(Recorder):
         finally:
             TimedRecorder.inside += time.perf_counter() - t
 
-    def _before_optimizer(self, *a):
-        return self._timed(super()._before_optimizer, *a)
+    def before_optimizer_step(self):
+        return self._timed(super().before_optimizer_step)
 
     def _after_optimizer(self, *a):
         return self._timed(super()._after_optimizer, *a)

@@ -32,6 +32,16 @@ PROFILES = {
 }
 
 
+# Seconds Hypothesis may shrink a failure for, after the first failure is seen (properties/
+# fail_fast.py): short where someone waits (ci, dev), longer for the nightly (where Hypothesis's
+# own limit, five minutes, also holds). A profile not named here (a user's own) is not bounded.
+SHRINK_SECONDS: dict[str, float | None] = {"ci": 60.0, "dev": 120.0, "nightly": 900.0}
+
+
+def shrink_seconds(profile: str) -> float | None:
+    return SHRINK_SECONDS.get(profile)
+
+
 def register_profiles() -> None:
     for name, values in PROFILES.items():
         settings.register_profile(name, **_COMMON, **values)

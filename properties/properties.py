@@ -4,6 +4,9 @@ A property returns its Verdict when it holds and raises `PropertyFailed` when it
 works as the body of a Hypothesis test as it is: Hypothesis shrinks the Case that raised, and the
 exception of the smallest failing Case is the one reported. A rank that crashes or hangs
 (`RankFailure`) is a failure of the property too, reported the same way, not a crash of the runner.
+Its PropertyFailed carries no `__context__`: Hypothesis tells bugs apart by where an exception and
+its context were raised, and the pool notices a crash at one of several lines (a rank's closed
+pipe, or its peer's error first), which made one crash two bugs, each shrunk on its own.
 """
 
 from __future__ import annotations
@@ -27,7 +30,11 @@ def sharded_equals_reference(
     try:
         verdict = check_case(case, pool=pool, timeout_s=timeout_s, calibrate=calibrate)
     except RankFailure as e:
-        raise PropertyFailed("sharded-equals-reference", case, failure=e) from None
+        failure = e
+    else:
+        failure = None
+    if failure is not None:  # raised outside the except: no __context__, so one bug to Hypothesis
+        raise PropertyFailed("sharded-equals-reference", case, failure=failure)
     if not verdict.ok:
         raise PropertyFailed("sharded-equals-reference", case, verdict)
     return verdict

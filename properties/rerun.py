@@ -77,7 +77,11 @@ def rerun_property(case: Case, *, pool: RankPool | None = None, **_options) -> V
     try:
         first, second = pool.run(case), pool.run(case)
     except RankFailure as e:
-        raise PropertyFailed("rerun-is-bitwise-identical", case, failure=e) from None
+        failure = e
+    else:
+        failure = None
+    if failure is not None:  # outside the except: one bug to Hypothesis (see properties.py)
+        raise PropertyFailed("rerun-is-bitwise-identical", case, failure=failure)
     verdict = Verdict(case, compare_runs(first, second))
     if not verdict.ok:
         raise PropertyFailed("rerun-is-bitwise-identical", case, verdict)

@@ -674,12 +674,12 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
-            ignored=(),  # an ignored parameter is not modelled across a resume (Case refuses it)
             **{"data.batch_size": batch},
         )
     except CaseError:
         assume(False)
         raise
+    assume(resumed.engine != "fsdp1" or fsdp1_modelled(resumed))  # the saving run's checkpoint
     resumed_run = resumed.after_resume()
     assume(resumed_run.engine != "fsdp1" or fsdp1_modelled(resumed_run))
     try:
@@ -954,6 +954,22 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
     return {**own, **{k: v for k, v in pins.items() if not k.startswith("model.") or k == "model.frozen"}}
 
 
+def _units_frozen_whole(case: Case) -> set[str]:
+    """The units of the plan ("" the root) that own parameters, every one of them frozen."""
+    from fsdp_verify.case import _owner
+    from fsdp_verify.models import is_frozen, parameter_names
+
+    own: dict[str, list[str]] = {}
+    for n in parameter_names(case.model):
+        own.setdefault(_owner(case.wrap_plan, n.rpartition(".")[0]) or "", []).append(n)
+    return {u for u, names in own.items() if all(is_frozen(case.model, n) for n in names)}
+
+
+def _root_unit_frozen_whole(case: Case) -> bool:
+    """Whether the root unit owns parameters and every one of them is frozen."""
+    return "" in _units_frozen_whole(case)
+
+
 def fsdp1_modelled(case: Case) -> bool:
     """False for the FSDP1 behaviour the reference does not model and the cases FSDP1 cannot run
     (strict xfails in tests/test_engine_fsdp1.py, docs/engines.md "FSDP1"): a no-sync case whose bf16
@@ -963,12 +979,24 @@ def fsdp1_modelled(case: Case) -> bool:
     assertion `as_params=True type(prim_param)=Tensor` there), or a no-sync micro-batch in a
     low-precision param_dtype (FSDP1 assigns the bf16 accumulated gradient's views to the fp32
     parameters in the next forward and torch 2.13 refuses, grad_dtype: seen with tied embeddings,
-    every such case left out); and under NO_SHARD, a parameter unfrozen mid-run (with no-sync
-    micro-batches FSDP1 drops its accumulated gradient, a PyTorch bug:
-    tests/upstream/test_fsdp1_no_shard_no_sync_unfrozen_param.py; and an unreached expert
-    unfrozen at step 2 steps where the reference's does not, regression 4e6cbe2adeff, open)."""
+    every such case left out); and under NO_SHARD, a parameter unfrozen mid-run where FSDP1 loses
+    its gradient, two PyTorch bugs: with no-sync micro-batches it drops the accumulated gradient
+    (tests/upstream/test_fsdp1_no_shard_no_sync_unfrozen_param.py), and a root unit whose own
+    parameters were all frozen through a forward never trains again (its original parameters stay
+    unregistered, the gradient lands on a plain view the optimizer does not hold: regression
+    4e6cbe2adeff, tests/upstream/test_fsdp1_no_shard_unfrozen_root_unit.py). Other NO_SHARD
+    unfreezes are drawn. And under NO_SHARD, a checkpoint of a model whose root unit's own
+    parameters are all frozen: the same unregistered parameters make `state_dict()` assert
+    (tests/upstream/test_fsdp1_no_shard_frozen_root_state_dict.py, regression 6623a1f52a02), and
+    so does a checkpoint with a non-root unit frozen whole (regression 27731e33e8e1: `moe`, its
+    gate a unit of its own; fuzz seed 20270213), so every NO_SHARD resume with a unit frozen whole
+    is left out."""
     p = case.precision
     if case.mesh[-1] == 1 and case.unfreeze_step is not None:
+        no_sync = case.microbatches > 1 and not case.sync_every_microbatch
+        if no_sync or _root_unit_frozen_whole(case):
+            return False
+    if case.mesh[-1] == 1 and case.resume_after is not None and _units_frozen_whole(case):
         return False
     low_params = p.param_dtype not in (None, "fp32")
     if case.mesh[-1] == 1 and low_params and case.microbatches > 1 and not case.sync_every_microbatch:

@@ -41,6 +41,7 @@ from fsdp_verify.training.optim import (
     make_optimizer,
     make_scheduler,
     optimizer_state,
+    param_groups_state,
     schedule_state,
     step_scheduler,
 )
@@ -971,14 +972,14 @@ def record_resumed(
     rng_states: list[torch.Tensor],
 ) -> None:
     """What every loop's load gives (phase "resumed", at the step saved after): parameters,
-    optimizer state, the param groups' lr, every rank's generator and the data position (a
-    global batch per step)."""
+    optimizer state, the param groups' hyperparameters, every rank's generator and the data
+    position (a global batch per step)."""
     for n, p in params.items():
         trace.add(step, "resumed", f"params.{n}", p)
     for key, value in optimizer_state(optimizer, params).items():
         trace.add(step, "resumed", f"optim.{key}", value)
-    lrs = [float(g["lr"]) for g in optimizer.param_groups]
-    trace.add(step, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+    for key, value in param_groups_state(optimizer).items():
+        trace.add(step, "resumed", key, value)
     trace.add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in rng_states], dtype=torch.int64))
     trace.add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
 

@@ -54,9 +54,29 @@ def children_of(pid: int) -> list[int]:
     return out
 
 
+def descendants_of(pid: int) -> list[int]:
+    """Live processes below `pid`: its children, theirs, and so on (a pool's ranks are children of
+    its zygote, verify/sharded/zygote.py)."""
+    found, frontier = [], [pid]
+    while frontier:
+        below = [c for p in frontier for c in children_of(p)]
+        found += below
+        frontier = below
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running (not gone, not a zombie)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] not in ("Z", "X")
+    except (OSError, IndexError):
+        return False
+
+
 @pytest.fixture
 def no_leftover_children():
-    before = set(children_of(os.getpid()))
+    before = set(descendants_of(os.getpid()))
     yield
-    leftover = set(children_of(os.getpid())) - before
+    leftover = set(descendants_of(os.getpid())) - before
     assert not leftover, f"processes left behind: {sorted(leftover)}"

@@ -1,6 +1,7 @@
 """Report folders the report tests share, made once per test session by real commands: five
 nightly folders (the sweep and the zoo; night 4 swaps FSDP2 for a zoo mutant), check pages (passing
-and failing) and a fuzz report. Built under a file lock, so xdist workers build them once."""
+and failing), a fuzz report, and two nights whose second fails many cases by a few causes (their
+trend page too). Built under a file lock, so xdist workers build them once."""
 
 from __future__ import annotations
 
@@ -21,6 +22,13 @@ NIGHTS = {
     "2026-11-04": (7, MUTANT),
     "2026-11-05": (7, "fsdp2"),
 }
+
+# Two nights of one draw: FSDP2, then an engine that fails 7 of its 8 cases by 3 causes
+# (tests/engines/many_causes.py; seed 10 draws each cause at least twice and one passing case).
+MANY_CAUSES = "tests/engines/many_causes.py:shard"
+CAUSES_DRAW = ["--cases", "8", "--seed", "10", "--world-sizes", "2", "3", "--precisions", "fp32", "bf16"]
+CAUSES_DRAW += ["--models", "mlp"]
+CAUSES_NIGHTS = {"2026-12-01": "fsdp2", "2026-12-02": MANY_CAUSES}
 
 
 def _run(args: list[str], ok: tuple[int, ...] = (0,)) -> None:
@@ -50,6 +58,10 @@ def build(root: Path) -> Path:
         + ["--no-progress", "--out", str(root / "fuzz")]
     )
     _run(["report", "trend", str(root / "nights"), "--last", "5", "--out", str(root / "trend.html")])
+    for night, engine in CAUSES_NIGHTS.items():
+        out = root / "causes-nights" / night / "sweep"
+        _run(["sweep", "--engine", engine, *CAUSES_DRAW, "--no-progress", "--out", str(out)], ok=(0, 1))
+    _run(["report", "trend", str(root / "causes-nights"), "--out", str(root / "causes-trend.html")])
     return root
 
 

@@ -149,10 +149,33 @@ def compare_pages(tmp_path_factory) -> dict[str, Path]:
     train(d / "bad", model=bad)
     assert main(["compare", str(d / "ref"), str(d / "twin"), "--out", str(d / "pass")]) == 0
     assert main(["compare", str(d / "ref"), str(d / "bad"), "--out", str(d / "fail")]) == 1
-    return {"pass": d / "pass" / "report.html", "fail": d / "fail" / "report.html"}
+    import torch.multiprocessing as mp
+
+    mp.spawn(_train_apart, args=(str(d / "store"), str(d / "apart")), nprocs=2)
+    assert main(["compare", str(d / "ref"), str(d / "apart"), "--out", str(d / "not-sharded")]) == 1
+    return {
+        "pass": d / "pass" / "report.html",
+        "fail": d / "fail" / "report.html",
+        "not-sharded": d / "not-sharded" / "report.html",
+    }
 
 
-@pytest.mark.parametrize("outcome", ["pass", "fail"])
+def _train_apart(rank: int, store: str, out: str) -> None:
+    """Two gloo ranks that each train their own copy (no FSDP, no collective): NOT SHARDED."""
+    import warnings
+
+    import torch.distributed as dist
+
+    from tests.test_recorder import train
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # the Recorder's own warning: every parameter is plain
+        train(Path(out), batch=3 + rank)  # the ranks' batches differ, so do their gradients
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("outcome", ["pass", "fail", "not-sharded"])
 def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, compare_pages, outcome):
     """One pair of runs: none of the sweep page's widgets that mean nothing for it ("Engine None",
     cases a minute, a one-case histogram, the slowest cases); the runs, the rules used and the
@@ -183,6 +206,14 @@ def test_compares_page_shows_the_runs_the_rules_and_the_steps_first(browser, com
         failures = browser.find_element("id", "failures")
         assert "First divergence at step 1, gradients, 'lin.weight'" in failures.text
         assert failures.location["y"] < top["runs"]
+    elif outcome == "not-sharded":
+        assert status.endswith("NOT SHARDED") and "FAIL" not in status
+        failures = browser.find_element("id", "failures")
+        assert (
+            failures.text.startswith("Not sharded")
+            and "every one of its 4 parameters is a plain tensor" in failures.text
+        )
+        assert "sharding" in browser.find_element("id", "steps").text.split("\n")[0]
     else:
         assert "PASS" in status and "EQUIVALENT" in browser.find_element("id", "verdict").text
 
@@ -208,3 +239,28 @@ def test_a_zoomed_check_page_draws_the_module_tree_and_the_op_table(browser, tmp
     # The chain on the first screen too, in the failure box.
     assert "forward of module 'blocks.1'" in browser.find_element("id", "failures").text
     assert not_blank(shot(browser, "check-zoom"))
+
+
+def test_a_many_failure_sweep_shows_each_cause_once_with_its_tracebacks_folded(browser, reports):
+    """7 failing cases of 3 causes (tests/engines/many_causes.py): the failure box says so first,
+    a cause a block with its count, smallest case and replay line, every traceback folded (and
+    there on a click), the whole box on the first screen."""
+    seen = open_page(browser, reports / "causes-nights" / "2026-12-02" / "sweep" / "report.html")
+    assert seen["errors"] == [] and seen["requests"] == []
+    assert browser.find_element("id", "causes-headline").text == "7 failing cases, 3 causes"
+    causes = browser.find_elements("css selector", "#failures .cause")
+    assert sorted(int(c.get_attribute("data-count")) for c in causes) == [2, 2, 3]
+    for cause in causes:
+        assert "Smallest: " in cause.text and "Replay: fsdp-verify repro " in cause.text
+        members = cause.find_element("css selector", "details.members")
+        assert members.get_attribute("open") is None
+        assert not members.find_element("tag name", "pre").is_displayed()
+    box = browser.execute_script(
+        "const r = document.getElementById('failures').getBoundingClientRect(); return r.bottom + window.scrollY"
+    )
+    assert box < browser.execute_script("return window.innerHeight") and box < min(p["top"] for p in seen["plots"])
+    assert not_blank(shot(browser, "sweep-causes"))
+    raised = next(c for c in causes if "a rank raised" in c.text)
+    assert "Traceback" not in raised.text
+    raised.find_element("css selector", "details.members summary").click()
+    assert "Traceback (most recent call last)" in raised.find_element("css selector", "details.members pre").text

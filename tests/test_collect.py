@@ -62,7 +62,7 @@ def _collect(rank: int, world: int, mesh_shape: tuple[int, ...], spill_dir: str 
         assert extras is None
         return None
     assert extras == [{"rank": r} for r in range(world)]
-    return {"records": trace.records, "expected": expected}
+    return {"records": trace.records, "expected": expected, "rank_rows": trace.meta.get(collect.RANK_ROWS, {})}
 
 
 def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], out: str, how: str) -> None:
@@ -139,6 +139,23 @@ def _run(mesh_shape: tuple[int, ...], how: str) -> dict:
         return got
 
 
+def _assert_rank_rows(rank_rows: dict, step: int, mesh_shape: tuple[int, ...], world: int) -> None:
+    """Where each rank's rows sit (for the hints, verify/evidence.py): the logits' rows in rank
+    order; a shard's rows in the order of rank 0's shard group, FSDP2's Shard(0) chunks (7 rows
+    over 3 ranks: 3, 3, 1; 2 rows: 1, 1, 0); none for a record gathered whole."""
+    assert rank_rows[f"{step}/logits/logits"] == [[r, 2 * r, 2 * r + 2] for r in range(world)]
+    group = [0, 1] if mesh_shape == (2, 2) else [0, 1, 2]
+    for name, full in _values(step).items():
+        spans = rank_rows.get(f"{step}/params/{name}")
+        if mesh_shape == (-3,):
+            assert spans is None, spans
+            continue
+        sizes = [len(c) for c in full.chunk(len(group))]
+        sizes += [0] * (len(group) - len(sizes))
+        starts = [sum(sizes[:i]) for i in range(len(group))]
+        assert spans == [[r, a, a + n] for r, a, n in zip(group, starts, sizes)], (name, spans)
+
+
 @pytest.mark.parametrize(
     ("mesh_shape", "ranks"),
     [
@@ -186,6 +203,7 @@ def test_assembled_records_are_what_the_collectives_give(mesh_shape, ranks):
             assert torch.equal(records[(step, "param_sums", name)], want), (step, name)
         total = torch.stack([records[(step, "param_sums", n)] for n in values]).sum()
         assert torch.equal(records[(step, "param_sums", "__total__")], total)
+        _assert_rank_rows(got["rank_rows"], step, mesh_shape, world)
         rows = torch.cat([torch.full((2, 3), float(r + step)) for r in range(world)])
         assert torch.equal(records[(step, "logits", "logits")], rows)
         losses = [torch.tensor(0.1 * (r + 1) + step) for r in range(world)]

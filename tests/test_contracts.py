@@ -231,6 +231,20 @@ def _no_backward_cases() -> dict[str, Case]:
         "mlp-frozen-blocks": mlp_case(2, steps=1, wrap=("layers.0", "layers.1", "")).with_(
             **{"model.frozen": frozen_blocks}
         ),
+        # unfrozen at step 2: its own backward runs from then on (`unfrozen_at`; issue 37's hunt)
+        "unfrozen-at-step-2": found.with_(steps=2, unfreeze_step=2),
+        # a checkpointed layers.0's recompute runs its frozen nested units' forwards in backward:
+        # gathered there, and held under reshard_after_backward_last (`recomputed_in_backward`)
+        "frozen-chain-recomputed": found.with_(**chain, activation_checkpointing=True),
+        "frozen-chain-recomputed-held-k2-of-4": found.with_(
+            **chain,
+            **{**at4, "data.batch_size": 8},
+            activation_checkpointing=True,
+            reshard_after_forward=2,
+            microbatches=2,
+            reshard_after_backward_last=True,
+        ),
+        "fuzz-recomputed-norm-held-then-resumed": regression("706b29181f1a"),
     }
 
 
@@ -241,10 +255,12 @@ def test_a_unit_no_backward_runs_through_is_not_gathered_again(name):
     assert {f.comparator: f.kind for f in contract_findings(verdict)}["CommContract"] == "check"
 
 
-def test_a_backward_gather_of_a_unit_no_backward_runs_through_is_caught():
+@pytest.mark.parametrize("case_hash", ["3845c252c6e9", "706b29181f1a"], ids=["plain", "recomputed-and-held"])
+def test_a_backward_gather_of_a_unit_no_backward_runs_through_is_caught(case_hash):
     """The root prefetching every unit in backward, the frozen embedding included: the gradients
-    are FSDP2's, an all-gather too many is the contract's alone."""
-    case = regression("3845c252c6e9").with_(engine="tests/engines/comm_faults.py:gathers_every_unit_in_backward")
+    are FSDP2's, an all-gather too many is the contract's alone (also where a checkpointed
+    recompute gathers the frozen norm in backward and reshard_after_backward_last holds it)."""
+    case = regression(case_hash).with_(engine="tests/engines/comm_faults.py:gathers_every_unit_in_backward")
     verdict = check_case(case)
     failing = [f for f in verdict.findings if not f.ok]
     assert {f.comparator for f in failing} == {"CommContract"}, verdict.summary()
@@ -260,3 +276,82 @@ def test_sharding_over_the_replicas_is_caught_on_degenerate_meshes(mesh):
     assert failing
     want = "unexpected all_gather" if mesh == (2, 1) else "expected all_reduce fp32"
     assert any(want in f.message for f in failing), [f.message for f in failing]
+
+
+# ---- across a resume (issue 37) ---------------------------------------------------------------------
+# A resumed run's first step is k + 1: the probe's facts (which units no backward runs through, the
+# post-forward order) were read at step 1 and the model expected collectives from step 1, so a
+# frozen unit's gather under reshard_after_backward_last was "unexpected"
+# (tests/regressions/4231ec932989.json, every number equal). Its relatives: an int reshard (comm and
+# memory), HSDP meshes either side, frozen parameters in the root, a frozen chain, the memory
+# contract's post-forward shards, an unfreeze after the save.
+_FROZEN_FIRST = {"model.frozen": ("layers.0.linear.weight", "layers.0.linear.bias")}
+_HELD = dict(steps=2, microbatches=2, reshard_after_backward_last=True, resume_after=1)
+
+
+def _resumed_cases() -> dict[str, tuple[Case, bool]]:
+    """name -> (case, slow)."""
+    chain = regression("3845c252c6e9").with_(steps=2, resume_after=1)
+    first = ("layers.0", "")
+    return {
+        "issue-1-to-2": (regression("4231ec932989"), False),
+        "int-reshard-2-of-4": (
+            mlp_case(4, reshard_after_forward=2, wrap=("layers.0", "layers.1", ""), **_HELD).with_(**_FROZEN_FIRST),
+            False,
+        ),
+        "1d-to-hsdp-2x2": (mlp_case(2, wrap=first, resume_mesh_shape=(2, 2), **_HELD).with_(**_FROZEN_FIRST), False),
+        "hsdp-2x1-to-1x2": (
+            mlp_case(2, wrap=first, mesh_shape=(2, 1), resume_mesh_shape=(1, 2), **_HELD).with_(**_FROZEN_FIRST),
+            True,
+        ),
+        "frozen-in-the-root": (mlp_case(2, wrap=("layers.1", ""), **_HELD).with_(**_FROZEN_FIRST), True),
+        "frozen-embedding-then-norm": (
+            chain.with_(microbatches=2, reshard_after_backward_last=True, **{"data.batch_size": 4}),
+            True,
+        ),
+        "memory-post-forward-shards": (regression("8608cf484d42").with_(steps=2, resume_after=1), False),
+        "unfrozen-after-the-save": (chain.with_(steps=3, unfreeze_step=3), True),
+        # a resume sweep's (seed 20263884): routed experts, frozen layers, replica_sync_last, (1, 2)
+        "experts-frozen-layers-hsdp-1x2": (regression("c58e05bed64c"), True),
+    }
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(n, marks=[pytest.mark.slow] if slow else []) for n, (_, slow) in _resumed_cases().items()]
+)
+def test_the_contracts_hold_across_a_resume(name, fsdp_check):
+    case, _ = _resumed_cases()[name]
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert {f.comparator: f.kind for f in contract_findings(verdict)} == {
+        "CommContract": "check",
+        "MemoryContract": "check",
+    }
+
+
+def test_a_resumed_run_records_its_first_steps_facts():
+    """The probe's first step is the run's: a resumed run records the same boundaries and
+    no-backward units at step k + 1 as the run that saved did at step 1."""
+    from fsdp_verify.probes.memory import forward_facts
+    from fsdp_verify.sharded.resume import run_resumed
+
+    case = regression("3845c252c6e9").with_(steps=2, resume_after=1)
+    saved, resumed, _ = run_resumed(case, timeout_s=120)
+    assert forward_facts(resumed) == forward_facts(saved)
+    assert forward_facts(saved)[1] == {"tok_embeddings", "layers.0.attention_norm"}  # the premise
+    (record,) = resumed.meta["memory"]["ranks"][:1]
+    assert record["first_step"] == 2 and {b[0] for b in record["boundaries"]} == {2}
+    assert resumed.first_step == 2 and saved.first_step == 1
+
+
+def test_a_comm_bug_after_a_resume_is_reported(fsdp_check):
+    """An all-gather in fp32 under a bf16 policy, only in the resumed run: the model expected the
+    steps the resumed run never ran, one finding per unit, phase and kind kept those (dropped
+    after the resume as the saving run's), and the real ones at step 2 went unreported. The same
+    case with the correct engine passes."""
+    case = mlp_case(2, resume_after=1, precision=BF16)
+    assert fsdp_check(case, calibrate=False).ok
+    bad = fsdp_check(case.with_(resume_engine="fsdp_verify.zoo.mutants:all_gather_in_fp32"), calibrate=False)
+    failing = [f for f in bad.findings if not f.ok]
+    assert {(f.comparator, f.step) for f in failing} == {("CommContract", 2)}, bad.summary()
+    assert any("all_gather fp32" in f.message and "the model says all_gather bf16" in f.message for f in failing)

@@ -133,3 +133,20 @@ def test_the_command_reference_is_generated_from_the_parsers():
         for inner, _, _ in _subcommands(sub):
             assert f"`fsdp-verify {name} {inner}`" in text
     assert isinstance(parser, argparse.ArgumentParser) and "--version" in text
+
+
+def test_every_documentation_page_is_in_the_sites_navigation():
+    """A page left out of mkdocs.yml's nav builds (mkdocs only logs it) but cannot be found from the menu."""
+    import yaml
+
+    def pages(entries) -> set[str]:
+        out: set[str] = set()
+        for entry in entries:
+            value = next(iter(entry.values())) if isinstance(entry, dict) else entry
+            out |= pages(value) if isinstance(value, list) else {value}
+        return out
+
+    nav = pages(yaml.safe_load((ROOT / "mkdocs.yml").read_text())["nav"])
+    on_disk = {p.relative_to(ROOT / "docs").as_posix() for p in (ROOT / "docs").rglob("*.md")}
+    assert on_disk - nav == set(), f"docs pages missing from mkdocs.yml's nav: {sorted(on_disk - nav)}"
+    assert nav - on_disk == set(), f"mkdocs.yml's nav names pages that do not exist: {sorted(nav - on_disk)}"

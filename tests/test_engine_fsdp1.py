@@ -124,16 +124,28 @@ def test_fsdp1_no_shard_no_sync_unfrozen_parameter_accumulates(fsdp_check, mesh)
 @pytest.mark.xfail(
     strict=True,
     raises=AssertionError,  # a verdict: the memory probe no longer crashes on FSDP1's stale views
-    reason="open, not yet analysed (torch 2.13): FSDP1 NO_SHARD, most of an MLP with routed experts "
-    "frozen and unfrozen at step 2; the expert no sample reaches takes an Adam step (lr) that the "
-    "reference's does not. A simpler plain-torch model did not reproduce it. Found by fuzz --engine "
-    "fsdp1 (seed 20263945); left out of the draw with every NO_SHARD unfreeze.",
+    reason="FSDP1's own bug (torch 2.13): under NO_SHARD the root unit's parameters, all frozen through "
+    "step 1 (the routed experts and their gate), never train once unfrozen: the gradient lands on "
+    "plain views, not on the parameters the optimizer holds (tests/upstream/"
+    "test_fsdp1_no_shard_unfrozen_root_unit.py). Found by fuzz --engine fsdp1 (seed 20263945); left out of the draw.",
 )
-def test_fsdp1_no_shard_unfrozen_unreached_expert(fsdp_check):
-    case = regression("4e6cbe2adeff")
+def test_fsdp1_no_shard_unfrozen_root_unit(fsdp_check):
+    case = regression("4e6cbe2adeff")  # the root owns only moe.*, all frozen; layers.0 its own unit
     assert not fsdp1_modelled(case)
     verdict = fsdp_check(case, calibrate=False)
     assert verdict.ok, verdict.summary()
+
+
+def test_fsdp1_no_shard_unfreezes_the_draw_takes_pass(fsdp_check):
+    """The same case where FSDP1 does train what is unfrozen: the gate left trainable in the root
+    unit, or the frozen experts a unit of their own (the root then owns nothing)."""
+    case = regression("4e6cbe2adeff")
+    gate_trains = case.with_(**{"model.frozen": tuple(f for f in case.model.frozen if not f.startswith("moe.gate"))})
+    own_unit = case.with_(wrap=("moe", "layers.0", ""))
+    for drawn in (gate_trains, own_unit):
+        assert fsdp1_modelled(drawn)
+        verdict = fsdp_check(drawn, calibrate=False)
+        assert verdict.ok, verdict.summary()
 
 
 # Regression: FSDP1 has no identity node on unit inputs, so a nested wrap of a tied Transformer

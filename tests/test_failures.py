@@ -7,7 +7,7 @@ import pytest
 
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import RankFailure, RankPool
-from tests.conftest import children_of, mlp_case
+from tests.conftest import alive, mlp_case
 
 FAULTY = "tests/engines/faulty.py"
 
@@ -25,7 +25,7 @@ def _fail(pool, engine):
     with pytest.raises(RankFailure) as e:
         check_case(mlp_case(2, engine=f"{FAULTY}:{engine}"), pool=pool)
     assert not pool.alive  # killed, to be restarted by the next case
-    assert not ranks & set(children_of(os.getpid())), "a failed rank's process was left behind"
+    assert not [pid for pid in ranks if alive(pid)], "a failed rank's process was left behind"
     return e.value
 
 
@@ -121,3 +121,22 @@ def test_closing_the_pool_leaves_no_process(no_leftover_children):
     with RankPool(2) as p:
         p.start()
         assert len(p.pids()) == 2
+
+
+def _parent(pid: int) -> int:
+    with open(f"/proc/{pid}/stat") as f:
+        return int(f.read().rsplit(")", 1)[1].split()[1])
+
+
+def test_a_restart_after_a_failure_forks_the_new_ranks_from_the_same_zygote(pool):
+    """A crash ends the process group, so the next case gets new ranks: forked by the pool's
+    zygote, which imported torch once (verify/sharded/zygote.py), not started afresh (seconds
+    each); the survivors of the broken group are killed at once, not asked to stop."""
+    if not pool.alive:
+        pool.start()
+    zygote = pool._zygote._proc.pid
+    assert {_parent(pid) for pid in pool.pids()} == {zygote} and zygote != os.getpid()
+    _fail(pool, "rank1_crashes_in_forward")
+    assert pool.exit_codes == [-9, 7]  # rank 0 killed, rank 1's own exit code
+    _recovers(pool)
+    assert pool._zygote._proc.pid == zygote and {_parent(pid) for pid in pool.pids()} == {zygote}

@@ -9,7 +9,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import find, given, settings
 
-from fsdp_verify.case import Case, ModelSpec, OptimSpec
+from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec
 from fsdp_verify.checks.memory import offload_findings
 from fsdp_verify.engines.capabilities import ENGINE_KNOBS
 from fsdp_verify.engines.placement import shard_dim
@@ -323,6 +323,18 @@ def test_ignored_gradients_left_unreduced_are_caught_in_the_first_gradients(fsdp
     first = caught.first_divergence
     assert (first.phase, first.step) == ("grads", 1), caught.summary()
     assert fsdp_check(_knob_case(world, mesh, clip_norm=None, engine=engine)).ok  # nothing ignored: correct
+
+
+def test_ignored_across_a_resume_passes_and_a_lost_load_of_it_is_caught(fsdp_check):
+    """The ignored parameters are saved and loaded as the plain, replicated tensors they are, onto
+    another world size too; a load that drops one (a non-strict load of a renamed key: it is the
+    model's first) is caught right after the resume."""
+    case = mlp_case(2, ignored=("layers.0",), steps=3, resume_after=1, resume_world_size=3, data=DataSpec(batch_size=6))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    lost = fsdp_check(case.with_(engine="fsdp_verify.zoo.mutants:prefixed_key_dropped_on_resume"))
+    assert not lost.ok and lost.first_divergence.phase == "resumed", lost.summary()
+    assert lost.first_divergence.name == "params.layers.0.linear.weight", lost.summary()  # the ignored one
 
 
 @pytest.mark.parametrize(

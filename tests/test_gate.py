@@ -51,7 +51,7 @@ def test_gate_names_a_case_that_passes_on_the_baseline_and_fails_on_the_new_rele
     assert good["torch"] == broken["torch"]  # recorded from inside each environment
     new = summary["diffs"]["broken"]["places"]["."]["new_failures"]
     assert len(new) == 1 and new[0]["status"] != "pass", new
-    assert "NEW FAILURE" in done.stdout and "| broken |" in done.stdout
+    assert "NEW CAUSE [1 case]" in done.stdout and "| broken |" in done.stdout
 
 
 def test_gate_between_equal_environments_finds_nothing(tmp_path):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify.reports.schema import load
+from tests.conftest import alive, descendants_of
 
 ROOT = Path(__file__).resolve().parents[1]
 # One-step MLPs at world size 2: cheap cases, and a pool of two ranks to leave behind.
@@ -25,28 +26,6 @@ COMMANDS = {
     "sweep": ["sweep", "--cases", "200", "--seed", "5", "--no-progress", *CHEAP],
     "fuzz": ["fuzz", "--max-examples", "200", "--profile", "ci", *CHEAP],  # progress bar on stderr
 }
-
-
-def children(pid: int) -> list[int]:
-    """Processes whose parent is `pid` (from /proc: no psutil needed)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:  # field 4, after the command name
-                found.append(int(entry))
-    return found
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def cases_done(command: str, out: Path, stderr: Path) -> int:
@@ -71,8 +50,8 @@ def test_ctrl_c_writes_the_report_of_what_ran_exits_130_and_leaves_no_rank(tmp_p
             assert proc.poll() is None, f"exited early ({proc.returncode}): {stderr.read_text()[-2000:]}"
             assert time.monotonic() < deadline, "no case finished in time"
             time.sleep(0.5)
-        ranks = children(proc.pid)
-        assert len(ranks) == 2, ranks  # the pool's two ranks, the pids to find gone afterwards
+        ranks = descendants_of(proc.pid)
+        assert len(ranks) == 3, ranks  # the pool's zygote and its two ranks, the pids to find gone afterwards
         if target == "group":  # a terminal's Ctrl-C: the CLI and its ranks (same process group)
             os.killpg(proc.pid, signal.SIGINT)
         else:

@@ -33,6 +33,40 @@ def test_one_rank_with_a_tiny_activation_error_is_caught_in_fp32(fsdp_check):
     assert "only the samples of rank(s) [1]" in verdict.hint
 
 
+# The step hints on real engines: each where it fits and where it must not fire.
+FAULTY = "tests/engines/faulty.py:"
+ZOO = "fsdp_verify.zoo.mutants:"
+
+
+@pytest.mark.parametrize(
+    ("engine", "world_size", "says", "never"),
+    [
+        # every gradient W x or 1/W x: the division named
+        (ZOO + "grads_not_averaged", 3, "world_size x the reference's (the world size: 3): divided by", "cannot tell"),
+        (ZOO + "grads_divided_twice", 4, "1/world_size x the reference's (the world size: 4)", "only rank"),
+        # 2x at three ranks is no world size; at two it is, and twice: said to be ambiguous
+        (ZOO + "offload_grad_added_twice", 3, "every gradient of the step is 2x the reference's", "world size"),
+        (ZOO + "offload_grad_added_twice", 2, "cannot tell", "too rarely"),
+        # one unit divided twice: the gradients that are 1/W named, no whole-step division claimed
+        (FAULTY + "one_unit_divided_twice", 2, "2 of the step's 6 gradients are", "once too often"),
+        # one rank's reduced shard changed: that rank named; one rank's gradient before the
+        # reduction reaches every rank's shard: no rank named
+        (FAULTY + "rank1_reduced_grad_scaled", 2, "only rank(s) [1]'s shards of the reduced gradient", "world_size"),
+        (ZOO + "rank1_grad_off_by_2e6_once", 2, "", "only rank"),
+        # logits: one rank's samples, or every rank's
+        (FAULTY + "rank1_activation_error", 2, "only the samples of rank(s) [1] differ", "world_size"),
+        (ZOO + "inputs_cast_to_bf16", 2, "", "only the samples"),
+    ],
+)
+def test_each_step_hint_fits_its_mutant_and_not_another(fsdp_check, engine, world_size, says, never):
+    case = mlp_case(world_size, engine=engine, steps=1)
+    if "offload" in engine:
+        case = case.with_(offload=True)
+    verdict = fsdp_check(case)
+    assert not verdict.ok and verdict.first_divergence.step == 1, verdict.table()
+    assert says in verdict.hint and never not in verdict.hint, verdict.hint
+
+
 @pytest.mark.parametrize("seed", [0, 2])
 def test_a_2e6_error_in_one_ranks_gradient_in_one_step_is_caught_in_fp32(fsdp_check, seed):
     """The smallest promise: fp32, world size 2, rank 1's local gradients 1 + 2e-6 times too large

@@ -3,8 +3,11 @@ is process-wide), with our options, under pytest-xdist."""
 
 import json
 import os
+from pathlib import Path
 
 from fsdp_verify.case import Case
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytest_plugins = ("pytester",)
 
@@ -117,3 +120,36 @@ def test_hypothesis_profile_option_selects_our_profiles(pytester):
     )
     result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hypothesis-profile", "nightly")
     assert result.ret == 0, result.stdout.str() + result.stderr.str()
+
+
+CRASHING_TEST = """
+from hypothesis import given, strategies as st
+
+@given(data=st.data())
+def test_my_engine(fsdp_cases, fsdp_property, data):
+    fsdp_property(data.draw(fsdp_cases(model_kinds=("mlp",), precisions=("fp32",))))
+"""
+
+
+def test_a_failing_property_says_and_saves_its_first_failure_at_once_and_bounds_its_shrinking(pytester):
+    """The README's example on an engine whose rank 1 dies in every forward, from an xdist worker:
+    the first failing case is written to the repro dir and said on the terminal past pytest's
+    capture the moment it fails; with a shrink budget of 0 s nothing runs after it, so the case
+    reported is that one, with a note that shrinking was cut short."""
+    pytester.makepyfile(test_inner=CRASHING_TEST)
+    engine = str(ROOT / "tests" / "engines" / "faulty.py") + ":rank1_crashes_in_forward"
+    result = pytester.runpytest_subprocess(
+        "-p", "no:cacheprovider", "-n", "1", "--fsdp-engine", engine, "--fsdp-world-sizes", "2",
+        "--fsdp-max-examples", "5", "--fsdp-shrink-seconds", "0", "--fsdp-repro-dir", "repros",
+    )  # fmt: skip
+    result.assert_outcomes(failed=1)
+    (first,) = (pytester.path / "repros").glob("first-failure-*.json")
+    (shrunk,) = (pytester.path / "repros").glob("case-*.json")
+    assert first.name.removeprefix("first-failure-") == shrunk.name.removeprefix("case-")
+    said = result.stderr.str()
+    assert "test_inner.py::test_my_engine: first failure, " in said, said
+    assert "rank 1 crash in phase 'step 1 forward (micro-batch 0)'" in said and f"saved: {first}" in said
+    assert "Hypothesis shrinks it, at most 0 s (--fsdp-shrink-seconds)" in said
+    out = result.stdout.str()
+    assert "Note: shrinking stopped 0 s after the first failure (the shrink budget)" in out
+    assert f"fsdp-verify repro {shrunk}" in out

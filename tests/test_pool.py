@@ -119,3 +119,25 @@ def test_no_probe_holds_the_trace_after_the_case(tmp_path):
     out = tmp_path / "holding"
     mp.spawn(_probes_after_a_case, args=(str(tmp_path / "init"), str(out)), nprocs=1)
     assert out.read_text() == ""
+
+
+def test_new_ranks_see_the_path_and_environment_of_now_not_of_the_zygotes_start(tmp_path, monkeypatch):
+    """Ranks are forked from a zygote started with the pool (verify/sharded/zygote.py); ranks
+    started later still import through a path added since, and see a variable set since, as a
+    process started then would."""
+    from fsdp_verify.runner import check_case
+
+    (tmp_path / "late_engine.py").write_text(
+        "import os\nfrom fsdp_verify.engines.fsdp2 import fully_shard_engine\n\n"
+        "def shard(model, mesh, spec):\n"
+        "    assert os.environ['FSDP_VERIFY_SET_LATER'] == 'yes'\n"
+        "    return fully_shard_engine(model, mesh, spec)\n"
+    )
+    with RankPool(2) as pool:
+        pool.start()
+        zygote = pool._zygote._proc.pid
+        monkeypatch.syspath_prepend(str(tmp_path))
+        monkeypatch.setenv("FSDP_VERIFY_SET_LATER", "yes")
+        pool.start()  # new ranks
+        assert check_case(mlp_case(2, engine="late_engine:shard"), pool=pool).ok
+        assert pool._zygote._proc.pid == zygote

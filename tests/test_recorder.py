@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
+import warnings
 from pathlib import Path
 
 import jsonschema
@@ -19,39 +19,24 @@ import pytest
 import torch
 from torch import nn
 
-from fsdp_verify.commands.cli import main
 from fsdp_verify.recorder import Recorder, rules
 from fsdp_verify.recorder.datacheck import check as data_check
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
 from fsdp_verify.recorder.store import Run
 from fsdp_verify.reports.schema import SCHEMA_PATH
+from tests import recorded_runs
+from tests.recorded_runs import BIN, ENV, ROOT, compare
 
-ROOT = Path(__file__).resolve().parent.parent
 EXAMPLES = ROOT / "examples" / "loop"
-BIN = Path(sys.executable).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
-
-
-def _run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
-    assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
-    return r
 
 
 def single(out: Path, *extra: str, env: dict | None = None) -> None:
-    _run([sys.executable, str(EXAMPLES / "train_single.py"), "--out", str(out), *extra], env)
+    recorded_runs.single(EXAMPLES / "train_single.py", out, *extra, env=env)
 
 
 def sharded(out: Path, *extra: str, ranks: int = 2) -> None:
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
-    _run([*torchrun, str(EXAMPLES / "train_fsdp.py"), "--out", str(out), *extra])
-
-
-def compare(*args, capsys) -> tuple[int, str]:
-    code = main(["compare", *map(str, args)])
-    out = capsys.readouterr()
-    return code, out.out + out.err
+    recorded_runs.sharded(EXAMPLES / "train_fsdp.py", out, *extra, ranks=ranks)
 
 
 # ---- end to end: the example scripts under torchrun ------------------------------------------------
@@ -126,6 +111,118 @@ def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path
     assert "First divergence at step 1, gradients" in out
 
 
+# ---- a run recorded as sharded that is not (verify/recorder/sharding.py) ------------------------------
+@pytest.fixture(scope="module")
+def unsharded_runs(tmp_path_factory) -> Path:
+    """train_fsdp.py under DDP instead of fully_shard (the silent fallback of Accelerate and the
+    Trainer on CPU), with nothing applied (each rank its own copy), and under DDP on purpose
+    (recorded with sharded=False)."""
+    d = tmp_path_factory.mktemp("unsharded")
+    sharded(d / "ddp-fallback", "--bug", "ddp-fallback")
+    sharded(d / "not-sharded", "--bug", "not-sharded")
+    sharded(d / "ddp", "--ddp")
+    return d
+
+
+def test_a_ddp_fallback_is_not_sharded_though_every_record_agrees(runs, unsharded_runs, tmp_path, capsys):
+    code, out = compare(
+        runs / "ref",
+        unsharded_runs / "ddp-fallback",
+        "--calibration",
+        runs / "ref-perturbed",
+        "--out",
+        tmp_path,
+        capsys=capsys,
+    )
+    assert code == 1 and "EQUIVALENT" not in out, out
+    summary = out.split("NOT SHARDED:", 1)[1]
+    assert "is meant to shard its parameters (it runs on 2 ranks)" in summary, summary
+    assert "every one of its 21 parameters is a plain tensor on every one of its 2 ranks" in summary, summary
+    assert "all 369 judged records agree with the reference" in summary, summary  # DDP is correct data parallel
+    report = json.loads((tmp_path / "report.json").read_text())
+    jsonschema.validate(report, json.loads(SCHEMA_PATH.read_text()))
+    assert report["compare"]["verdict"] == "not_sharded" and not report["ok"]
+    assert report["compare"]["first_divergence"] is None and report["compare"]["not_sharded"][0]["phase"] == "sharding"
+    assert "NOT SHARDED" in (tmp_path / "report.html").read_text()
+
+
+def test_ranks_that_train_apart_are_named_with_the_gradients_that_were_never_averaged(
+    runs, unsharded_runs, tmp_path, capsys
+):
+    code, out = compare(runs / "ref", unsharded_runs / "not-sharded", "--out", tmp_path, capsys=capsys)
+    assert code == 1, out
+    summary = out.split("NOT SHARDED:", 1)[1]
+    assert "at step 1, the gradients (optimizer step 1) of" in summary, summary
+    assert "differ between ranks 0 and 1, which both hold them: no collective made them equal" in summary, summary
+    report = json.loads((tmp_path / "report.json").read_text())["compare"]
+    drift = [r for r in report["not_sharded"] if r["rule"] == "replica"]
+    assert drift and drift[0]["step"] == 1 and drift[0]["ratio"] > 1e3, drift[:1]
+
+
+def test_a_run_replicated_on_purpose_is_judged_and_its_replicas_checked(runs, unsharded_runs, tmp_path, capsys):
+    """DDP recorded with sharded=False: EQUIVALENT, and every replica held to the replica rule
+    (the check that fails the run above passes here: the all-reduce made the copies equal)."""
+    code, out = compare(
+        runs / "ref", unsharded_runs / "ddp", "--calibration", runs / "ref-perturbed", "--out", tmp_path, capsys=capsys
+    )
+    assert code == 0 and "EQUIVALENT" in out, out
+    records = json.loads((tmp_path / "report.json").read_text())["compare"]["records"]
+    replicas = [r for r in records if r["rule"] == "replica"]
+    assert {r["step"] for r in replicas} == {0, 1, 2, 3, 4} and all(r["ok"] for r in replicas)
+    assert Run(unsharded_runs / "ddp", "ddp").meta[0]["settings"]["sharded"] == {
+        "expected": False,
+        "by": "Recorder(sharded=...)",
+    }
+
+
+def _train_partly_sharded(rank: int, store: str, out: str, average: bool) -> None:
+    """train()'s loop on two gloo ranks, each its half of every batch, with only `lin` under
+    fully_shard: `out` stays a plain tensor on both ranks, its gradient averaged by the loop
+    (`average`, as `ignored_params` asks of it) or by nothing."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    dist.init_process_group("gloo", store=dist.FileStore(store, 2), rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = Inner()
+    fully_shard(model.lin, mesh=init_device_mesh("cpu", (2,)))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, out=out)
+    g = torch.Generator().manual_seed(5)
+    for _ in range(3):
+        x = torch.randn(6, 4, generator=g)[3 * rank : 3 * rank + 3]
+        logits = model(x)
+        loss = logits.square().mean()
+        loss.backward()
+        if average:
+            for p in model.out.parameters():
+                dist.all_reduce(p.grad, op=dist.ReduceOp.AVG)
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss=loss, logits=logits, batch={"x": x})
+    rec.close()
+    dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("average", [True, False])
+def test_parameters_left_out_of_sharding_are_a_note_and_held_to_the_replica_rule(tmp_path, capsys, average):
+    """Some parameters plain on every rank (FSDP2's ignored_params, or a module left outside every
+    fully_shard unit) is not NOT SHARDED by itself: averaged by the loop, the run is EQUIVALENT
+    with a note; averaged by nothing, its replicas part at step 1 and it is NOT SHARDED."""
+    import torch.multiprocessing as mp
+
+    train(tmp_path / "ref")
+    mp.spawn(_train_partly_sharded, args=(str(tmp_path / "store"), str(tmp_path / "run"), average), nprocs=2)
+    code, out = compare(tmp_path / "ref", tmp_path / "run", "--out", tmp_path / "r", capsys=capsys)
+    assert "2 of the 4 parameters of" in out and "'out.weight', 'out.bias'" in out, out
+    if average:
+        assert code == 0 and "EQUIVALENT" in out, out
+    else:
+        assert code == 1 and "NOT SHARDED" in out, out
+        assert "the gradients (optimizer step 1) of 'out." in out and "no collective made them equal" in out, out
+
+
 # ---- a sharded run that saved, stopped and resumed (docs/resume.md) ----------------------------------
 @pytest.fixture(scope="module")
 def resumed_runs(runs, tmp_path_factory) -> Path:
@@ -156,11 +253,17 @@ def test_a_resumed_sharded_run_is_judged_against_the_run_never_stopped(runs, res
     }
     run = Run(resumed_runs / "b", "RUN")
     assert [run.world_at(c) for c in run.calls[0]] == [2, 2, 2, 1, 1]
+    # The state right after the load (1 rank) held exactly to the one saved (2 ranks): every
+    # parameter, optimizer state entry (Adam's step too) and hyperparameter, at step 2.
+    loaded = [r for r in report["records"] if r["name"].endswith("(after the load)")]
+    assert {r["step"] for r in loaded} == {2} and all(r["ok"] and r["rule"] == "exact" for r in loaded), loaded
+    assert {"params", "optim_state"} == {r["phase"] for r in loaded}
+    assert any("[step]" in r["name"] for r in loaded) and any(r["name"].startswith("param_groups.lr") for r in loaded)
 
 
-def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_first_step_after_it(
-    runs, resumed_runs, tmp_path, capsys
-):
+def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_load(runs, resumed_runs, tmp_path, capsys):
+    """At step 2, the step the run saved after: the resumed Adam holds no state where the run
+    before ended with some (before the load was compared, it showed at step 3)."""
     code, out = compare(
         runs / "ref",
         resumed_runs / "b-fresh-adam",
@@ -172,7 +275,8 @@ def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_first_step_a
     )
     assert code == 1, out
     first = json.loads((tmp_path / "report.json").read_text())["compare"]["first_divergence"]
-    assert first["step"] == 3 and first["phase"] in ("params", "optim_state"), first
+    assert (first["step"], first["phase"]) == (2, "optim_state"), first
+    assert first["name"].endswith("(after the load)") and "never loaded" in out, out
 
 
 @pytest.fixture(scope="module")
@@ -205,11 +309,42 @@ def test_a_bf16_pair_under_the_same_policy_is_judged_equivalent(bf16_runs, tmp_p
         "bound",
         "calibrated",
     }
-    grads = [r for r in records if r["step"] == 1 and r["phase"] == "grads"]
-    assert all(r["rule"] == "bound" and "one bfloat16 ulp" in r["why"] for r in grads)
-    assert max(r["deviation"] for r in grads) > rules.bound(torch.float32, 2).limit  # the bf16 rounding is real
+    grads = {r["name"]: r for r in records if r["step"] == 1 and r["phase"] == "grads"}
+    assert all(r["rule"] == "bound" for r in grads.values())
+    worst = max(r["deviation"] for r in grads.values())
+    assert worst > rules.bound(torch.float32, 2).limit  # the bf16 rounding is real
+
+    # The magnitudes rounded, S (rules.bound_rounded): a matrix's rows are not parallel across the
+    # ranks (S ~ 1 + sqrt(2)); an RMSNorm gain's partials add up (S ~ 2, nothing cancels). The
+    # worst record, 'norm.weight' at 0.72, is no cancellation: two roundings of half an ulp each.
+    def spread(r):
+        return float(r["why"].split("u(bfloat16) x ")[1].split()[0]) if "u(bfloat16) x" in r["why"] else 2.0
+
+    gains = [n for n in grads if n.endswith("norm.weight")]
+    assert len(gains) == 5 and all(spread(grads[n]) < 2.05 for n in gains)
+    assert all(2.1 < spread(r) < 3 for n, r in grads.items() if n not in gains and n.endswith(".weight")), grads
+    assert 0.5 < grads["norm.weight"]["ratio"] < 1
     meta = Run(d / "ref", "ref").meta[0]["settings"]["precision"]
     assert meta["fully_shard"] and meta["policies"][0]["param_dtype"] == "bfloat16"
+
+
+@pytest.mark.slow
+def test_a_gradient_that_cancels_across_ranks_is_held_to_the_magnitudes_rounded(tmp_path, capsys):
+    """tests/fixtures/cancelling_loop.py: each rank's partial gradient of `gain` ~14x the average.
+    The correct pair parts by 3x the one-bf16-ulp bound (a false alarm before the magnitudes were
+    recorded) and passes u(bf16) x S; a rank's loss off by 2% is still caught there."""
+    loop = ROOT / "tests" / "fixtures" / "cancelling_loop.py"
+    recorded_runs.single(loop, tmp_path / "ref")
+    recorded_runs.sharded(loop, tmp_path / "sharded")
+    recorded_runs.sharded(loop, tmp_path / "bad", "--bug")
+    code, out = compare(tmp_path / "ref", tmp_path / "sharded", "--out", tmp_path / "ok", capsys=capsys)
+    assert code == 0, out
+    records = json.loads((tmp_path / "ok" / "report.json").read_text())["compare"]["records"]
+    gain = next(r for r in records if (r["step"], r["phase"], r["name"]) == (1, "grads", "gain"))
+    assert "the magnitudes rounded to bfloat16" in gain["why"] and gain["ratio"] < 1
+    assert gain["deviation"] > 2 * rules.bound(torch.bfloat16, 2).limit  # what the plain bound would have failed
+    code, out = compare(tmp_path / "ref", tmp_path / "bad", "--out", tmp_path / "bad-report", capsys=capsys)
+    assert code == 1 and "First divergence at step 1, gradients, 'gain'" in out, out
 
 
 def test_the_bf16_grad_noise_bug_is_caught_at_step_1(bf16_runs, tmp_path, capsys):
@@ -259,6 +394,17 @@ def test_an_optimizer_built_before_fully_shard_is_refused_at_once(tmp_path):
     assert "optimizer: expected an optimizer over the model's parameters; 21 of its 21" in r.stderr, r.stderr[-3000:]
     assert "built before fully_shard" in r.stderr
     assert not list((tmp_path / "run").glob("rank*/step*.safetensors"))  # refused before anything is recorded
+
+
+def test_the_recorder_says_at_once_when_a_run_meant_to_shard_holds_no_dtensor(tmp_path):
+    torch.manual_seed(0)
+    model = Inner()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"meant to shard its parameters \(Trainer\(fsdp\)\), but every one of its 4"):
+        Recorder(model, opt, out=tmp_path / "a", sharded=True, sharded_by="Trainer(fsdp)").close()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one process, nothing said: not meant to shard
+        Recorder(model, opt, out=tmp_path / "b").close()
 
 
 def test_an_optimizer_over_other_parameters_is_refused(tmp_path):
@@ -313,6 +459,77 @@ def train(
         rec.step(loss=loss, logits=logits, batch={"x": x})
     rec.close()
     return rec
+
+
+def _resumed(out: Path, slip=None, steps: int = 4, save_after: int = 2) -> None:
+    """`train`'s loop recorded as two runs: out/a stops after `save_after` steps keeping its state
+    dicts (a checkpoint in memory), out/b builds the model and optimizer anew, loads them, has
+    `slip(model, optimizer, saved)` change the load, and goes on with `Recorder(resumed_from=)`."""
+    torch.manual_seed(0)
+    model, g = Inner(), torch.Generator().manual_seed(5)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    rec = Recorder(model, opt, out=out / "a")
+    for step in range(1, steps + 1):
+        if step == save_after + 1:  # stop, and resume from what was saved
+            saved = {"model": model.state_dict(), "optim": opt.state_dict()}
+            rec.close()
+            torch.manual_seed(0)
+            model = Inner()
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optim"])
+            if slip is not None:
+                slip(model, opt, saved)
+            rec = Recorder(model, opt, out=out / "b", resumed_from=out / "a")
+        x = torch.randn(6, 4, generator=g)
+        logits = model(x)
+        loss = logits.square().mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        rec.step(loss=loss, logits=logits, batch={"x": x})
+    rec.close()
+
+
+def _weight_decay_from_the_code(model, opt, saved) -> None:
+    for group in opt.param_groups:
+        group["weight_decay"] = 0.0
+
+
+def _optimizer_not_loaded(model, opt, saved) -> None:
+    opt.state.clear()
+
+
+def _one_key_not_loaded(model, opt, saved) -> None:
+    torch.manual_seed(0)
+    model.lin.weight.data.copy_(Inner().lin.weight)  # as built: its key was dropped
+
+
+@pytest.mark.parametrize(
+    "slip, name, words",
+    [
+        (None, None, None),
+        (_weight_decay_from_the_code, "param_groups.weight_decay (after the load)", "[0.0] right after the load"),
+        (_optimizer_not_loaded, "lin.bias [exp_avg] (after the load)", "never loaded"),
+        (_one_key_not_loaded, "lin.weight (after the load)", "its initial ones"),
+    ],
+    ids=["correct", "weight-decay", "optimizer-not-loaded", "key-not-loaded"],
+)
+def test_a_resumed_runs_load_is_compared_exactly_at_the_load(tmp_path, capsys, slip, name, words):
+    """In one process: the state right after the load against the state the run before closed
+    with, at the step it saved after (2); the slips are caught there, with what the values are."""
+    train(tmp_path / "ref", steps=4)
+    _resumed(tmp_path, slip)
+    code, out = compare(tmp_path / "ref", tmp_path / "b", "--out", tmp_path / "r", capsys=capsys)
+    report = json.loads((tmp_path / "r" / "report.json").read_text())["compare"]
+    loaded = [r for r in report["records"] if r["name"].endswith("(after the load)")]
+    assert {r["step"] for r in loaded} == {2} and len(loaded) > 12, loaded
+    if slip is None:
+        assert code == 0 and all(r["ok"] for r in loaded), out
+        return
+    first = report["first_divergence"]
+    assert code == 1 and (first["step"], first["name"]) == (2, name), out
+    assert words in out, out
 
 
 def test_wrapper_prefixes_are_stripped():
@@ -492,3 +709,12 @@ def test_module_fingerprints_name_the_first_module_that_parts(tmp_path, capsys):
     assert code == 1 and "First divergence at step 1, module outputs, 'lin'" in out, out
     with pytest.raises(ValueError, match="modules"):
         train(tmp_path / "none", modules=["layers.*"])
+
+
+def test_the_bound_under_a_policy_takes_the_magnitudes_rounded_never_less_than_one_ulp():
+    """rules.bound_rounded: u_p x S in place of the one ulp (2 u_p) where S > 2, the plain bound otherwise."""
+    plain = rules.bound(torch.bfloat16, 2)
+    assert rules.bound_rounded(torch.bfloat16, 2, torch.float32, 1.9, torch.bfloat16) == plain
+    wide = rules.bound_rounded(torch.bfloat16, 2, torch.float32, 14.0, torch.bfloat16)
+    assert wide.limit == pytest.approx(plain.limit + 12 * rules.unit_roundoff(torch.bfloat16))
+    assert "u(bfloat16) x 14" in wide.why and "no terms cancel" in wide.why and "ulp" not in wide.why

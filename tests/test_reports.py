@@ -3,6 +3,7 @@ the nightly's readers: `report diff` between real nights, `report trend` over fi
 bad input refused with exit 2 naming the field."""
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -60,7 +61,8 @@ def test_diff_names_the_new_failure_when_the_engine_turns_into_a_mutant(reports,
     )
     out = capsys.readouterr().out
     assert code == 1, out
-    assert "NEW FAILURE" in out and "GradsComparator @ 1/grads" in out and "WORSE" in out
+    assert "NEW CAUSE [4 cases]: gradients (GradsComparator)" in out and "GradsComparator @ 1/grads" in out
+    assert re.search(r"\nWORSE: 1 new cause \(4 newly failing cases\), \d+ ratios up\n$", out), out
     result = json.loads((tmp_path / "d.json").read_text())
     assert len(result["places"]["sweep"]["new_failures"]) == 4
     assert any(m["comparator"] == "GradsComparator" and m["by"] > 2 for m in result["places"]["sweep"]["ratios_moved"])
@@ -68,7 +70,7 @@ def test_diff_names_the_new_failure_when_the_engine_turns_into_a_mutant(reports,
     # and back: the failures are fixed, nothing got worse
     assert main(["report", "diff", str(nights / "2026-11-04"), str(nights / "2026-11-05")]) == 0
     out = capsys.readouterr().out
-    assert out.count("fixed ") == 4 and "nothing got worse" in out
+    assert "fixed cause [4 cases]" in out and "fixed: 4 cases pass now" in out and "nothing got worse" in out
 
 
 def test_diff_of_two_identical_nights_says_no_change(reports, capsys):
@@ -159,3 +161,111 @@ def test_a_merged_report_with_a_missing_shard_says_so_first(reports, tmp_path, c
     assert main(["report", "diff", str(reports / "nights" / "2026-11-02" / "sweep"), str(tmp_path / "merged")]) == 1
     out = capsys.readouterr().out
     assert "MISSING SHARDS in NEW: 2/2" in out and "cases only in OLD: 2, only in NEW: 0" in out
+
+
+def test_many_failures_are_grouped_by_cause_each_with_its_smallest_case_and_replay(reports, capsys):
+    """7 of 8 cases fail by 3 causes (tests/engines/many_causes.py): the report's causes are those
+    3, each holding exactly the cases of its cause (whatever world size, step count, message
+    numbers or parameter name they fail with), its smallest case and the command that replays it;
+    the terminal says the same a cause a paragraph."""
+    from fsdp_verify.commands.sweep import summary
+    from tests.engines.many_causes import expected_cause
+
+    report = load(reports / "causes-nights" / "2026-12-02" / "sweep")
+    rows = {r["case_hash"]: r for r in report["cases"]}
+    truth: dict[str, set] = {}
+    for r in report["cases"]:
+        if expected_cause(r) is not None:
+            truth.setdefault(expected_cause(r), set()).add(r["case_hash"])
+    assert {h for h, r in rows.items() if not r["ok"]} == set().union(*truth.values())
+    assert sorted(map(frozenset, truth.values()), key=sorted) == sorted(
+        (frozenset(c["cases"]) for c in report["causes"]), key=sorted
+    )
+    assert all(len(members) >= 2 for members in truth.values())  # each cause more than once
+    for c in report["causes"]:
+        assert c["count"] == len(c["cases"]) and c["smallest"] in c["cases"]
+        smallest = rows[c["smallest"]]
+        assert all(
+            (smallest["world_size"], smallest["steps"]) <= (rows[h]["world_size"], rows[h]["steps"]) for h in c["cases"]
+        )
+        assert (
+            c["replay"]
+            == f"fsdp-verify repro {reports / 'causes-nights' / '2026-12-02' / 'sweep' / 'false_alarms' / c['smallest']}.case.json"
+        )
+        assert all(rows[h]["cause"] == c["signature"] for h in c["cases"])
+    by_signature = {expected_cause(rows[c["smallest"]]): c["signature"] for c in report["causes"]}
+    assert by_signature["gradients divided twice"].startswith("gradients (GradsComparator)")
+    assert (
+        by_signature["raises while sharding"]
+        == "a rank raised in shard (engine): RuntimeError: engine bug: # units over # values"
+    )
+    assert by_signature["crash in the second forward"].startswith("a rank crashed in step # forward")
+    text = summary(report)
+    assert "false alarms: 7 (7 failing cases, 3 causes)" in text
+    assert text.count("      smallest: ") == 3 and text.count("      replay: fsdp-verify repro ") == 3
+    assert "Traceback" not in text
+
+
+def test_a_night_that_turns_red_says_new_causes_not_new_failures(reports, tmp_path, capsys):
+    nights = reports / "causes-nights"
+    code = main(
+        ["report", "diff", str(nights / "2026-12-01"), str(nights / "2026-12-02"), "--json", str(tmp_path / "d.json")]
+    )
+    out = capsys.readouterr().out
+    assert code == 1, out
+    assert out.count("NEW CAUSE [") == 3 and "NEW FAILURE " not in out
+    assert re.search(r"\nWORSE: 3 new causes \(7 newly failing cases\), \d+ ratios up\n$", out), out
+    place = json.loads((tmp_path / "d.json").read_text())["places"]["sweep"]
+    assert len(place["new_failures"]) == 7 and sorted(c["cases"] for c in place["new_causes"]) == [2, 2, 3]
+    # back again: the causes are gone, nothing got worse
+    assert main(["report", "diff", str(nights / "2026-12-02"), str(nights / "2026-12-01")]) == 0
+    out = capsys.readouterr().out
+    assert out.count("fixed cause [") == 3 and "fixed: 7 cases pass now" in out and "nothing got worse" in out
+    page = (reports / "causes-trend.html").read_text()
+    rows = page.split("<table id=trend>")[1].split("</table>")[0].split("<tr>")
+    assert next(r for r in rows if r.startswith("<th>their causes</th>")).startswith(
+        "<th>their causes</th><td>0</td><td class=changed>3</td>"
+    )
+    assert "NEW CAUSE [" in page
+
+
+def _row(status, first, summary="", **more):
+    return {"ok": False, "status": status, "first_divergence": first, "summary": summary, **more}
+
+
+def test_a_cause_ignores_what_varies_within_it_and_keeps_what_tells_causes_apart():
+    """The signatures of a plain fully_shard engine's sweep (issue 38): numbers, ranks, case hashes
+    and where the other ranks were vary within a cause; the phase, the comparator, the hint and the
+    error's class and words tell causes apart."""
+    from fsdp_verify.reports.causes import signature
+
+    crash = "rank failure: rank {r} crash in phase 'step {s} backward (micro-batch {m})': process killed by signal 6"
+    same = [
+        [_row("error", crash.format(r=1, s=1, m=0)), _row("error", crash.format(r=0, s=3, m=2) + " (others: rank 1: 'x')")],
+        [
+            _row("fail", "GradsComparator @ 1/grads layers.0.w", "DIVERGED: x. Hint: the gradient is 1/2 x theirs Note: y."),
+            _row("fail", "GradsComparator @ 2/grads embed.weight", "DIVERGED: x. Hint: the gradient is 1/3 x theirs"),
+        ],
+        [
+            _row("error", "rank failure: rank 0 error in phase 'gather records': RuntimeError: record 1/grads/moe.experts.1.weight: 3 rows"),
+            _row("error", "rank failure: FAILED: a rank failed on case 0123456789ab: rank 2 error in phase 'gather records':"
+                 " RuntimeError: record 2/grads/moe.experts.0.weight: 12 rows"),
+        ],
+    ]  # fmt: skip
+    for a, b in same:
+        assert signature(a) == signature(b), (signature(a), signature(b))
+    assert signature(same[2][0]) == (
+        "a rank raised in gather records: RuntimeError: record #/grads/moe.experts.#.weight: # rows"
+    )
+    apart = [
+        same[0][0],
+        _row("error", crash.format(r=1, s=1, m=0).replace("signal 6", "signal 9")),  # another way to die
+        _row("error", crash.format(r=1, s=1, m=0).replace("backward", "forward")),  # another phase
+        same[1][0],
+        _row("fail", "GradsComparator @ 1/grads w", "DIVERGED: x."),  # no hint
+        _row("fail", "ParamsComparator @ 1/params w", "DIVERGED: x."),  # another record
+        same[2][0],
+        _row("error", "rank failure: rank 0 error in phase 'gather records': ValueError: record 1/grads/w: 3 rows"),
+    ]
+    assert len({signature(r) for r in apart}) == len(apart)
+    assert signature({"ok": True, "status": "pass"}) is None

@@ -17,6 +17,7 @@ from fsdp_verify.properties.strategies import (
     reshard_values,
     wrap_plans,
 )
+from tests.conftest import regression
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
@@ -85,6 +86,29 @@ def test_fsdp1_modelled_names_the_known_gaps():
     assert fsdp1_modelled(tied)  # sharded: FSDP1 runs it
     for no_shard_mesh in ({"world_size": 1}, {"mesh_shape": (2, 1)}):  # FSDP1's own assertion
         assert not fsdp1_modelled(tied.with_(**no_shard_mesh))
+    # NO_SHARD saving a root whose own parameters are all frozen: FSDP1's state_dict() asserts
+    frozen_root = regression("6623a1f52a02")
+    assert not fsdp1_modelled(frozen_root) and fsdp1_modelled(
+        frozen_root.with_(resume_after=None, resume_world_size=None)
+    )
+    assert fsdp1_modelled(frozen_root.with_(world_size=2, **{"data.batch_size": 2}))  # sharded: it saves
+    assert fsdp1_modelled(frozen_root.with_(**{"model.frozen": ("moe.gate.weight",)}))  # partly frozen
+    assert not fsdp1_modelled(regression("27731e33e8e1"))  # a unit other than the root frozen whole
+
+
+def test_fsdp1_no_shard_unfreezes_are_drawn_except_where_fsdp1_loses_the_gradient():
+    """Two PyTorch bugs under NO_SHARD (tests/upstream/): no-sync micro-batches drop an unfrozen
+    parameter's accumulated gradient; a root unit frozen whole through a forward never trains."""
+    mlp = ModelSpec(kind="mlp", widths=(2, 2, 2), frozen=("layers.1.linear.weight",))
+    base = Case(model=mlp, world_size=1, engine="fsdp1", wrap=("layers.0", ""), steps=2, unfreeze_step=2)
+    assert fsdp1_modelled(base)  # the root keeps a trainable parameter (its bias)
+    assert fsdp1_modelled(base.with_(**{"model.frozen": ("layers.0",)}))  # a whole unit, not the root
+    assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))
+    whole_root = base.with_(**{"model.frozen": ("layers.1",)})
+    for no_shard_mesh in ({}, {"world_size": 2, "mesh_shape": (2, 1)}):
+        assert not fsdp1_modelled(whole_root.with_(**no_shard_mesh))
+    assert fsdp1_modelled(whole_root.with_(world_size=2))  # FULL_SHARD unfreezes it
+    assert fsdp1_modelled(whole_root.with_(unfreeze_step=None))  # frozen throughout
 
 
 @settings(max_examples=60, deadline=None, database=None)

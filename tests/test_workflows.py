@@ -42,7 +42,7 @@ def test_the_readme_starts_with_its_two_commands_unchanged():
     )
     assert tests == (
         "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-        "pip install -e '.[dev,hf]' && pytest -n auto"
+        "pip install -e '.[dev,hf,accelerate,lightning]' && pytest -n auto"
     )
     text = (ROOT / "README.md").read_text()
     assert text.index(main) < text.index(tests) < text.index("## ")  # first, before any section
@@ -59,9 +59,9 @@ def test_ci_runs_the_readme_test_command_after_the_docs_and_the_wheel():
         return next(i for i, ln in enumerate(script) if text in ln)
 
     assert steps[0] == "python3 -m venv .venv" and at(steps[0]) < at("pip install -q torch==2.13.0")
-    assert at("pip install -q torch==2.13.0") < at("pip install -q -e '.[dev,hf]'")
+    assert at("pip install -q torch==2.13.0") < at("pip install -q -e '.[dev,hf,accelerate,lightning]'")
     order = [
-        at("pip install -q -e '.[dev,hf]'"),
+        at("pip install -q -e '.[dev,hf,accelerate,lightning]'"),
         at("mkdocs build --strict"),
         at("bash .ci/wheel"),
         at("pytest -n auto"),

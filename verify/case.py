@@ -595,7 +595,6 @@ class Case:
             "empty with routed experts (a rank no sample reaches has no gradient to all-reduce: the ranks' calls differ)",
             ignored,
         )
-        check(self.resume_after is None, "ignored", "empty with a resume (not modelled)", ignored)
 
     def _validate_experts_trainable(self) -> None:
         """An expert no sample of a micro-batch reaches takes no part in its graph: with every

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import torch
 
+from fsdp_verify import evidence
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.trace import Trace
+from fsdp_verify.sharded.collect import rank_rows
+from fsdp_verify.trace import Key, Trace
+from fsdp_verify.training.resume import FRESH_PARAM_GROUPS
 
 # Precision-contract findings are named "<stage>:<name>" (verify/checks/precision.py).
 _PRECISION_HINTS = {
@@ -42,7 +45,9 @@ def precision_hint(first: Finding, got: Trace) -> str:
 
 def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
     """What a resume lost, named by the first record of the loaded state that is not the saved
-    one (verify/training/resume.py lists what a checkpoint carries)."""
+    one (verify/training/resume.py lists what a checkpoint carries). The loaded parameters,
+    optimizer state and param groups are tested against the records before a cause is named
+    (`_loaded_state_hint`, `_param_group_hint`)."""
     name = first.name
     where = f"right after the resume's load (after step {first.step})"
     values = ""
@@ -59,21 +64,153 @@ def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
             f"the lr schedule's position ({name.removeprefix('schedule.')}) is not the saved one {where}{values}:"
             " the scheduler was not restored (a fresh one restarts the schedule)"
         )
-    if name == "lr":
-        return f"the learning rate is not the saved one {where}{values}: the lr schedule was not restored"
-    if name.startswith("optim.") and name.endswith(".step"):
-        return f"Adam's step count is not the saved one {where}{values}: reset on resume, its bias correction restarts"
-    if name.startswith("optim."):
-        return (
-            f"the optimizer state ({name.removeprefix('optim.')}) is not the saved one {where}: a fresh optimizer"
-            " after resume, its state never loaded"
-        )
-    if name.startswith("params."):
-        return (
-            f"parameter {name.removeprefix('params.')} is not the saved one {where}: its key was not loaded"
-            " (renamed, e.g. by a wrapper's prefix, and dropped by a non-strict load?)"
-        )
+    if name.startswith("param_groups."):
+        return _param_group_hint(first, ref, got, where)
+    if name.startswith(("optim.", "params.")):
+        return _loaded_state_hint(first, ref, got, where)
     return ""
+
+
+def _param_group_hint(first: Finding, ref: Trace, got: Trace, where: str) -> str:
+    """A hyperparameter of the loaded param groups: the saved value, the one the optimizer was
+    built with (recorded before the load), or neither."""
+    key = first.name.removeprefix("param_groups.")
+    if first.kind != "deviation":
+        return f"the param groups' {key} {where}: {first.message}"
+    saved, loaded = ref.records[first.key].tolist(), got.records[first.key].tolist()
+    built = got.meta.get(FRESH_PARAM_GROUPS, {}).get(first.name)
+    text = f"the param groups' {key} is {loaded} {where}, not the saved {saved}"
+    if built is None:
+        return text
+    if loaded == built:
+        return (
+            f"{text} but the value the optimizer was built with: the param groups were not loaded (the state"
+            " alone, or a load that keeps the code's hyperparameters)"
+        )
+    return (
+        f"{text} nor the {built} the optimizer was built with: set after the load (the loop applying its"
+        " own optimizer settings to the loaded param groups?)"
+    )
+
+
+def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> str:
+    """A loaded parameter or optimizer state record that is not the saved one, tested in turn
+    against: some ranks' shards right and others not; another record's saved value (swapped or
+    mis-keyed); the saved value at a lower precision's rounding; a fresh optimizer's (no state,
+    zeros, a step count of 0); the parameter's initial value (its key not loaded). A cause is
+    named only where one fits; otherwise the hint says what the value is not."""
+    step, name = first.step, first.name
+    optim = name.startswith("optim.")
+    label = name.split(".", 1)[1]
+    what = f"the optimizer state {label}" if optim else f"parameter {label}"
+    if first.kind == "missing":
+        if not optim:
+            return f"{what} is missing {where}"
+        held = [k for k in got.records if k[0] == step and k[1] == "resumed" and k[2].startswith("optim.")]
+        if not held:
+            return (
+                f"the optimizer holds no state {where} (none for {label} or any other parameter), as a fresh"
+                " optimizer before its first step: its state was never loaded"
+            )
+        return f"the optimizer holds no {label} {where}, though it holds state for others: that entry was not loaded"
+    if first.kind != "deviation":
+        return f"{what} {where}: {first.message}"
+    saved, loaded = ref.records[first.key], got.records[first.key]
+    differing = _differing(ref, got, step)
+    apart = evidence.ranks_apart(ref, got, differing)
+    if apart is not None and apart.right and apart.wrong:
+        return _ranks_hint(ref, got, differing, (apart.right, apart.wrong), where[0].upper() + where[1:])
+    saved_alike = {
+        k[2]: t
+        for k, t in ref.records.items()
+        if k[0] == step and k[1] == "resumed" and k[2] != name and _same_kind(k[2], name)
+    }
+    others = evidence.equal_records(loaded, saved_alike)
+    if others:
+        other = others[0]
+        back = got.records.get((step, "resumed", other))
+        if back is not None and back.shape == saved.shape and torch.equal(back, saved):
+            return (
+                f"the loaded {label} is the saved {other.split('.', 1)[1]} and the loaded"
+                f" {other.split('.', 1)[1]} is the saved {label} {where}: the two (same shape) were swapped,"
+                " as when a state dict keyed by position is loaded into an optimizer or model that lists its"
+                " parameters in another order"
+            )
+        return (
+            f"the loaded {label} is the saved {other.split('.', 1)[1]} {where}: loaded under another"
+            " parameter's name (mis-keyed state)"
+        )
+    dtype = evidence.rounded_through(saved, loaded)
+    if dtype is not None:
+        alike = sum(1 for k in differing if evidence.rounded_through(ref.records[k], got.records[k]) == dtype)
+        return (
+            f"the loaded {label} is the saved value rounded to {dtype} {where} (so are {alike} of the"
+            f" {len(differing)} loaded records that differ): it was stored or passed in {dtype}, a lower precision"
+            f" than its {str(saved.dtype).removeprefix('torch.')}"
+        )
+    if optim and name.endswith(".step") and not loaded.any():
+        return f"Adam's step count is 0 {where}, saved {saved.tolist()}: reset on resume, its bias correction restarts"
+    if optim and not loaded.any():
+        return f"the loaded {label} is all zeros {where}, a fresh optimizer's value: its state was never loaded"
+    initial = ref.records.get((0, "init", label))
+    if not optim and initial is not None and initial.shape == loaded.shape and torch.equal(initial, loaded):
+        return (
+            f"parameter {label} holds its initial values {where}, on every rank: its key was not loaded"
+            " (a key the load did not match, e.g. a wrapper's prefix, dropped by a non-strict load?)"
+        )
+    moved = int((saved != loaded).sum())
+    tested = "another record's saved value, the saved value rounded to bf16 or fp16, " + (
+        "zeros" if optim else "its initial value"
+    )
+    return (
+        f"{what} differs from the saved one {where} in {moved} of {saved.numel()} elements (max abs"
+        f" {first.max_abs:.3g}); it is none of: {tested}"
+    )
+
+
+def _same_kind(other: str, name: str) -> bool:
+    """Records a value may have been taken from by mistake: parameters for a parameter, the same
+    state entry of another parameter for an optimizer state."""
+    if name.startswith("params."):
+        return other.startswith("params.")
+    return other.startswith("optim.") and other.rsplit(".", 1)[1] == name.rsplit(".", 1)[1]
+
+
+def _differing(ref: Trace, got: Trace, step: int) -> list[Key]:
+    """The loaded parameters and optimizer state at `step` that are not the saved ones, bit for bit."""
+    out = []
+    for key, saved in ref.records.items():
+        if key[0] != step or key[1] != "resumed" or not key[2].startswith(("optim.", "params.")):
+            continue
+        loaded = got.records.get(key)
+        same_kind = loaded is not None and saved.shape == loaded.shape and saved.dtype == loaded.dtype
+        if same_kind and not torch.equal(saved, loaded):
+            out.append(key)
+    return sorted(out)
+
+
+def _ranks_hint(ref: Trace, got: Trace, differing: list[Key], split: tuple[list[int], list[int]], where: str) -> str:
+    """Some ranks loaded the saved state, others hold something else: which, and what."""
+    right, wrong = split
+    text = f"{where} the shards of rank(s) {wrong} differ from the saved state and those of rank(s) {right} are the saved ones"
+    params = [k for k in differing if k[2].startswith("params.")]
+    if params and len(params) == len(differing) and all(_rows_initial(ref, got, k, wrong) for k in params):
+        return (
+            f"{text}: the parameters on rank(s) {wrong} are the freshly built model's (their initial values), so"
+            f" the weights were loaded on rank(s) {right} only (an `if rank == 0` around the load?)"
+        )
+    names = ", ".join(k[2] for k in differing[:3]) + (", ..." if len(differing) > 3 else "")
+    return f"{text} ({names})"
+
+
+def _rows_initial(ref: Trace, got: Trace, key, ranks: list[int]) -> bool:
+    """Whether the rows `ranks` hold of the loaded parameter `key` are its initial values."""
+    initial = ref.records.get((0, "init", key[2].removeprefix("params.")))
+    spans = rank_rows(got, key)
+    if initial is None or spans is None or initial.shape != got.records[key].shape:
+        return False
+    loaded = got.records[key]
+    return all(torch.equal(loaded[a:b], initial[a:b]) for r, a, b in spans if r in ranks)
 
 
 def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
@@ -87,39 +224,102 @@ def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: s
         return ""
     if first.phase == "loss":
         return loss_hint(first, got)
-    a, b = ref.records[first.key].double().flatten(), got.records[first.key].double().flatten()
+    a, b = ref.records[first.key], got.records[first.key]
     if first.phase == "init" and init == "meta":
         return (
             "initial parameters differ from an eager build: the meta-device build or its materialisation"
             " consumed or reordered random numbers (save and restore the RNG state; seed 004)"
         )
     if first.phase == "init":
+        apart = _ranks_only(ref, got, first)
+        if apart is not None:
+            right, wrong = apart
+            return (
+                f"the initial shards of {first.name} differ on rank(s) {wrong} and agree on rank(s) {right}:"
+                " those ranks initialised differently, or hold another slice"
+            )
         return "initial parameters differ: ranks initialised differently, or a shard holds the wrong slice"
     if first.phase == "param_sums" and first.name == "__total__":
-        ratio = (b.sum() / a.sum()).item() if a.sum().item() != 0 else float("nan")
+        total = a.double().sum().item()
+        ratio = b.double().sum().item() / total if total != 0 else float("nan")
         return f"the parameter total is {ratio:.3g}x the reference's: a parameter may be held twice or missed"
-    denom = a.dot(a).item()
-    if denom == 0:
-        return ""
-    scale = a.dot(b).item() / denom
-    fits = (b - scale * a).norm().item() <= 1e-3 * a.norm().item()
-    if fits and first.phase == "grads":
-        if abs(scale) < 1e-6:
-            return "the gradient is zero: was it reduced at all (gradient sync off)?"
-        for name, value in (("1/world_size", 1 / world_size), ("world_size", world_size)):
-            if world_size > 1 and abs(scale - value) <= 1e-3 * value:
-                return f"the gradient is {name} x the reference's: divided by the world size {'once too often' if value < 1 else 'too rarely'}"
-    if fits and abs(scale - 1) > 1e-3:
-        return f"the sharded values are {scale:.4g}x the reference's"
-    if first.phase == "logits" and first.max_rel > 0 and torch.is_tensor(b):
-        rows = ref.records[first.key].shape[0]
-        per = rows // max(world_size, 1)
-        diff = (ref.records[first.key] - got.records[first.key]).double().abs().flatten(1).amax(1) if rows else None
-        if diff is not None and per > 0:
-            bad = sorted({i // per for i in torch.nonzero(diff > 0).flatten().tolist()})
-            if 0 < len(bad) < world_size:
-                return f"only the samples of rank(s) {bad} differ"
+    if first.phase == "grads":
+        said = _gradient_hint(first, ref, got, evidence.step_world_size(got, first.step) or world_size)
+        if said:
+            return said
+    c = evidence.factor(a, b)
+    if c is not None and not evidence.near(c, 1):
+        return f"the sharded values are {c:.4g}x the reference's"
+    apart = _ranks_only(ref, got, first) if first.phase in _RANK_ONLY else None
+    if apart is not None:
+        return _RANK_ONLY[first.phase].format(right=apart[0], wrong=apart[1], name=first.name)
     return ""
+
+
+# Where only some ranks' rows of a record differ (and the others' are bit for bit the
+# reference's), what that says, by phase. Records before it agreed: the difference arose on
+# those ranks at this phase.
+_RANK_ONLY = {
+    "logits": (
+        "only the samples of rank(s) {wrong} differ (those of rank(s) {right} agree bit for bit): the forward"
+        " computes otherwise on those ranks"
+    ),
+    "grads": (
+        "only rank(s) {wrong}'s shards of the reduced gradient {name} differ (rank(s) {right}'s agree bit for"
+        " bit): changed on those ranks after the reduction (a change to a rank's gradient before the"
+        " reduce-scatter reaches every rank's shard)"
+    ),
+    "params": (
+        "only rank(s) {wrong}'s shards of {name} differ after the optimizer step (rank(s) {right}'s agree bit"
+        " for bit, and the gradients agreed): the update on those ranks"
+    ),
+}
+
+
+def _ranks_only(ref: Trace, got: Trace, first: Finding) -> tuple[list[int], list[int]] | None:
+    """(ranks whose rows agree bit for bit, ranks whose rows are off by more than the
+    tolerance) where both exist and no rank sits in between; else None."""
+    apart = evidence.ranks_apart(ref, got, [first.key], first.tolerance)
+    if apart is None or apart.unsure or not (apart.right and apart.wrong):
+        return None
+    return apart.right, apart.wrong
+
+
+def _gradient_hint(first: Finding, ref: Trace, got: Trace, world_size: int) -> str:
+    """A gradient that is a multiple of the reference's: is it every gradient of the step, and
+    is the factor the world size (of the ranks that ran the step)?"""
+    a, b = ref.records[first.key], got.records[first.key]
+    c = evidence.factor(a, b)
+    if c is None:
+        return ""
+    keys = [k for k in ref.records if k[0] == first.step and k[1] == "grads" and k in got.records]
+    considered = [k for k in keys if ref.records[k].shape == got.records[k].shape and bool(ref.records[k].any())]
+    alike = [k for k in considered if _has_factor(ref.records[k], got.records[k], c)]
+    every = len(alike) == len(considered)
+    which = "every gradient of the step is" if every else f"the gradient {first.name} is"
+    others = "" if every else f" ({len(alike)} of the step's {len(considered)} gradients are; the others are not)"
+    if abs(c) < 1e-6:
+        return f"{which} zero where the reference's is not{others}: no gradient reached the optimizer there"
+    for label, value in (("1/world_size", 1 / world_size), ("world_size", world_size)):
+        if world_size < 2 or not evidence.near(c, value):
+            continue
+        if not every:
+            return f"{which} {label} x the reference's (the world size: {world_size}){others}"
+        if world_size == 2 and value == 2:
+            return (
+                f"{which} 2x the reference's: 2 is the world size, and twice. The records cannot tell a sum over"
+                " the ranks never divided by the world size from a gradient added twice"
+            )
+        return (
+            f"{which} {label} x the reference's (the world size: {world_size}): divided by the world size"
+            f" {'once too often' if value < 1 else 'too rarely'}"
+        )
+    return "" if evidence.near(c, 1) else f"{which} {c:.4g}x the reference's{others}"
+
+
+def _has_factor(ref: torch.Tensor, got: torch.Tensor, c: float) -> bool:
+    found = evidence.factor(ref, got)
+    return found is not None and (evidence.near(found, c) if c != 0 else abs(found) < 1e-6)
 
 
 def loss_hint(first: Finding, got: Trace) -> str:

@@ -16,6 +16,8 @@ so two workers never write one file with different contents.
 
 from __future__ import annotations
 
+import contextlib
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -56,6 +58,13 @@ def pytest_addoption(parser: pytest.Parser) -> None:
         help="generated cases per property test (overrides the Hypothesis profile's max_examples)",
     )
     group.addoption(
+        "--fsdp-shrink-seconds",
+        type=float,
+        default=None,
+        help="stop Hypothesis's shrinking this long after a test's first failure, reporting the smallest"
+        " failing case found by then (default: the profile's: ci 60, dev 120, nightly 900)",
+    )
+    group.addoption(
         "--fsdp-repro-dir",
         default="fsdp-verify-repros",
         help="where a failing property writes its shrunk Case file (default ./fsdp-verify-repros)",
@@ -82,8 +91,14 @@ def pytest_configure(config: pytest.Config) -> None:
 
     from fsdp_verify.properties.profiles import default_profile
 
-    if not config.getoption("hypothesis_profile", None):
-        settings.load_profile(default_profile())
+    profile = config.getoption("hypothesis_profile", None)
+    if not profile:
+        profile = default_profile()
+        settings.load_profile(profile)
+    config.stash[_PROFILE] = profile
+    seconds = config.getoption("--fsdp-shrink-seconds")
+    if seconds is not None and not seconds >= 0:
+        raise pytest.UsageError(f"--fsdp-shrink-seconds: expected a number of seconds >= 0, got {seconds}")
     n = config.getoption("--fsdp-max-examples")
     if n is not None:
         if n < 1:
@@ -145,9 +160,58 @@ def fsdp_property(request: pytest.FixtureRequest, fsdp_pool):
         if name not in PROPERTIES:
             raise ValueError(f"property: expected one of {sorted(PROPERTIES)}, got {name!r}")
         kwargs.setdefault("timeout_s", timeout)
-        return PROPERTIES[name](case, pool=fsdp_pool(case.world_size), **kwargs)
+
+        def run(c):
+            return PROPERTIES[name](c, pool=fsdp_pool(c.world_size), **kwargs)
+
+        if _memory is None:  # outside a test's call (a fixture's setup)
+            return run(case)
+        return _memory(case, run, key=(name, case.hash, repr(sorted(kwargs.items()))))
 
     return check
+
+
+# ---- failing fast (properties/fail_fast.py) -----------------------------------------------------
+_PROFILE = pytest.StashKey[str]()
+_MEMORY = pytest.StashKey[object]()
+_memory = None  # the running test's FailFast: what its cases gave, its first failure, its clock
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item: pytest.Item):
+    """Each test is one search: its first failure is saved and said at once, before Hypothesis
+    shrinks it, and shrinking stops after the profile's budget (--fsdp-shrink-seconds)."""
+    global _memory
+    from fsdp_verify.properties.fail_fast import FailFast
+    from fsdp_verify.properties.profiles import shrink_seconds
+
+    seconds = item.config.getoption("--fsdp-shrink-seconds")
+    budget = shrink_seconds(item.config.stash.get(_PROFILE, "")) if seconds is None else seconds
+    _memory = item.stash[_MEMORY] = FailFast(budget, lambda failure: _first_failure(item, failure, budget))
+    try:
+        yield
+    finally:
+        _memory = None
+
+
+def _first_failure(item: pytest.Item, failure, budget: float | None) -> None:
+    """Write the first failing Case to the repro dir and say so on the terminal now (past
+    pytest's capture; from an xdist worker too, whose stderr is the terminal's)."""
+    from fsdp_verify.properties.fail_fast import first_failure_file
+    from fsdp_verify.repro.files import replay_command
+
+    path = first_failure_file(failure, _repro_dir(item.config))
+    seconds = item.stash[_MEMORY].first_failure_at
+    limit = f"at most {budget:g} s" if budget is not None else "without a time limit"
+    text = (
+        f"\nfsdp-verify: {item.nodeid}: first failure, {seconds:.1f} s in: {failure.first_divergence}"
+        f" (case {failure.case.hash})\n  saved: {path}\n  replay: {replay_command(path)}\n"
+        f"  Hypothesis shrinks it, {limit} (--fsdp-shrink-seconds)\n"
+    )
+    capture = item.config.pluginmanager.getplugin("capturemanager")
+    with capture.global_and_fixture_disabled() if capture is not None else contextlib.nullcontext():
+        sys.stderr.write(text)
+        sys.stderr.flush()
 
 
 @pytest.fixture(scope="session")
@@ -194,15 +258,17 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
         report = outcome.get_result()
         for failure in failures:
-            text = "\n".join(
-                [
-                    failure.summary(),
-                    f"First divergence: {failure.first_divergence}",
-                    f"Shrunk case written to {failure.repro_path}:",
-                    failure.case.to_json(),
-                    f"Replay: {replay_command(failure.repro_path)}",
-                ]
-            )
+            lines = [
+                failure.summary(),
+                f"First divergence: {failure.first_divergence}",
+                f"Shrunk case written to {failure.repro_path}:",
+                failure.case.to_json(),
+            ]
+            memory = item.stash.get(_MEMORY, None)
+            note = memory.stopped_note() if memory is not None else None
+            if note:
+                lines.insert(0, f"Note: {note}.")
+            text = "\n".join([*lines, f"Replay: {replay_command(failure.repro_path)}"])
             report.sections.append((REPRO_SECTION, text))
 
 

@@ -192,8 +192,8 @@ def check_resumed_case(
     def checks() -> list[Finding]:
         early = run_checks(before, steps_of(ref, lambda s: s <= k), saved)
         late = run_checks(after, steps_of(ref, lambda s: s > k), steps_of(resumed, lambda s: s > k))
-        # The resumed run's checks expect what its case would do from step 1 (the contracts);
-        # it ran from k + 1: steps 1 to k are the first run's, checked above.
+        # The resumed run ran from k + 1: steps 1 to k are the first run's, checked above (the
+        # contracts expect from the run's first step, `Trace.first_step`; kept as a guard).
         return early + [f for f in late if not 1 <= f.step <= k]
 
     verdict = judge(case, as_saved(ref, saved, k), merged(saved, resumed), calibrate, checks)

@@ -99,6 +99,12 @@ class Trace:
     def steps(self) -> int:
         return max((k[0] for k in self.records), default=0)
 
+    @property
+    def first_step(self) -> int:
+        """The first step this run trained (its first loss record): 1, or k + 1 for a run resumed
+        after step k, whose steps before are the saving run's; 1 for a trace without one."""
+        return min((k[0] for k in self.records if k[1] == "loss"), default=1)
+
     # ---- serialisation (no pickle) ------------------------------------------------------------
     def to_bytes(self) -> bytes:
         tensors = {f"{s}/{p}/{n}": t for (s, p, n), t in self.records.items()}

@@ -14,6 +14,14 @@ Planted bugs (`--bug`), each one a classic of hand-written sharded loops:
                      unsharded parameters; the Recorder refuses it at once
   optimizer-not-loaded  on --resume-from, the model is loaded and the optimizer is not (a fresh
                      Adam: its moments zero, its step count restarted)
+  ddp-fallback       the model wrapped in DistributedDataParallel instead of fully_shard (what
+                     Accelerate and the transformers Trainer do on CPU with an FSDP config): a correct
+                     data-parallel run, but not sharded; compare says NOT SHARDED
+  not-sharded        fully_shard never applied and nothing else either: each rank trains its own copy
+                     on its share of the data; compare says NOT SHARDED (the replicas drift apart)
+
+--ddp: the same loop as plain DistributedDataParallel, recorded with `sharded=False` (replicated on
+purpose): compare judges it like the sharded run, and checks that its replicas agree.
 
 Checkpoint and resume (docs/resume.md), with torch.distributed.checkpoint (resharded on load):
     torchrun --nproc-per-node 2 train_fsdp.py --out runs/a --save-after 2 --checkpoint ckpt
@@ -40,8 +48,17 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_arguments(p)
     p.add_argument(
-        "--bug", choices=["unsharded-sampler", "grad-noise", "optimizer-before-shard", "optimizer-not-loaded"]
+        "--bug",
+        choices=[
+            "unsharded-sampler",
+            "grad-noise",
+            "optimizer-before-shard",
+            "optimizer-not-loaded",
+            "ddp-fallback",
+            "not-sharded",
+        ],
     )
+    p.add_argument("--ddp", action="store_true", help="DistributedDataParallel instead of FSDP2, on purpose")
     p.add_argument("--save-after", type=int, help="save a checkpoint into --checkpoint after this step, and stop")
     p.add_argument("--checkpoint", help="the checkpoint directory --save-after writes")
     p.add_argument("--resume-from", help="a checkpoint directory to load before training on")
@@ -54,7 +71,10 @@ def main() -> None:
     model = make_model()
     if args.bug == "optimizer-before-shard":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
-    shard(model, mesh, args.bf16)
+    if args.ddp or args.bug == "ddp-fallback":
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    elif args.bug != "not-sharded":
+        shard(model, mesh, args.bf16)
     if args.bug != "optimizer-before-shard":
         optimizer = torch.optim.Adam(model.parameters(), lr=args.lr)
     data = make_dataset()
@@ -64,7 +84,7 @@ def main() -> None:
         sampler = DistributedSampler(data, num_replicas=world, rank=rank, shuffle=True, seed=0)
     loader = DataLoader(data, batch_size=args.global_batch // world, sampler=sampler, drop_last=True)
     done = load(args.resume_from, model, optimizer, args.bug) if args.resume_from else 0
-    record = dict(full_steps=args.full_steps, resumed_from=args.recorded_before)
+    record = dict(full_steps=args.full_steps, resumed_from=args.recorded_before, sharded=False if args.ddp else None)
     rec = None if args.no_record else Recorder(model, optimizer, out=args.out, **record)
     for step, (inputs, targets) in enumerate(loader, start=1):
         if step <= done:  # the data position: the batches the run before consumed

@@ -19,6 +19,31 @@ def rank1_activation_error(model, mesh, spec):
     return fully_shard_engine(model, mesh, spec)
 
 
+def rank1_reduced_grad_scaled(model, mesh, spec):
+    """Rank 1 scales its shard of every reduced gradient by (1 + 1e-3), after the reduce-scatter:
+    only rank 1's rows of the gradients differ (the step hints' rank-only case)."""
+    fully_shard_engine(model, mesh, spec)
+    if dist.get_rank() == 1:
+        for unit in _units(model):
+            unit.set_all_reduce_hook(lambda t: t.mul_(1 + 1e-3))
+    return model
+
+
+def one_unit_divided_twice(model, mesh, spec):
+    """The first wrapped unit alone divides its reduced gradients by the world size once more:
+    those gradients are 1/W of the reference's, the others right (no whole-step factor)."""
+    fully_shard_engine(model, mesh, spec)
+    world = mesh.size()
+    model.get_submodule(spec.wrap[0]).set_all_reduce_hook(lambda t: t.div_(world))
+    return model
+
+
+def _units(model):
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
 def rank1_crashes_in_forward(model, mesh, spec):
     if dist.get_rank() == 1:
         model.register_forward_pre_hook(lambda *_: os._exit(7))
@@ -68,4 +93,13 @@ def ranks_all_reduce_different_sizes(model, mesh, spec):
     process ("Received data size doesn't match expected size"), a collective mismatch."""
     size = 1000 * (1 + dist.get_rank())  # large enough for gloo's checked path (a tiny one hangs)
     model.register_forward_pre_hook(lambda *_: dist.all_reduce(torch.ones(size)))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def rank1_aborts_with_bf16_params(model, mesh, spec):
+    """FSDP2, but rank 1 aborts (SIGABRT, as a failed C++ check does) in the first forward of a
+    case with bf16 parameters: a crash on some draws only, so a search shrinks through crash after
+    crash (the fail-fast measurements of issue 38)."""
+    if dist.get_rank() == 1 and spec.mp_policy.param_dtype == torch.bfloat16:
+        model.register_forward_pre_hook(lambda *_: os.abort())
     return fully_shard_engine(model, mesh, spec)

@@ -44,8 +44,22 @@ unsharded by its own hook. But each unit that is, prefetches the unit whose forw
 just before its own (post-forward order, units with parameters only: one without has no
 parameter group); so a no-backward unit is all-gathered in backward iff its successor in that
 order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embedding before a
-frozen norm). The prefetched gather's result is never copied out (the unit's own pre-backward,
+frozen norm), or, under activation checkpointing, iff it is nested in a checkpointed unit whose
+backward runs, whose recompute runs its forward again (`recomputed_in_backward`; resharded only
+at the end of backward). The prefetched gather's result is never copied out (the unit's own pre-backward,
 which waits for it, never runs): bytes on the wire all the same.
+
+These facts (the post-forward order, the units no backward runs through) are measured in the
+first micro-batch of the run's first step (verify/probes/memory.py `forward_facts`), and the
+expected collectives start there too (`Trace.first_step`): step 1, or k + 1 in a run resumed
+after step k, whose module is as fresh as a new run's (built, sharded, loaded; FSDP2's lazy
+init to come). Read at step 1, a resumed run had no facts at all, every unit counted as reached
+by backward and held under `reshard_after_backward_last` (issue 37: a frozen unit's all-gather
+in the next micro-batch "unexpected", at 1 to 4 ranks, HSDP, an int k); expected from step 1,
+the steps a resumed run never ran became "none issued" findings, and one finding per unit, phase
+and kind then hid the same finding at a step it ran (an fp32 all-gather under bf16 after a
+resume went unreported). They hold until `unfreeze_step` (`unfrozen_at`): from then on every
+unit takes its own backward.
 
 Under `prefetch` (explicit lists, verify/engines/prefetch.py) a unit with a non-empty backward
 list prefetches that list instead (`FSDPState._pre_backward`: the implicit prefetch only runs
@@ -153,16 +167,26 @@ def placement_dims(case: Case, units: dict[str, list[tuple[str, list[int]]]]) ->
     return {n: shard_dim(rule, n, s, case.mesh[-1]) for params in units.values() for n, s in params}
 
 
-def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, case: Case | None = None) -> set[str]:
-    """The units FSDP2 unshards in backward, if resharded after forward (see the module
+def unfrozen_at(case: Case, step: int) -> bool:
+    """Whether `step` trains the frozen parameters (from `unfreeze_step` on): the units no backward
+    ran through in the run's first step (`forward_facts`) all take one from then on."""
+    return case.unfreeze_step is not None and step >= case.unfreeze_step
+
+
+def backward_reached(
+    units: dict[str, list[tuple[str, list[int]]]], got: Trace, case: Case | None = None, step: int = 1
+) -> set[str]:
+    """The units FSDP2 unshards in backward at `step`, if resharded after forward (see the module
     docstring): each unit whose output needs a gradient, and what such a unit prefetches: its
     explicit backward list under `prefetch`, else (an empty list) the one whose forward finished
-    just before its own (the implicit prefetch). Every unit without the memory record."""
+    just before its own (the implicit prefetch). Every unit without the memory record, and from
+    `unfreeze_step` on (the frozen units' own backward runs then: a frozen embedding unfrozen at
+    step 2, its all-gather in backward "unexpected" there; found beside the fix of issue 37)."""
     from fsdp_verify.engines.prefetch import prefetch_lists
     from fsdp_verify.probes.memory import forward_facts
 
     facts = forward_facts(got)
-    if facts is None:
+    if facts is None or (case is not None and unfrozen_at(case, step)):
         return set(units)
     order, no_backward = facts
     grouped = [u for u in order if units.get(u)]  # FSDP2's post-forward order
@@ -176,8 +200,27 @@ def backward_reached(units: dict[str, list[tuple[str, list[int]]]], got: Trace, 
     prefetched = set()
     for u in own:
         prefetched |= set(lists[u]) if lists.get(u) else {implicit[u]} if u in implicit else set()
-    unreached = {u for u in grouped if u in no_backward} - prefetched
+    unreached = {u for u in grouped if u in no_backward} - prefetched - recomputed_in_backward(case, no_backward)
     return set(units) - unreached
+
+
+def recomputed_in_backward(case: Case | None, no_backward: set[str]) -> set[str]:
+    """Under activation checkpointing, the units no backward runs through whose forward runs
+    again in backward all the same: nested in a checkpointed unit (every non-root unit of the
+    plan) whose own backward runs, whose recompute re-runs their forward. FSDP2 unshards them
+    there (`FSDPState._pre_forward`: their state is not PRE_BACKWARD) and copies them out, and
+    their post-forward, inside backward, does not reshard (`FSDPParamGroup.post_forward`: `if
+    not is_bw()`): they are all-gathered in backward (once: a pending prefetch or an unsharded
+    unit is not gathered again), over the post-forward group under an int k, and only the final
+    callback's post-backward reshards them, so a backward that does not reshard
+    (`reshard_after_backward_last`) leaves them unsharded into the next micro-batch. Measured,
+    torch 2.13: a fresh-seed hunt's false alarm (issue 37, seed 20270104, a frozen embedding and
+    attention norm, the norm nested in the checkpointed `layers.0`), and a frozen chain of three
+    nested units gathered in backward at 2 and 4 ranks, k = 2 (tests/test_contracts.py)."""
+    if case is None or not case.activation_checkpointing:
+        return set()
+    checkpointed = [a for a in case.wrap_plan if a and a not in no_backward]
+    return {u for u in no_backward if any(u.startswith(a + ".") for a in checkpointed)}
 
 
 def regathered_in_recompute(case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace) -> set[str]:
@@ -236,15 +279,16 @@ def held_after_backward(
     leaves unsharded (see the module docstring): every unit if none is resharded after forward,
     else each unit no backward skips (without the memory record: every unit). From
     `unfreeze_step` on, the frozen units train, so backward runs through every unit (a fresh-seed
-    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there)."""
+    sweep's false alarm, seed 20262834: a frozen embedding unfrozen at step 2, held there). A unit
+    no backward runs through is held too when a checkpointed recompute ran its forward
+    (`recomputed_in_backward`)."""
     from fsdp_verify.probes.memory import forward_facts
 
     rsf = case.reshard_after_forward
     facts = forward_facts(got)
-    unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
-    if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen:  # True == 1 in Python
+    if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen_at(case, step):  # True == 1
         return set(units)
-    return set(units) - facts[1]
+    return set(units) - facts[1] | recomputed_in_backward(case, facts[1])
 
 
 def expected_collectives(case: Case, got: Trace) -> list[Collective]:
@@ -262,13 +306,17 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
         backward_group = int(rsf)
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
-    reached = backward_reached(units, got, case)
     recomputed = regathered_in_recompute(case, units, got)
     out_of_order = regathered_out_of_order(case, units, got)
     regathered = recomputed | out_of_order
     out: list[Collective] = []
-    for step in range(1, case.steps + 1):
+    # The steps this run trained: a run resumed after step k starts at k + 1. Expected from step
+    # 1, the steps it never ran were "none issued" findings, and `check_comm`'s one finding per
+    # unit, phase and kind kept those and dropped the same finding at a step it ran (the resume
+    # then dropped the early ones: a real finding after a resume was never shown; issue 37).
+    for step in range(got.first_step, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
+        reached = backward_reached(units, got, case, step)
         for m in range(case.microbatches):
             last = m == case.microbatches - 1
             synced = case.sync_every_microbatch or last

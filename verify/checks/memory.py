@@ -66,7 +66,14 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_verify.case import Case, OptimSpec
-from fsdp_verify.checks.comm import _size, held_after_backward, ignored_params, params_by_unit, placement_dims
+from fsdp_verify.checks.comm import (
+    _size,
+    held_after_backward,
+    ignored_params,
+    params_by_unit,
+    placement_dims,
+    unfrozen_at,
+)
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines.prefetch import forward_order, prefetch_lists
 from fsdp_verify.probes.comm import padded_shard_numel
@@ -160,8 +167,7 @@ class Budget:
         """The units still unsharded from the previous micro-batch's backward (none at m = 0)."""
         if microbatch == 0:
             return frozenset()
-        unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step
-        return self.held_unfrozen if unfrozen else self.held_between
+        return self.held_unfrozen if unfrozen_at(case, step) else self.held_between
 
 
 def budget(case: Case, got: Trace) -> Budget:
@@ -257,7 +263,9 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
         findings += prefetch_findings(case, b, rank, rec)
         left = b.post_forward_left(case, rec)
         for step, m, where, _held, _shapes, other in rec["boundaries"]:
-            allowed = 0 if where == "before forward" and step == 1 else left
+            # "before forward" is the run's first step's (verify/probes/memory.py): a module fresh
+            # from sharding (and a load, resumed), nothing left yet of an earlier step
+            allowed = 0 if where == "before forward" else left
             if not where.startswith("after forward") and other > allowed and (m == 0 or case.sync_every_microbatch):
                 plan = (
                     f"the plan allows {allowed:,} B here (FSDP2's post-forward shards of units no backward ran through)"

@@ -89,12 +89,15 @@ RUN_ON_ANY_TORCH = {"report", "gate"}
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command not in RUN_ON_ANY_TORCH:
-        from fsdp_verify.torch_support import unsupported_torch
+        from fsdp_verify.torch_support import RECORDER, part_off_note, parts_off, unsupported_torch
 
         why = unsupported_torch()
         if why:
             print(f"fsdp-verify: {why}", file=sys.stderr)
             return EXIT_BAD_INPUT
+        for part in parts_off():  # the run goes on without it (the Recorder is the user's script's)
+            if part != RECORDER:
+                print(f"fsdp-verify: note: {part_off_note(part)}", file=sys.stderr)
     keep_freed_memory()  # the reference's records reuse the last case's pages (verify/sharded/allocator.py)
     return args._run(args)
 

@@ -1,8 +1,10 @@
 """`fsdp-verify compare RUN_REF RUN_SHARDED`: two runs recorded by `fsdp_verify.recorder.Recorder`
 (a user's single-GPU script and its sharded twin) compared step by step: the data check, then
 every record held to a derived tolerance (verify/recorder/rules.py); the first divergence printed,
-report.json and report.html written. Exit 0 equivalent, 1 divergence, 2 bad input (the message
-names the run and the field)."""
+report.json and report.html written. A sharded run that is not (parameters plain on every rank,
+replicas parting between ranks: verify/recorder/sharding.py) is NOT SHARDED, never EQUIVALENT.
+Exit 0 equivalent, 1 divergence or not sharded, 2 bad input (the message names the run and the
+field)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,10 @@
 """`fsdp-verify fuzz`: the property search outside pytest, for nightly jobs and for people who
 don't live in pytest. Generates Cases with Hypothesis, checks a named property on each, and on a
-failure shrinks it, writes the shrunk Case file into --out and exits 1 (0 when all pass). Always
-writes report.json and report.html into --out. Every run has a seed (drawn when --seed is not
-given), printed first and recorded in the report, so the run can be repeated; Ctrl-C writes the
-report of the cases run so far and exits 130."""
+failure saves that first failing Case into --out at once (first-failure-HASH.json) and says so,
+then shrinks it (for at most --shrink-seconds), writes the shrunk Case file into --out and exits 1
+(0 when all pass). Always writes report.json and report.html into --out. Every run has a seed
+(drawn when --seed is not given), printed first and recorded in the report, so the run can be
+repeated; Ctrl-C writes the report of the cases run so far and exits 130."""
 
 from __future__ import annotations
 
@@ -45,8 +46,21 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="Hypothesis seed, to rerun one search exactly (no example database then); default: drawn"
         " (0 under the ci profile) and printed",
     )
+    p.add_argument(
+        "--shrink-seconds",
+        type=float,
+        default=None,
+        metavar="S",
+        help="stop shrinking S seconds after the first failure, reporting the smallest failing case found"
+        " by then (default: the profile's: ci 60, dev 120, nightly 900)",
+    )
     add_timeout(p)
-    p.add_argument("--out", type=Path, required=True, help="directory for the report and the shrunk Case file")
+    p.add_argument(
+        "--out",
+        type=Path,
+        required=True,
+        help="directory for the report, the first failing Case file (written at once) and the shrunk one",
+    )
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
@@ -62,6 +76,8 @@ def run(args: argparse.Namespace) -> int:
         return _bad(f"--property: expected one of {sorted(PROPERTIES)}, got {args.property!r}")
     if args.max_examples is not None and args.max_examples < 1:
         return _bad(f"--max-examples: expected a positive integer, got {args.max_examples}")
+    if args.shrink_seconds is not None and not args.shrink_seconds >= 0:
+        return _bad(f"--shrink-seconds: expected a number of seconds >= 0, got {args.shrink_seconds}")
     try:
         strategy = strategy_from_args(args, hsdp=args.hsdp)
     except (EngineLoadError, PinError, CaseError, OSError) as e:
@@ -83,6 +99,12 @@ def run(args: argparse.Namespace) -> int:
             bar.update(1)
             bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
 
+    def on_first_failure(failure, seconds: float) -> None:
+        say = bar.write if bar is not None else print
+        for line in first_failure_lines(failure, seconds, args):
+            say(line)
+        sys.stdout.flush()
+
     try:
         result = search(
             check,
@@ -92,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
             seed=seed,
             replay=args.seed is not None,
             on_example=on_example,
+            on_first_failure=on_first_failure,
+            shrink_seconds=args.shrink_seconds,
         )
     except SearchInterrupted as stop:  # Ctrl-C: the report of the cases that ran
         result = stop.result
@@ -104,6 +128,25 @@ def run(args: argparse.Namespace) -> int:
             _finish(args, result)
         return EXIT_INTERRUPTED
     return _finish(args, result)
+
+
+def first_failure_lines(failure, seconds: float, args: argparse.Namespace) -> list[str]:
+    """The first failure, said and saved the moment it is seen: a run stopped while it shrinks
+    (Ctrl-C, a CI timeout) keeps it."""
+    from fsdp_verify.properties.fail_fast import first_failure_file
+    from fsdp_verify.properties.profiles import default_profile, shrink_seconds
+    from fsdp_verify.repro.files import replay_command
+
+    path = first_failure_file(failure, args.out)
+    profile = args.profile or default_profile()
+    budget = args.shrink_seconds if args.shrink_seconds is not None else shrink_seconds(profile)
+    limit = f"at most {budget:g} s" if budget is not None else "without a time limit"
+    return [
+        f"First failure, {seconds:.1f} s in: {failure.first_divergence} (case {failure.case.hash})",
+        f"  saved: {path}",
+        f"  replay: {replay_command(path)}",
+        f"  shrinking it, {limit} (--shrink-seconds; profile {profile}); Ctrl-C keeps this case",
+    ]
 
 
 def _finish(args: argparse.Namespace, result) -> int:
@@ -152,6 +195,8 @@ def _finish(args: argparse.Namespace, result) -> int:
         print(f"The same cases again, to the end: --seed {result.seed}")
     if result.failure is None:
         return EXIT_OK
+    if result.shrink_note:
+        print(f"Note: {result.shrink_note}.")
     f = result.failure
     print(f.summary())
     print(f"First divergence: {f.first_divergence}")

@@ -194,11 +194,11 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
                 verdict = check_case(case, pool=get_pool(case.world_size, args.timeout), timeout_s=args.timeout)
             except RankFailure as e:
                 row = case_row(case, None, time.perf_counter() - start, index=k, error=str(e))
-                _save(alarms, case, {"rank_failure": str(e)})
+                row["replay"] = _save(alarms, case, {"rank_failure": str(e)})
             else:
                 row = case_row(case, verdict, time.perf_counter() - start, index=k)
                 if not verdict.ok:
-                    _save(alarms, case, verdict.to_dict())
+                    row["replay"] = _save(alarms, case, verdict.to_dict())
                 elif isinstance(row["worst_ratio"], float) and row["worst_ratio"] > closest:
                     closest = row["worst_ratio"]  # the near miss, kept to replay
                     case.save(args.out / "closest_pass.case.json")
@@ -212,29 +212,35 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
     return rows, sum(r["seconds"] for r in rows)
 
 
-def _save(directory: Path, case, verdict: dict) -> None:
+def _save(directory: Path, case, verdict: dict) -> str:
+    """An alarm's case and verdict under OUT/false_alarms/; the command that replays the case."""
+    from fsdp_verify.repro.files import replay_command
+
     directory.mkdir(parents=True, exist_ok=True)
-    case.save(directory / f"{case.hash}.case.json")
+    path = case.save(directory / f"{case.hash}.case.json")
     (directory / f"{case.hash}.verdict.json").write_text(json.dumps(verdict, indent=2, default=str) + "\n")
+    return replay_command(path)
 
 
 def summary(report: dict) -> str:
     """The terminal text of a sweep report (also of a merged one)."""
     from collections import Counter
 
+    from fsdp_verify.reports.causes import causes_of, headline
+    from fsdp_verify.reports.causes import text as causes_text
     from fsdp_verify.reports.schema import as_float
 
     rows = report["cases"]
     n = len(rows)
     alarms = [r for r in rows if not r["ok"]]
+    causes = causes_of(report)
     ratios = sorted(as_float(r["worst_ratio"]) for r in rows if r["ok"] and r["worst_ratio"] is not None)
     shard = f" (shard {report['shard']})" if report.get("shard") and report["shard"] != "1/1" else ""
     lines = [
         f"{n} cases{shard} in {report['seconds']:.0f} s of case time ({report['seconds'] / max(n, 1):.2f} s/case)",
         "by world size: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["world_size"] for r in rows).items())),
         "by precision: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["precision"] for r in rows).items())),
-        f"false alarms: {len(alarms)}"
-        + "".join(f"\n  {r['case_hash']} ({r['first_divergence']}): {(r['summary'] or '')[:300]}" for r in alarms),
+        f"false alarms: {len(alarms)}" + (f" ({headline(causes)})\n{causes_text(causes, rows)}" if alarms else ""),
     ]
     if report.get("interrupted"):
         lines.insert(0, f"INTERRUPTED (Ctrl-C) after {n} cases{shard}: the same command resumes where their rows end")

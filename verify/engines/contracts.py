@@ -46,10 +46,22 @@ USER_STEP = Contracts(
 
 
 def case_contracts(case) -> Contracts:
-    """What a case is held to: its engine's declaration, none around a user's own step, and no
-    memory model under activation checkpointing (not modelled: with a checkpointed unit nested in
-    another, the inner unit's unsharded parameters were measured alive after its forward, 128 B
-    over the plan on a fresh-seed sweep; the communication model still holds there)."""
+    """What a case is held to (_held_to), less the communication contract on a torch that lacks
+    what its probe needs (torch_support.COMM_CONTRACT: the verdict says n/a and why)."""
+    from fsdp_verify.torch_support import COMM_CONTRACT, part_off_note
+
+    held = _held_to(case)
+    why = part_off_note(COMM_CONTRACT)
+    if why and held.comm:
+        return Contracts(comm=False, memory=held.memory, why="; ".join(w for w in (held.why, why) if w))
+    return held
+
+
+def _held_to(case) -> Contracts:
+    """Its engine's declaration, none around a user's own step, and no memory model under
+    activation checkpointing (not modelled: with a checkpointed unit nested in another, the inner
+    unit's unsharded parameters were measured alive after its forward, 128 B over the plan on a
+    fresh-seed sweep; the communication model still holds there)."""
     if getattr(case, "step", None) is not None:
         return USER_STEP
     declared = engine_contracts(case.engine)

@@ -52,6 +52,7 @@ from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
 from fsdp_verify.engines.flat.view import FlatView, Holding
 from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.engines.view import EngineView
 
 
 def fsdp1_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
@@ -188,6 +189,11 @@ class FSDP1View(FlatView):
             for rel, shape, param in zip(flat._fqns, flat._shapes, flat._params):
                 out.append(Holding(clean_tensor_name(f"{unit}.{rel}" if unit else rel), unit, tuple(shape), param))
         return out
+
+    def checkpointer(self):
+        """FSDP1's own sharded state dict (ShardedTensors), through `get_state_dict`, not a flat
+        piece engine's whole tensors."""
+        return EngineView.checkpointer(self)
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
         """FSDP1's own: local norms of the sharded grads, all-reduced, sqrt (a collective)."""

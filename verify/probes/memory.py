@@ -15,7 +15,13 @@ holds are not reachable and not counted.
 Boundaries: before the first step's first forward, after each unit's forward in the first step
 (a forward hook registered after the engine's own, so it sees the unit after its reshard), and
 after the optimizer step of the first and the last step: nothing may be held beyond the sharded
-state there, neither unsharded nor other. A walk of the module costs about half a millisecond per
+state there, neither unsharded nor other. "The first step" is the first this run trains, which
+is the first `before_forward` it sees ("first_step" in the record): step 1, or k + 1 in a run
+resumed after step k. A resumed run's module is as fresh as a new run's at step 1 (built,
+sharded, loaded; FSDP2's lazy init still to come), so its first step is where the same facts
+show; read at step 1, a resumed run recorded no boundary and no "no_backward" at all, and the
+contracts took every unit for one backward reaches (issue 37: a frozen unit under
+`reshard_after_backward_last` expected held, so its all-gather "unexpected"). A walk of the module costs about half a millisecond per
 thousand objects (1.2 ms on bench/overhead.py's medium Transformer), and the pattern repeats every
 step: what the first step leaves is seen after it, what accumulates over steps is seen after the
 last (a 100-step case walks 4 + units times, not 200 + units).
@@ -23,7 +29,7 @@ Gradient and optimizer-state bytes are counted after every step (no walk). Each 
 own; they travel in the case's one gather (`to_gather`) into
 `trace.meta["memory"] = {"ranks": [{"sharded": B, "grads": {step: B}, "optim": {step: B},
 "boundaries": [[step, microbatch, where, unsharded B, [shape, ...], other B], ...],
-"no_backward": [unit, ...], "where": {"sharded"|"grads"|"optim": [device type, ...]}}, ...]}`,
+"first_step": N, "no_backward": [unit, ...], "where": {"sharded"|"grads"|"optim": [device type, ...]}}, ...]}`,
 "no_backward" naming the units whose forward output requires no grad (no backward runs through
 them), "where" the device types the sharded state was found on (CPU offload's contract).
 """
@@ -39,12 +45,12 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Placement
-from torch.distributed.tensor._dtensor_spec import DTensorSpec, TensorMeta
-from torch.utils._pytree import tree_leaves
+from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
@@ -52,7 +58,21 @@ _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(No
 _LEAVES = frozenset((str, int, float, bool, type(None), bytes, torch.Size))
 # What describes a tensor's layout or the ranks holds no storage of its own (a mesh's rank grid
 # is an integer tensor, never counted): a fifth of a walk's objects on FSDP2's medium Transformer.
-_LAYOUT = (DTensorSpec, TensorMeta, Placement, DeviceMesh, RemovableHandle)
+# DTensorSpec and TensorMeta are private: a release without them has its walk descend into them
+# (a shape and a mesh, no storage: slower, the same count).
+_LAYOUT = (
+    *(
+        t
+        for t in (
+            private_name("torch.distributed.tensor._dtensor_spec", "DTensorSpec"),
+            private_name("torch.distributed.tensor._dtensor_spec", "TensorMeta"),
+        )
+        if t is not None
+    ),
+    Placement,
+    DeviceMesh,
+    RemovableHandle,
+)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -130,7 +150,9 @@ def _kind(t: type, stop: tuple[type, ...]) -> int:
 def _needs_backward(output: Any) -> bool:
     """Whether autograd will run backward through a unit: some output requires grad (a fact of
     the model, its frozen parameters and its inputs, not of the engine)."""
-    return torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad for t in tree_leaves(output))
+    return torch.is_grad_enabled() and any(
+        isinstance(t, torch.Tensor) and t.requires_grad for t in tree_flatten(output)[0]
+    )
 
 
 def _filled(cell: types.CellType) -> bool:
@@ -161,6 +183,7 @@ class MemoryProbe(Probe):
         self.sharded_params: list[torch.Tensor] = []
         self.step = 0
         self.microbatch = 0
+        self.first_step: int | None = None  # the first step this run trains (see the module docstring)
         self.baseline: set[int] = set()
 
     # ---- counting -----------------------------------------------------------------------------
@@ -239,7 +262,7 @@ class MemoryProbe(Probe):
 
             def after_unit(_m: nn.Module, _a: Any, output: Any, _unit: str = unit) -> None:
                 p = probe()
-                if p is not None and p.step == 1:  # first step only (see the module docstring)
+                if p is not None and p.step == p.first_step:  # first step only (see the module docstring)
                     p._boundary(f"after forward of {_unit or '<root>'}")
                     if p.microbatch == 0 and not _needs_backward(output):
                         p.record["no_backward"].append(_unit)
@@ -251,7 +274,9 @@ class MemoryProbe(Probe):
 
     def before_forward(self, step: int, microbatch: int) -> None:
         self.step, self.microbatch = step, microbatch
-        if microbatch == 0 and step == 1:
+        if self.first_step is None:
+            self.first_step = self.record["first_step"] = step
+        if microbatch == 0 and step == self.first_step:
             # Before later steps the module is as the previous step's "after the optimizer step"
             # boundary saw it (the loop only draws the next batch in between), and a walk costs
             # a millisecond: it is not walked twice.
@@ -275,7 +300,7 @@ class MemoryProbe(Probe):
         self.record["optim"][str(step)] = self._bytes(states)
         self._where("optim", states)
         self.microbatch = 0
-        if step in (1, self.case.steps):  # see the module docstring
+        if step in (self.first_step, self.case.steps):  # see the module docstring
             self._boundary("after the optimizer step")
 
     def finish(self) -> None:
@@ -291,17 +316,19 @@ class MemoryProbe(Probe):
 
 def forward_facts(trace: Trace) -> tuple[list[str], set[str]] | None:
     """What decides FSDP2's backward, from rank 0's record (None without one): the units in the
-    order their forwards finished in step 1's first micro-batch (FSDP2's post-forward order;
-    each unit once, at its first time: a checkpointed unit's recomputation in backward runs the
-    hook again) and the units no backward runs through ("no_backward")."""
+    order their forwards finished in the first micro-batch of the run's first step (FSDP2's
+    post-forward order; each unit once, at its first time: a checkpointed unit's recomputation
+    in backward runs the hook again; step 1, or k + 1 resumed after step k) and the units no
+    backward runs through ("no_backward")."""
     raw = trace.meta.get("memory")
     if raw is None or not raw.get("ranks"):
         return None
     record = raw["ranks"][0]
     prefix = "after forward of "
+    first = record.get("first_step", 1)
     order: list[str] = []
     for step, microbatch, where, *_ in record["boundaries"]:
-        if step == 1 and microbatch == 0 and where.startswith(prefix):
+        if step == first and microbatch == 0 and where.startswith(prefix):
             unit = where.removeprefix(prefix)
             unit = "" if unit == "<root>" else unit
             if unit not in order:

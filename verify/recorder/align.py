@@ -4,10 +4,12 @@ so a reference recorded on one process and a sharded run on W line up record by 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_verify.compare.tolerance import measure
 from fsdp_verify.recorder.store import Run
 
 
@@ -19,6 +21,9 @@ class Rows:
     sq: torch.Tensor
     row_len: int
     full: torch.Tensor | None = None  # the tensor whole, where it was recorded so
+    # Rows that more than one rank holds (a plain tensor, a replicated DTensor): the largest
+    # deviation between two ranks' copies, and those two ranks (the first holder, the other).
+    spread: tuple[float, int, int] | None = None
 
     @property
     def norms(self) -> torch.Tensor:
@@ -27,6 +32,26 @@ class Rows:
     @property
     def total(self) -> float:
         return float(self.sum.sum())
+
+
+def row_deviation(ref: Rows, got: Rows) -> float:
+    """Normwise: the row norms' largest change relative to the largest row norm, and the row
+    sums' relative to the largest value a row's sum can take at that norm (sqrt(row length) x
+    norm): both at most the elements' relative change, so one rule fits both."""
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
+    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
+    if scale == 0:
+        return 0.0 if d_norm == d_sum == 0 else math.inf
+    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
+
+
+def _widen(target: Rows, first: Rows, other: Rows, first_rank: int, rank: int) -> None:
+    """Keep in `target.spread` the largest deviation between two ranks' copies of the same rows:
+    `first` as its first holder recorded them, `other` as `rank` did."""
+    dev = row_deviation(first, other)
+    if target.spread is None or dev > target.spread[0]:
+        target.spread = (dev, first_rank, rank)
 
 
 @dataclass
@@ -39,12 +64,15 @@ class Step:
     hashes: list[torch.Tensor] | None = None  # per rank, samples in order
     groups: dict[tuple[int, str], dict[str, Rows]] = field(default_factory=dict)  # (opt step, kind) -> name -> rows
     modules: dict[str, Rows] = field(default_factory=dict)  # Recorder(modules=...): in the order they ran
+    # Under a coarse policy, before the first optimizer step: per parameter and row, the norms the
+    # backward passes rounded to param_dtype, averaged over the ranks as the gradients are.
+    rounding: dict[str, torch.Tensor] = field(default_factory=dict)
 
 
-def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
+def reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[str, Rows]:
     out: dict[str, Rows] = {}
-    filled: dict[str, torch.Tensor] = {}
-    for t, h in zip(tensors, headers):
+    owner: dict[str, torch.Tensor] = {}  # per row, the first rank that held it (-1: none yet)
+    for rank, (t, h) in enumerate(zip(tensors, headers)):
         layout = h.get(prefix)
         if layout is None:
             continue
@@ -57,22 +85,32 @@ def _reassemble(tensors: list[dict], headers: list[dict], prefix: str) -> dict[s
                 if name not in out:
                     zero = torch.zeros(1, dtype=torch.float64)
                     out[name] = Rows(zero.clone(), zero.clone(), numel)
-                    filled[name] = torch.zeros(1, dtype=torch.bool)
-                if kind == "total" or not filled[name][0]:  # shards add up; a replica counts once
+                    owner[name] = torch.full((1,), -1)
+                if kind == "total" or owner[name][0] < 0:  # shards add up; a replica counts once
                     out[name].sum += sums[start]
                     out[name].sq += squares[start]
-                filled[name][0] = True
+                    owner[name][0] = rank
+                else:
+                    other = Rows(sums[start : start + 1], squares[start : start + 1], numel)
+                    _widen(out[name], Rows(out[name].sum, out[name].sq, numel), other, int(owner[name][0]), rank)
                 start += 1
             else:
                 if name not in out:
                     zeros = torch.zeros(full_rows, dtype=torch.float64)
                     out[name] = Rows(zeros.clone(), zeros.clone(), numel // max(full_rows, 1))
-                    filled[name] = torch.zeros(full_rows, dtype=torch.bool)
+                    owner[name] = torch.full((full_rows,), -1)
                 sl = slice(offset, offset + rows)
-                new = ~filled[name][sl]  # replicas (plain tensors on every rank): the first rank's rows
-                out[name].sum[sl][new] = sums[start : start + rows][new]
-                out[name].sq[sl][new] = squares[start : start + rows][new]
-                filled[name][sl] = True
+                here_sum, here_sq = sums[start : start + rows], squares[start : start + rows]
+                held = owner[name][sl] >= 0  # replicas (plain tensors on every rank): the first rank's rows
+                if held.any():
+                    row_len = out[name].row_len
+                    first = Rows(out[name].sum[sl][held], out[name].sq[sl][held], row_len)
+                    other = Rows(here_sum[held], here_sq[held], row_len)
+                    _widen(out[name], first, other, int(owner[name][sl][held][0]), rank)
+                new = ~held
+                out[name].sum[sl][new] = here_sum[new]
+                out[name].sq[sl][new] = here_sq[new]
+                owner[name][sl][new] = rank
                 start += rows
             full = t.get(f"full/{prefix}/{name}")
             if full is not None:
@@ -108,10 +146,16 @@ def load_step(run: Run, call: int, opt_before: int) -> Step:
                 torch.cat([t[f"module/{name}/row_sq"] for t in tensors]),
                 row_len,
             )
+    if all("rounding/row_norm" in t for t in tensors):
+        for t, h in zip(tensors, headers):
+            for name, part in zip(
+                [n for n, _ in h["rounding"]], t["rounding/row_norm"].split([r for _, r in h["rounding"]])
+            ):
+                step.rounding[name] = step.rounding.get(name, 0) + part / len(tensors)
     for k in step.opt_steps:
         kinds = sorted({key.split("/", 1)[1] for h in headers for key in h if key.startswith(f"opt{k}/")})
         for kind in kinds:
-            step.groups[(k, kind)] = _reassemble(tensors, headers, f"opt{k}/{kind}")
+            step.groups[(k, kind)] = reassemble(tensors, headers, f"opt{k}/{kind}")
     return step
 
 
@@ -122,3 +166,15 @@ def steps(run: Run):
         step = load_step(run, call, before)
         yield step
         before += len([k for k in step.opt_steps if k > 0])
+
+
+def deviation(ref, got) -> float:
+    """Normwise: the largest change relative to the largest magnitude; for row fingerprints
+    `row_deviation`."""
+    if isinstance(ref, float):
+        if ref == got:
+            return 0.0
+        return abs(ref - got) / abs(ref) if ref else math.inf
+    if isinstance(ref, torch.Tensor):
+        return measure(ref, got).normwise
+    return row_deviation(ref, got)

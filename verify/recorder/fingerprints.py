@@ -39,9 +39,12 @@ def local_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
         return t, 0, (t.shape[0] if t.ndim else 1)
     if not rows_only(t.placements):
         return t.full_tensor(), 0, (t.shape[0] if t.ndim else 1)
-    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    from fsdp_verify.torch_support import RECORDER, part_off_note, private_name
 
-    shape, offset = compute_local_shape_and_global_offset(t.shape, t.device_mesh, t.placements)
+    offsets = private_name("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
+    if offsets is None:
+        raise RuntimeError(part_off_note(RECORDER))
+    shape, offset = offsets(t.shape, t.device_mesh, t.placements)
     local = t.to_local()
     if any(offset[1:]) or tuple(shape[1:]) != tuple(t.shape[1:]):
         raise ValueError(f"placements {t.placements}: only sharding along dim 0 (FSDP2's Shard(0)) is supported")

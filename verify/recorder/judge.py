@@ -9,12 +9,11 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.compare.tolerance import measure
-from fsdp_verify.recorder import datacheck, rules
-from fsdp_verify.recorder.align import Rows, Step, steps
+from fsdp_verify.recorder import datacheck, loadcheck, rules, sharding
+from fsdp_verify.recorder.align import Rows, Step, deviation, steps
 from fsdp_verify.recorder.store import Run, RunError
 
-PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state")
+PHASES = ("init", "data", "modules", "logits", "loss", "grads", "params", "optim_state", "sharding")
 COMPARATORS = {
     "init": "InitFingerprint",
     "modules": "ModuleFingerprint",
@@ -23,27 +22,9 @@ COMPARATORS = {
     "grads": "GradsFingerprint",
     "params": "ParamsFingerprint",
     "optim_state": "OptimStateFingerprint",
+    "sharding": sharding.COMPARATOR,
 }
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-def deviation(ref, got) -> float:
-    """Normwise: the largest change relative to the largest magnitude. For row fingerprints, the
-    row norms relative to the largest row norm, and the row sums relative to the largest value a
-    row's sum can take at that norm (sqrt(row length) x norm): both at most the elements'
-    relative change, so one rule fits both."""
-    if isinstance(ref, float):
-        if ref == got:
-            return 0.0
-        return abs(ref - got) / abs(ref) if ref else math.inf
-    if isinstance(ref, torch.Tensor):
-        return measure(ref, got).normwise
-    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
-    d_norm = float((ref.norms - got.norms).abs().max()) if ref.norms.numel() else 0.0
-    d_sum = float((ref.sum - got.sum).abs().max()) if ref.sum.numel() else 0.0
-    if scale == 0:
-        return 0.0 if d_norm == d_sum == 0 else math.inf
-    return max(d_norm / scale, d_sum / (math.sqrt(ref.row_len) * scale))
 
 
 def _records(step: Step, order: list[int] | None) -> dict[tuple[str, str], object]:
@@ -103,8 +84,14 @@ class Comparison:
         return all(f.ok for f in self.findings)
 
     @property
+    def not_sharded(self) -> list[Finding]:
+        """Why the run recorded as sharded is not (sharding.py): its own verdict, before any record."""
+        return [f for f in self.findings if f.phase == "sharding" and not f.ok]
+
+    @property
     def first_divergence(self) -> Finding | None:
-        return next((f for f in self.findings if not f.ok), None)
+        """The first record of the two runs that parts (the sharding check aside)."""
+        return next((f for f in self.findings if not f.ok and f.phase != "sharding"), None)
 
     def rules_used(self) -> dict[str, int]:
         counts: dict[str, int] = {}
@@ -113,7 +100,7 @@ class Comparison:
         return counts
 
 
-def _dtype(run: Run, kind: str) -> torch.dtype:
+def record_dtype(run: Run, kind: str) -> torch.dtype:
     seen = [DTYPES.get(d, torch.float32) for m in run.meta for d in m.get("dtypes_seen", {}).get(kind, [])]
     return max(seen or [torch.float32], key=rules.unit_roundoff)
 
@@ -158,6 +145,16 @@ def mixed_pairing(ref: Run, got: Run) -> tuple[torch.dtype, torch.dtype] | str |
         " differently from a mixed precision sharded run by far more than reordering. Record the reference"
         " under fully_shard on a one-rank mesh with the same MixedPrecisionPolicy (docs/recorder.md)"
     )
+
+
+def _spread(ref: Rows, ref_step: Step, got_step: Step, name: str) -> float:
+    """S of rules.bound_rounded: the largest row's magnitudes rounded by both runs, against the
+    largest row norm of the reference's gradient (the normwise scale)."""
+    scale = float(ref.norms.max()) if ref.norms.numel() else 0.0
+    rounded = ref_step.rounding[name] + got_step.rounding[name]
+    if scale == 0 or rounded.shape != ref.norms.shape:
+        return 0.0  # nothing to scale by, or recorded for another shape: the plain bound
+    return float(rounded.max()) / scale
 
 
 def _check_pair(ref: Run, other: Run, what: str) -> None:
@@ -207,8 +204,21 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         result.notes.append(
             f"RUN_SHARDED resumed after step {k}: steps 1-{k} from {got.before.path} (world size"
             f" {got.before.world_size}), steps {k + 1}-{got.calls[0][-1]} from {got.path} (world size"
-            f" {got.world_size}); a load that lost something shows from step {k + 1} on"
+            f" {got.world_size}); the state right after the load is held exactly to the one it saved, at step {k}"
         )
+    # The loads of a resumed run (either side): compared once their step's records are in.
+    loads: dict[int, list[Finding]] = {}
+    for label, run in (("RUN_REF", ref), ("", got)):
+        found, note = loadcheck.check(run, label)
+        if note:
+            result.notes.append(note)
+        if run.before is not None:
+            loads.setdefault(run.resumed_after, []).extend(found)
+    unsharded = sharding.unsharded(got)
+    if unsharded is not None:
+        result.findings.append(unsharded)
+    elif (partly := sharding.partly_plain(got)) is not None:
+        result.notes.append(partly)
     unjudged = one_sided = mismatched = 0
     for r_step, g_step in zip(steps(ref), steps(got)):
         if r_step.call not in common:
@@ -216,6 +226,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
         world = got.world_at(r_step.call)
         if progress:
             progress(r_step.call)
+        result.findings.extend(sharding.drift(g_step, got, record_dtype(got, "params")))
         if r_step.hashes is not None and g_step.hashes is not None:
             result.findings.append(datacheck.check(r_step.call, r_step.hashes, g_step.hashes))
         ref_rec, got_rec = _records(r_step, None), _records(g_step, _order(r_step, g_step))
@@ -242,7 +253,7 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                 msg = f"{what} {shapes[1]} on the sharded run's ranks together, {shapes[0]} in the reference"
                 result.findings.append(Finding(ok=False, kind="shape", message=msg, **base))
                 continue
-            dtype = _dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
+            dtype = record_dtype(got, phase if phase in ("logits", "loss", "modules") else "params")
             dtype = max(dtype, param_dtype, key=rules.unit_roundoff)  # under a policy: rounded in param_dtype
             before_update = phase == "init" or (phase in ("modules", "logits", "loss") and r_step.opt_before == 0)
             before_update |= phase == "grads" and r_step.opt_before == 0 and 1 in r_step.opt_steps
@@ -253,6 +264,8 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
             elif isinstance(pairing, str):
                 tol = rules.unjudged(dtype, world, why="the runs ran different precision policies (see the note)")
                 mismatched += 1
+            elif before_update and phase == "grads" and name in r_step.rounding and name in g_step.rounding:
+                tol = rules.bound_rounded(dtype, world, reduce_dtype, _spread(a, r_step, g_step, name), param_dtype)
             elif before_update:
                 tol = rules.bound(dtype, world, reduce_dtype)
             elif key in cal_rec:
@@ -280,6 +293,9 @@ def compare_runs(ref_path, got_path, calibration_path=None, progress=None) -> Co
                     **base,
                 )
             )
+        result.findings.extend(loads.pop(r_step.call, []))  # the state loaded after this step
+    for found in loads.values():  # a load at a step neither run compared: after the rest
+        result.findings.extend(found)
     if mismatched:
         result.notes.append(f"{mismatched} records were not judged: the runs ran different precision policies")
     if one_sided:

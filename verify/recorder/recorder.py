@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import fnmatch
 import platform
+import warnings
 from collections.abc import Iterable
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
@@ -28,10 +29,11 @@ import torch
 from torch import nn
 
 from fsdp_verify.compare.tolerance import unit_roundoff
-from fsdp_verify.recorder.fingerprints import local_view, row_stats, rows_only, sample_hashes, total_stats
+from fsdp_verify.recorder.fingerprints import as_rows, local_view, row_stats, rows_only, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
-from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_step
+from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_state, write_step
+from fsdp_verify.training.optim import param_groups_state, schedule_state
 
 
 def _dist() -> tuple[int, int]:
@@ -96,6 +98,26 @@ def _check_optimizer_holds(model: nn.Module, optimizer: torch.optim.Optimizer) -
         )
 
 
+def _warn_if_not_sharded(params: list[tuple[str, nn.Parameter]], intent: dict, rank: int) -> None:
+    """Said at once, on rank 0, when a run meant to shard holds no DTensor: FSDP was not applied
+    here (a silent fallback). `compare` gives the verdict, NOT SHARDED, from every rank's record."""
+    if rank == 0 and intent["expected"] and params and all(getattr(p, "placements", None) is None for _, p in params):
+        warnings.warn(
+            f"fsdp-verify Recorder: this run is meant to shard its parameters ({intent['by']}), but every one of"
+            f" its {len(params)} parameters is a plain tensor here: FSDP was not applied; `fsdp-verify compare`"
+            " will say NOT SHARDED",
+            stacklevel=3,
+        )
+
+
+def sharding_intent(world_size: int, sharded: bool | None, sharded_by: str | None) -> dict:
+    """settings.sharded in meta.json: whether the run is meant to shard its parameters, and what
+    said so (the user, an integration naming its library's setting, or the world size)."""
+    if sharded is None:
+        return {"expected": world_size > 1, "by": sharded_by or f"it runs on {world_size} ranks"}
+    return {"expected": bool(sharded), "by": sharded_by or "Recorder(sharded=...)"}
+
+
 def resumed_from_meta(path: str | Path) -> dict:
     """Where the run at `path` stopped (its rank 0's meta: steps and optimizer steps), and its
     absolute path, which the resumed run's meta names."""
@@ -126,7 +148,20 @@ class Recorder:
       (docs/zoom.md); each call's rows in order, a recomputation in backward not counted.
     resumed_from: the run directory the run this one resumes recorded (closed), for a loop that
       loaded a checkpoint: its steps and optimizer steps are counted on from where that run
-      stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load.
+      stopped, and `compare` reads the two as one run (docs/resume.md). Built after the load:
+      the state it finds (parameters, optimizer state, param groups) is compared exactly with
+      the state the run before closed with (its checkpoint's, saved at its end).
+    scheduler: the lr scheduler, if the loop has one: its position is part of that state.
+    sharded: whether this run is meant to shard its parameters (FSDP). None: yes when it runs on
+      more than one rank (the sharded twin); False for a data-parallel run that replicates them on
+      purpose (DDP). `compare` says NOT SHARDED when a run meant to shard holds parameters that are
+      plain tensors on every rank (sharding.py); replicas that drift apart are named either way.
+    sharded_by: what said the run is meant to shard (the integrations name the library setting,
+      "TrainingArguments.fsdp"), quoted in that verdict.
+    closure_step: the loop steps the optimizer with a closure that runs forward and backward
+      inside `optimizer.step` (Lightning's automatic optimization, LBFGS): the gradients are not
+      there when the optimizer's pre-step hook runs, so the caller calls
+      `before_optimizer_step()` once they are.
     """
 
     def __init__(
@@ -140,12 +175,17 @@ class Recorder:
         perturb: int | None = None,
         modules: Iterable[str] = (),
         resumed_from: str | Path | None = None,
+        scheduler: torch.optim.lr_scheduler.LRScheduler | None = None,
+        sharded: bool | None = None,
+        sharded_by: str | None = None,
+        closure_step: bool = False,
     ):
         self.out = Path(out)
         self.resumed_from = resumed_from_meta(resumed_from) if resumed_from is not None else None
         self.rank, self.world_size = _dist()
+        self.sharding = sharding_intent(self.world_size, sharded, sharded_by)
         self.full_steps, self.full_params = set(full_steps), list(full_params)
-        self.optimizer = optimizer
+        self.optimizer, self.scheduler = optimizer, scheduler
         self.params: list[tuple[str, nn.Parameter]] = []
         seen: dict[str, str] = {}
         for fqn, p in model.named_parameters():
@@ -155,6 +195,7 @@ class Recorder:
             seen[name] = fqn
             self.params.append((name, p))
         _check_optimizer_holds(model, optimizer)
+        _warn_if_not_sharded(self.params, self.sharding, self.rank)
         # Where each rank's rows sit never changes, and gradients and optimizer state are placed as
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).
@@ -166,6 +207,10 @@ class Recorder:
         coarse = [p["param_dtype"] for p in self.precision["policies"] if p["param_dtype"]]
         rounded = max((getattr(torch, d) for d in coarse), key=unit_roundoff, default=None)
         self.perturbation = GradientPerturbation(seed, rounded) if seed is not None else None
+        # Under a coarse policy: the magnitudes each backward rounded to param_dtype (rules.py's
+        # bound under a policy; a gradient whose terms cancel is rounded at its partial sums').
+        self._rounded: dict[str, torch.Tensor] = {}
+        self._watched: set[int] = set()
         self.call = 0  # rec.step calls so far (the run resumed from's among them)
         self.opt_step = 0  # optimizer steps so far (likewise)
         if self.resumed_from is not None:
@@ -176,10 +221,9 @@ class Recorder:
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="fsdp-verify-recorder")
         self._written = None
         self._header: dict = {"opt_steps": []}
-        self._hooks = [
-            optimizer.register_step_pre_hook(self._before_optimizer),
-            optimizer.register_step_post_hook(self._after_optimizer),
-        ]
+        self._hooks = [optimizer.register_step_post_hook(self._after_optimizer)]
+        if not closure_step:
+            self._hooks.append(optimizer.register_step_pre_hook(lambda *_: self.before_optimizer_step()))
         self.module_patterns = list(modules)
         self._outputs: dict[str, list[tuple[torch.Tensor, torch.Tensor, list[int]]]] = {}
         self._ran: list[str] = []  # this step's modules in the order they first ran
@@ -191,8 +235,11 @@ class Recorder:
                 self._hooks.append(module.register_forward_hook(self._module_output(name)))
         if self.module_patterns and not self._outputs:
             raise ValueError(f"modules: no module name matches {self.module_patterns} (names as in named_modules())")
-        if self.resumed_from is not None:  # the state it loaded is the last the run before recorded
+        if rounded is not None:
+            self._watch_rounding(model)
+        if self.resumed_from is not None:  # the state it loaded: `compare` holds it to the one saved
             self._write_meta()
+            self._state("at_load")
             return
         self._group("opt0/params", self.params, full=0 in self.full_steps, exact=True)
         self._header["opt_steps"].append(0)
@@ -262,8 +309,74 @@ class Recorder:
 
         return hook
 
+    def _watch_rounding(self, model: nn.Module) -> None:
+        """Before the first optimizer step, the row norms of every unsharded gradient a backward
+        rounds to param_dtype, summed over the backward passes: the magnitude the rounding is
+        relative to (each rank's partial gradient here, the whole batch's on a one-rank
+        reference). Read in a post-accumulate-grad hook on the unsharded parameter, which FSDP2
+        puts in the module's place before its forward (public hooks only; a rounded gradient's
+        magnitude stands for the unrounded one's within a factor 1 + u)."""
+        names = {id(p): name for name, p in self.params}
+        for module in model.modules():
+            owned = [(attr, names[id(p)]) for attr, p in module._parameters.items() if p is not None and id(p) in names]
+            if owned:
+                self._hooks.append(module.register_forward_pre_hook(self._watch_unsharded(owned)))
+
+    def _watch_unsharded(self, owned: list[tuple[str, str]]):
+        def hook(module, _args) -> None:
+            if self.opt_step > 0:
+                return
+            for attr, name in owned:
+                t = module._parameters.get(attr)
+                if t is None or not t.requires_grad or hasattr(t, "placements") or id(t) in self._watched:
+                    continue  # frozen, still sharded (no unshard ran), or watched already
+                self._watched.add(id(t))
+                self._hooks.append(t.register_post_accumulate_grad_hook(self._rounding_of(name)))
+
+        return hook
+
+    def _rounding_of(self, name: str):
+        @torch.no_grad()
+        def hook(unsharded: torch.Tensor) -> None:
+            if self.opt_step > 0 or unsharded.grad is None:
+                return
+            norms = torch.linalg.vector_norm(as_rows(unsharded.grad), 2, dim=1, dtype=torch.float64).cpu()
+            self._rounded[name] = self._rounded[name] + norms if name in self._rounded else norms
+
+        return hook
+
     @torch.no_grad()
-    def _before_optimizer(self, optimizer, args, kwargs) -> None:
+    def _state(self, when: str) -> None:
+        """The whole state now, to compare exactly across a resume (the state right after a
+        load against the one the run before ended with, which it saved): every parameter and
+        optimizer state tensor (Adam's scalar `step` too) fingerprinted per row in float64, and
+        in the header the param groups' hyperparameters and the schedule's position. One pass
+        over the shards, at the load and at close()."""
+        kept = self._pending, self._header, {k: set(v) for k, v in self.dtypes.items()}
+        self._pending, self._header = {}, {}
+        by_key: dict[str, list[tuple[str, torch.Tensor]]] = {}
+        for name, p in self.params:
+            for key, value in self.optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    by_key.setdefault(key, []).append((name, value))
+        groups = [(f"{when}/params", self.params)] + [(f"{when}/optim.{k}", v) for k, v in sorted(by_key.items())]
+        self._groups(groups, full=False, exact=True)
+        hyper = {**param_groups_state(self.optimizer)}
+        if self.scheduler is not None:
+            hyper.update(schedule_state(self.scheduler))
+        self._header["hyperparameters"] = {k: v.tolist() for k, v in hyper.items()}
+        write_state(self.out, self.rank, when, self._pending, self._header)
+        self._pending, self._header, self.dtypes = kept
+
+    @torch.no_grad()
+    def before_optimizer_step(self) -> None:
+        """Record the gradients of the optimizer step about to run (the optimizer's pre-step hook
+        calls it, or the caller with `closure_step=True`)."""
+        if self.opt_step == 0 and self._rounded:  # stored with the first optimizer step's gradients
+            names = sorted(self._rounded)
+            self._pending["rounding/row_norm"] = torch.cat([self._rounded[n] for n in names])
+            self._header["rounding"] = [[n, int(self._rounded[n].numel())] for n in names]
+            self._rounded = {}
         self.opt_step += 1
         named = [(n, p.grad) for n, p in self.params if p.grad is not None]
         if self.perturbation is not None:
@@ -351,7 +464,11 @@ class Recorder:
                     "perturb": self.perturbation.seed if self.perturbation else None,
                     "modules": self.module_patterns,
                     "precision": self.precision,
+                    "sharded": self.sharding,
                 },
+                # Parameters that are plain tensors here (not a DTensor): on every rank of a run
+                # meant to shard, FSDP was not applied to them (compare's NOT SHARDED verdict).
+                "plain_params": [n for n, p in self.params if getattr(p, "placements", None) is None],
                 **(
                     {"resumed_from": self.resumed_from["path"], "resumed_after": self.resumed_from["steps"]}
                     if self.resumed_from is not None
@@ -365,11 +482,15 @@ class Recorder:
         )
 
     def close(self) -> None:
-        """Wait for the last step's file, write meta.json, remove the optimizer hooks."""
+        """Wait for the last step's file, write the state the run ends with (what a checkpoint
+        saved at its end holds, for the run that resumes from it) and meta.json, remove the
+        optimizer hooks."""
         if self._written is not None:
             self._written.result()
             self._written = None
         self._writer.shutdown(wait=True)
+        if self._hooks:  # once: a second close() finds the state written
+            self._state("at_close")
         self._write_meta()
         for h in self._hooks:
             h.remove()

@@ -22,6 +22,20 @@ loop is the user's). Four rules; every record says which one held it.
   average over W ranks costs 2 u_r per halving in the reduce dtype. So bound(param_dtype, W,
   reduce_dtype): 9.5e-7 + 7.8e-3 + 2 ceil(log2 W) u_r for bf16 parameters; an fp32 noise of 2e-6
   cannot be seen through bf16, and a bug must move a record by more than a bf16 ulp.
+* the same, for the first optimizer step's gradients, with the magnitudes that were rounded (the
+  Recorder records them under a coarse policy): "the partial sums' magnitude standing for the
+  result's" fails where the terms cancel. Derivation, per element i: the reference rounds its
+  whole-batch gradient once, ref_i = g_i (1 + d_0); each of the W ranks rounds its partial p_ri
+  (g_i = mean_r p_ri) and the reduce averages them, got_i = mean_r p_ri (1 + d_r), |d| <= u_p. So
+  |ref_i - got_i| <= u_p (|g_i| + mean_r |p_ri|), which is the sum of the magnitudes rounded, not
+  the result: an RMSNorm weight's gradient, sum over tokens of x_hat * dy with terms of both signs,
+  has |p_ri| up to several times |g_i|. Per row, by the triangle inequality, a row's norm moves by
+  at most u_p (||g_row|| + mean_r ||p_r,row||) and its sum by sqrt(row length) times that, so
+  against the normwise scale (the largest row norm of the reference's gradient) the term is
+  u_p x S, S = max over rows of (A_ref + A_got) / max ||g_row||, with A a run's row norms rounded
+  (summed over its backward passes: each micro-batch's gradient is rounded once), averaged over
+  its ranks. Where nothing cancels A = ||g_row|| on both sides and S = 2: the 2 u_p above, which
+  stays the floor (S below 2 only by rounding of the recorded magnitudes themselves).
 * calibrated (with `--calibration RUN`, the reference script rerun with FSDP_VERIFY_PERTURB=seed):
   later records, where rounding differences compound through the optimizer (Adam divides by
   sqrt(v): an ulp in a small gradient is not small in the update). Limit: NOISE_MULTIPLE times the
@@ -61,6 +75,25 @@ def bound(dtype: torch.dtype, world_size: int, reduce_dtype: torch.dtype = torch
     return Tolerance("bound", base.limit + extra, why)
 
 
+def bound_rounded(
+    dtype: torch.dtype, world_size: int, reduce_dtype: torch.dtype, spread: float, param_dtype: torch.dtype
+) -> Tolerance:
+    """bound() with the one-ulp term of param_dtype, 2 u_p, replaced by u_p x `spread` (S above:
+    the magnitudes both runs rounded to param_dtype against the largest row's norm), never below."""
+    plain = bound(dtype, world_size, reduce_dtype)
+    if spread <= 2:
+        return plain
+    u_p = unit_roundoff(param_dtype)
+    p = str(param_dtype).replace("torch.", "")
+    return Tolerance(
+        "bound",
+        plain.limit + (spread - 2) * u_p,
+        plain.why.replace(f"one {p} ulp (one rounding flip)", f"u({p}) x {spread:.4g}")
+        + f" (the magnitudes rounded to {p}, each rank's partial gradient and the reference's whole,"
+        f" are {spread:.4g}x the largest row's norm; 2 where no terms cancel)",
+    )
+
+
 def calibrated(
     dtype: torch.dtype, world_size: int, noise: float, reduce_dtype: torch.dtype = torch.float32
 ) -> Tolerance:
@@ -90,3 +123,13 @@ def unjudged(
         or "after an optimizer step rounding compounds beyond any a-priori bound; shown against the bound"
         " for information only (record the reference again with FSDP_VERIFY_PERTURB=1 and pass --calibration)",
     )
+
+
+def replica(dtype: torch.dtype) -> Tolerance:
+    """Two ranks' copies of one replicated tensor (a plain tensor on every rank, a replicated
+    DTensor): a data-parallel step gives every rank the same reduced gradient and the same update,
+    so the copies hold the same values and their fingerprints, computed by the same kernels, agree
+    (the bound's few units of roundoff, without a reduction between them). Ranks that train apart
+    (no collective between them) differ by a learning-rate step, thousands of times more."""
+    b = bound(dtype, 1)
+    return Tolerance("replica", b.limit, f"replicas hold the same values on every rank ({b.why})")

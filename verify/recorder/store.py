@@ -33,7 +33,15 @@ def write_meta(out: str | Path, rank: int, meta: dict[str, Any]) -> None:
 
 
 def write_step(out: str | Path, rank: int, call: int, tensors: dict[str, torch.Tensor], header: dict) -> Path:
-    path = rank_dir(out, rank) / f"step{call:06d}.safetensors"
+    return _write(rank_dir(out, rank) / f"step{call:06d}.safetensors", tensors, header)
+
+
+def write_state(out: str | Path, rank: int, when: str, tensors: dict[str, torch.Tensor], header: dict) -> Path:
+    """The state at one moment (`when`: "at_load", "at_close"), laid out as a step's file."""
+    return _write(rank_dir(out, rank) / f"{when}.safetensors", tensors, header)
+
+
+def _write(path: Path, tensors: dict[str, torch.Tensor], header: dict) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     # Serialised in memory, then one write: half the time of save_file on this step's few small tensors.
     path.write_bytes(save({k: v.contiguous() for k, v in tensors.items()}, metadata={"header": json.dumps(header)}))
@@ -104,7 +112,18 @@ class Run:
     def load(self, rank: int, call: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         if self.before is not None and call <= self.resumed_after:
             return self.before.load(rank, call)
-        path = rank_dir(self.path, rank) / f"step{call:06d}.safetensors"
+        return self._read(rank_dir(self.path, rank) / f"step{call:06d}.safetensors")
+
+    def load_state(self, when: str) -> list[tuple[dict[str, torch.Tensor], dict[str, Any]]] | None:
+        """Every rank's state "at_load" (a resumed run's, right after its load) or "at_close" (the
+        state it ended with); None for a run that did not record it (a recorder before it did)."""
+        paths = [rank_dir(self.path, r) / f"{when}.safetensors" for r in range(self.world_size)]
+        if not all(p.is_file() for p in paths):
+            return None
+        return [self._read(p) for p in paths]
+
+    @staticmethod
+    def _read(path: Path) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
         try:
             with safe_open(str(path), framework="pt") as f:
                 header = json.loads((f.metadata() or {}).get("header", "{}"))

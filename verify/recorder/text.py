@@ -14,13 +14,15 @@ TITLES = {
     "grads": "gradients",
     "params": "parameters after the optimizer step",
     "optim_state": "optimizer state",
+    "sharding": "sharding",
 }
 RULES = {
     "exact": "the same values (step 0): float64 fingerprints may differ only by summation order",
     "bound": "before any optimizer update: a few units of roundoff of the magnitude (reassociated sums, the DP average)",
     "calibrated": "after an update: 10x the reference's deviation from its perturbed rerun, never below the bound",
     "unjudged": "after an update, without a calibration run: shown against the bound, cannot fail",
-    "check": "the data check: every sample of the reference's batch on exactly one rank",
+    "check": "the data check: every sample of the reference's batch on exactly one rank; the sharding check",
+    "replica": "a tensor more than one rank holds: the same values on every rank (the bound, no reduction)",
 }
 
 
@@ -66,6 +68,23 @@ def summary(c: Comparison) -> str:
         f" {c.steps} steps compared{', calibrated by ' + str(c.calibration.path) if c.calibration else ''}"
     )
     first = c.first_divergence
+    if c.not_sharded:
+        plain = [f for f in c.not_sharded if f.kind == "sharding"]
+        parted = [f for f in c.not_sharded if f.kind == "deviation"]
+        reasons = [plain[0].message] if plain else []
+        if parted:
+            f = parted[0]
+            reasons.append(
+                f"at step {f.step}, {f.message} (off by {f.normwise:.3g} normwise, {f.ratio:.3g}x the {f.mode} tolerance)"
+            )
+        records = [f for f in c.judged if f.phase != "sharding"]
+        numbers = (
+            f"the first of its records to part from the reference: {where(first)}"
+            + (f" ({first.message})" if first.kind != "deviation" else "")
+            if first
+            else f"all {len(records)} judged records agree with the reference, as a run that is not sharded can"
+        )
+        return f"NOT SHARDED: {what}: {'; and '.join(reasons)}. Not compared as a sharded run; {numbers}."
     if first is None:
         judged = [f for f in c.judged if f.kind == "deviation"]
         worst = max(judged, key=lambda f: f.ratio, default=None)

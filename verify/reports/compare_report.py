@@ -54,7 +54,7 @@ def build(c, seconds: float, summary: str, argv: list[str]) -> dict[str, Any]:
     for f in judged:
         steps = ratios.setdefault(f.comparator, {})
         steps[str(f.step)] = max(steps.get(str(f.step), 0.0), f.ratio)
-    first = c.first_divergence
+    first = (c.not_sharded or [c.first_divergence])[0]
     first_text = None if first is None else f"{first.comparator} @ {first.step}/{first.phase} {first.name}"
     row = {
         "index": None,
@@ -93,12 +93,14 @@ def build(c, seconds: float, summary: str, argv: list[str]) -> dict[str, Any]:
             "runs": [_run(c.ref, "reference"), _run(c.got, "sharded")]
             + ([_run(c.calibration, "calibration")] if c.calibration else []),
             "summary": summary,
+            "verdict": "not_sharded" if c.not_sharded else ("equivalent" if c.ok else "diverged"),
             "replay": " ".join(argv),
             "steps": c.steps,
             "rules": c.rules_used(),
             "unjudged": sum(1 for f in c.findings if f.mode == "unjudged"),
             "notes": c.notes,
-            "first_divergence": _record(first) if first else None,
+            "first_divergence": _record(c.first_divergence) if c.first_divergence else None,
+            "not_sharded": [_record(f) for f in c.not_sharded],
             "records": [_record(f) for f in c.findings],
         },
     )
@@ -149,13 +151,13 @@ def render(report: dict[str, Any], table_text: str, rules_text: str) -> str:
     from fsdp_verify.reports.plots import line_chart
 
     c, e = report["compare"], html.escape
-    status = "PASS" if report["ok"] else "FAIL"
-    parts = [f'<h1 id="status" class="{status.lower()}">fsdp-verify compare: {status}</h1>']
+    status = "PASS" if report["ok"] else ("NOT SHARDED" if c.get("verdict") == "not_sharded" else "FAIL")
+    parts = [f'<h1 id="status" class="{"pass" if report["ok"] else "fail"}">fsdp-verify compare: {status}</h1>']
     if report["ok"]:
         parts.append(f"<p id=verdict>{e(c['summary'])}</p>")
     else:
         parts.append(
-            f'<section id="failures" class="failures"><h2>First divergence</h2><p>{e(c["summary"])}</p>'
+            f'<section id="failures" class="failures"><h2>{"Not sharded" if c.get("not_sharded") else "First divergence"}</h2><p>{e(c["summary"])}</p>'
             f"<p>Replay: <code>{e(c['replay'])}</code></p></section>"
         )
     parts.append(f"<h2>Runs</h2>{_runs_table(c)}<p>Compared: {c['steps']} steps.</p>")

@@ -12,6 +12,7 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
+from fsdp_verify.reports.causes import causes_of, signature
 from fsdp_verify.reports.schema import ReportError, as_float, load
 
 FLOOR = 1e-6  # ratios below this count as exact when comparing by a factor
@@ -33,6 +34,27 @@ def collect(path: str | Path) -> dict[str, dict[str, Any]]:
 
 def _cases(report: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {r["key"]: {"status": r["status"], "first_divergence": r["first_divergence"]} for r in report["cases"]}
+
+
+def _cause_entries(report: dict[str, Any], keep, keys: list[str] | None = None) -> list[dict[str, Any]]:
+    """The report's causes for which `keep(signature)` holds, each with its smallest case and replay;
+    `cases`: how many of its cases are among `keys` (all of them when None)."""
+    cause_of = {r["key"]: signature(r) for r in report["cases"]}
+    first = {r["case_hash"]: r["first_divergence"] for r in report["cases"]}
+    out = []
+    for c in causes_of(report):
+        if not keep(c["signature"]):
+            continue
+        mine = [k for k, cause in cause_of.items() if cause == c["signature"] and (keys is None or k in keys)]
+        if mine:
+            entry = {"signature": c["signature"], "cases": len(mine), "keys": mine}
+            smallest = {
+                "smallest": c["smallest"],
+                "first_divergence": first.get(c["smallest"]),
+                "replay": c.get("replay"),
+            }
+            out.append(entry | smallest)
+    return out
 
 
 def _deepdiff(old: dict[str, Any], new: dict[str, Any]) -> DeepDiff:
@@ -78,6 +100,21 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], factor: float) -> dic
     # one entry per case even if deepdiff reported both its fields
     for name in ("new_failures", "fixed_failures", "changed_cases"):
         out[name] = list({e["key"]: e for e in out[name]}.values())
+    # A nightly that turns red by one bug fails many cases: what got worse is said a cause at a
+    # time (verify/reports/causes.py): causes the old report did not have, and new failures of
+    # causes it had; and what got better, causes gone.
+    known = {c["signature"] for c in causes_of(old)}
+    now = {c["signature"] for c in causes_of(new)}
+    newly = [e["key"] for e in out["new_failures"]]
+    out["new_causes"] = _cause_entries(new, lambda c: c not in known)
+    out["known_causes_new_failures"] = _cause_entries(new, lambda c: c in known, newly)
+    out["gone_causes"] = _cause_entries(old, lambda c: c not in now)
+    was, became = ({r["key"]: signature(r) for r in report["cases"]} for report in (old, new))
+    moved: dict[tuple, int] = {}
+    for e in out["changed_cases"]:
+        pair = (was.get(e["key"]), became.get(e["key"]))
+        moved[pair] = moved.get(pair, 0) + 1
+    out["changed_by_cause"] = [{"old": a, "new": b, "cases": n} for (a, b), n in moved.items()]
     for comp in sorted(set(old["comparators"]) | set(new["comparators"])):
         o, n = old["comparators"].get(comp), new["comparators"].get(comp)
         for stat in ("worst", "p99"):
@@ -99,7 +136,11 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], factor: float) -> dic
     out["missing_shards"] = new.get("missing_shards") or []
     out["worse"] = (
         [f"missing shards {', '.join(out['missing_shards'])}"] * bool(out["missing_shards"])
-        + [f"new failure {e['key']}: {e['first_divergence']}" for e in out["new_failures"]]
+        + [f"new cause ({_count(c['cases'])}): {c['signature']}" for c in out["new_causes"]]
+        + [
+            f"{_count(c['cases'], 'more failing case')} of a known cause: {c['signature']}"
+            for c in out["known_causes_new_failures"]
+        ]
         + [
             f"{e['comparator']} {e['stat']} ratio {_num(e['old'])} -> {_num(e['new'])}"
             for e in out["ratios_moved"]
@@ -140,6 +181,8 @@ def _changed(d: dict[str, Any]) -> bool:
             "new_failures",
             "fixed_failures",
             "changed_cases",
+            "new_causes",
+            "gone_causes",
             "ratios_moved",
             "zoo_lost",
             "zoo_gained",
@@ -149,6 +192,10 @@ def _changed(d: dict[str, Any]) -> bool:
             "only_in_new",
         )
     )
+
+
+def _count(n: int, what: str = "case", plural: str | None = None) -> str:
+    return f"{n} {what if n == 1 else plural or what + 's'}"
 
 
 def _num(v: float | None) -> str:
@@ -174,16 +221,9 @@ def text(result: dict[str, Any]) -> str:
             lines.append(f"  MISSING SHARDS in NEW: {', '.join(d['missing_shards'])}")
         if d["only_in_old"] or d["only_in_new"]:
             lines.append(f"  cases only in OLD: {len(d['only_in_old'])}, only in NEW: {len(d['only_in_new'])}")
-        for e in d["new_failures"]:
-            lines.append(f"  NEW FAILURE {e['key']}: {e['status']}, first divergence {e['first_divergence']}")
-        for e in d["fixed_failures"]:
-            lines.append(f"  fixed {e['key']} (was {e['status']}: {e['first_divergence']})")
-        for e in d["changed_cases"]:
-            old, new = e["old"], e["new"]
-            lines.append(
-                f"  changed {e['key']}: {old['status']} ({old['first_divergence'] or '-'})"
-                f" -> {new['status']} ({new['first_divergence'] or '-'})"
-            )
+        lines += _failures_text(d)
+        for c in d["changed_by_cause"]:
+            lines.append(f"  changed [{_count(c['cases'])}]: {c['old'] or 'pass'} -> {c['new'] or 'pass'}")
         for e in d["ratios_moved"]:
             how = "UP" if e["by"] > 1 else "down"
             lines.append(f"  {e['comparator']} {e['stat']} ratio {how}: {_num(e['old'])} -> {_num(e['new'])}")
@@ -193,8 +233,45 @@ def text(result: dict[str, Any]) -> str:
             lines.append(f"  zoo bug now caught: {b}")
         for field, ch in d["environment"].items():
             lines.append(f"  environment {field}: {ch['old']} -> {ch['new']}")
-    lines.append(f"WORSE: {len(result['worse'])} regressions" if result["worse"] else "nothing got worse")
+    lines.append(_verdict_line(result))
     return "\n".join(lines)
+
+
+def _failures_text(d: dict[str, Any]) -> list[str]:
+    """Failures a cause a line (each case's key is in --json): new causes, new failures of known
+    causes, causes gone."""
+    lines = []
+    for c in d["new_causes"]:
+        lines.append(f"  NEW CAUSE [{_count(c['cases'])}]: {c['signature']}")
+        lines.append(f"      smallest {c['smallest']}, first divergence {c['first_divergence'] or '-'}")
+        if c["replay"]:
+            lines.append(f"      replay: {c['replay']}")
+    for c in d["known_causes_new_failures"]:
+        lines.append(f"  NEW FAILURES [{_count(c['cases'])}] of a known cause: {c['signature']}")
+    for c in d["gone_causes"]:
+        lines.append(f"  fixed cause [{_count(c['cases'])}]: {c['signature']}")
+    if d["fixed_failures"]:
+        lines.append(f"  fixed: {_count(len(d['fixed_failures']))} pass now")
+    return lines
+
+
+def _verdict_line(result: dict[str, Any]) -> str:
+    """`WORSE: 2 new causes (37 newly failing cases), 4 ratios up, ...` or `nothing got worse`."""
+    if not result["worse"]:
+        return "nothing got worse"
+    places = [d for d in result["places"].values() if "new_failures" in d]
+    failing = sum(len(d["new_failures"]) for d in places)
+    counts = [
+        (sum(len(d["new_causes"]) for d in places), "new cause", None),
+        (sum(e["by"] > 1 for d in places for e in d["ratios_moved"]), "ratio up", "ratios up"),
+        (sum(len(d["zoo_lost"]) for d in places), "zoo bug lost", "zoo bugs lost"),
+        (sum(bool(d["missing_shards"]) for d in places), "report missing shards", "reports missing shards"),
+        (sum(bool(d.get("missing_in_new")) for d in result["places"].values()), "report gone", "reports gone"),
+    ]
+    parts = [_count(*c) for c in counts if c[0] or (c[1] == "new cause" and failing)]
+    if failing:
+        parts[0] += f" ({_count(failing, 'newly failing case')})"
+    return "WORSE: " + ", ".join(parts)
 
 
 def html_section(result: dict[str, Any]) -> str:

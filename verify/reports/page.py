@@ -9,13 +9,14 @@ import json
 import math
 from typing import Any
 
+from fsdp_verify.reports.causes import causes_of, html_section
 from fsdp_verify.reports.plots import hbars, histogram, line_chart, svg_histogram, zoo_matrix
 from fsdp_verify.reports.schema import as_float
 
 STYLE = """body{font-family:sans-serif;margin:2em;max-width:80em}table{border-collapse:collapse}
 td,th{border:1px solid #ccc;padding:2px 6px;font-size:12px}pre{background:#f4f4f4;padding:1em;overflow:auto}
 .failures{background:#fde0dd;border:2px solid #c0392b;padding:0.5em 1em}.pass{color:#1e8449}.fail{color:#c0392b}
-tr.bad td{background:#fde0dd}.warn{background:#fff3cd;padding:0.5em 1em}"""
+tr.bad td{background:#fde0dd}.cause{border-top:1px solid #c0392b;margin-top:0.5em}.cause h3{margin:0.4em 0}.warn{background:#fff3cd;padding:0.5em 1em}"""
 
 MAX_ROWS = 2000
 
@@ -34,19 +35,29 @@ def page(title: str, body: str) -> str:
     )
 
 
-def failures_section(report: dict[str, Any]) -> str:
+def _failure_item(f: dict[str, Any]) -> str:
+    """A failure no case row stands for (selftest's uncaught bugs): its own paragraph."""
     e = html.escape
-    items = []
-    for f in report["failures"]:
-        replay = f"<p>Replay: <code>{e(f['replay'])}</code></p>" if f.get("replay") else ""
-        case = ""
-        if f.get("case"):
-            case = f"<details><summary>Case</summary><pre>{e(json.dumps(f['case'], indent=2, sort_keys=True))}</pre></details>"
-        zoomed = f"<p>Zoom: <code>{e(f['zoom'])}</code></p>" if f.get("zoom") else ""
-        items.append(
-            f"<div class=failure><p><b>{e(f['case_hash'])}</b>: {e(f['summary'])}</p>"
-            f"<p>First divergence: <code>{e(f['first_divergence'] or '-')}</code></p>{zoomed}{replay}{case}</div>"
+    replay = f"<p>Replay: <code>{e(f['replay'])}</code></p>" if f.get("replay") else ""
+    case = ""
+    if f.get("case"):
+        case = (
+            f"<details><summary>Case</summary><pre>{e(json.dumps(f['case'], indent=2, sort_keys=True))}</pre></details>"
         )
+    zoomed = f"<p>Zoom: <code>{e(f['zoom'])}</code></p>" if f.get("zoom") else ""
+    return (
+        f"<div class=failure><p><b>{e(f['case_hash'])}</b>: {e(f['summary'])}</p>"
+        f"<p>First divergence: <code>{e(f['first_divergence'] or '-')}</code></p>{zoomed}{replay}{case}</div>"
+    )
+
+
+def failures_section(report: dict[str, Any]) -> str:
+    """The failing cases grouped by cause (verify/reports/causes.py), each cause once."""
+    e = html.escape
+    causes = causes_of(report)
+    covered = {h for c in causes for h in c["cases"]}
+    items = [html_section(causes, report["cases"], report["failures"])] if causes else []
+    items += [_failure_item(f) for f in report["failures"] if f["case_hash"] not in covered]
     missing = report.get("missing_shards") or []
     if missing:
         items.insert(

@@ -13,6 +13,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from fsdp_verify.reports.causes import group, signature
 from fsdp_verify.reports.schema import SCHEMA_VERSION, as_float, dump, ratio
 
 
@@ -60,6 +61,7 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         "worst_where": f"step {worst.step} {worst.phase} {worst.name}" if worst is not None else None,
         "first_divergence": first_divergence(verdict) if error is None else f"rank failure: {error.splitlines()[0]}",
         "summary": (verdict.summary() if verdict is not None else error) if not ok else None,
+        **({"hint": verdict.hint} if not ok and verdict is not None and verdict.hint else {}),
         "ratios": ratios_by_comparator(verdict) if verdict is not None else {},
         **(
             {"loss_scale": loss_scale_tally(verdict.loss_scales)} if verdict is not None and verdict.loss_scales else {}
@@ -123,7 +125,12 @@ def comparators(rows: Iterable[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 
 def failures_from_rows(rows: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     return [
-        {"case_hash": r["case_hash"], "summary": r["summary"] or "", "first_divergence": r["first_divergence"]}
+        {
+            "case_hash": r["case_hash"],
+            "summary": r["summary"] or "",
+            "first_divergence": r["first_divergence"],
+            **({"replay": r["replay"]} if r.get("replay") else {}),
+        }
         for r in rows
         if not r["ok"]
     ]
@@ -147,6 +154,11 @@ def finish(
     from fsdp_verify.reports.environment import environment as current_environment
 
     passed = sum(r["ok"] for r in rows)
+    failures = failures_from_rows(rows) if failures is None else failures
+    for row in rows:
+        cause = signature(row)
+        if cause is not None:
+            row["cause"] = cause
     return {
         "schema_version": SCHEMA_VERSION,
         "kind": kind,
@@ -160,7 +172,8 @@ def finish(
         "counts": {"cases": len(rows), "passed": passed, "failed": len(rows) - passed},
         "cases": rows,
         "comparators": comparators(rows),
-        "failures": failures_from_rows(rows) if failures is None else failures,
+        "failures": failures,
+        "causes": group(rows, failures),
         "zoo": zoo,
         **extra,
     }

@@ -63,6 +63,15 @@ def build_report(result: SearchResult, meta: dict[str, Any]) -> dict[str, Any]:
             "replay": replay_command(f.repro_path) if f.repro_path else None,
             "case": f.case.to_dict(),
         }
+    first = None
+    if result.first_failure is not None:
+        f = result.first_failure
+        first = {
+            "case_hash": f.case.hash,
+            "seconds": round(result.first_failure_seconds or 0.0, 3),
+            "first_divergence": str(f.first_divergence),
+            "file": f"first-failure-{f.case.hash}.json",
+        }
     passing = [r["worst_ratio"] for r in rows if r["ok"] and isinstance(r["worst_ratio"], float)]
     return finish(
         "fuzz",
@@ -81,6 +90,8 @@ def build_report(result: SearchResult, meta: dict[str, Any]) -> dict[str, Any]:
         by_model=_counts(rows, "model"),
         worst_ratio=max(passing, default=None),
         failure=failure,
+        first_failure=first,
+        shrink_note=result.shrink_note,
         closest_pass=closest,
     )
 

@@ -1,6 +1,7 @@
-"""One page over the last K nights: false alarms, worst and p99 ratio per comparator, cases per
-minute, zoo catches, each with the night it last changed, and the latest night's diff. A night is
-a folder (named so that names sort by date, e.g. 2026-11-23) holding report.json files."""
+"""One page over the last K nights: false alarms and how many causes they have, worst and p99
+ratio per comparator, cases per minute, zoo catches, each with the night it last changed, and the
+latest night's diff (new causes first). A night is a folder (named so that names sort by date,
+e.g. 2026-11-23) holding report.json files."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import math
 from pathlib import Path
 from typing import Any
 
+from fsdp_verify.reports.causes import causes_of
 from fsdp_verify.reports.diff import collect, diff, html_section
 from fsdp_verify.reports.page import page
 from fsdp_verify.reports.plots import line_chart
@@ -47,6 +49,7 @@ def metrics(night: Path) -> dict[str, Any]:
     return {
         "night": night.name,
         "false_alarms": sum(r["counts"]["failed"] for r in runs),
+        "causes": len({c["signature"] for r in runs for c in causes_of(r)}),
         "cases": cases,
         "cases_per_minute": cases / seconds * 60 if seconds > 0 else None,
         "comparators": comps,
@@ -70,6 +73,7 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
     comps = sorted({c for r in rows for c in r["comparators"]})
     columns: list[tuple[str, Any]] = [
         ("false alarms", lambda r: r["false_alarms"]),
+        ("their causes", lambda r: r["causes"]),
         ("cases", lambda r: r["cases"]),
         ("cases/min", lambda r: None if r["cases_per_minute"] is None else round(r["cases_per_minute"], 1)),
         ("zoo caught", lambda r: None if r["zoo_total"] is None else f"{r['zoo_caught']}/{r['zoo_total']}"),
@@ -89,10 +93,13 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
             tds.append(f"<td{' class=changed' if changed else ''}>{html.escape(v)}</td>")
         table_rows.append(f"<tr><th>{html.escape(name)}</th>{''.join(tds)}<td>{html.escape(changed_on)}</td></tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in labels)
-    alarms = [r["false_alarms"] for r in rows]
+    alarms = {
+        "false alarms": [(i, r["false_alarms"]) for i, r in enumerate(rows)],
+        "their causes": [(i, r["causes"]) for i, r in enumerate(rows)],
+    }
     plots = [
-        "<h2>False alarms</h2>",
-        line_chart({"false alarms": list(enumerate(alarms))}, labels, name="trend-alarms", log=False, threshold=None),
+        "<h2>False alarms and their causes</h2>",
+        line_chart(alarms, labels, name="trend-alarms", log=False, threshold=None),
         "<h2>Cases per minute</h2>",
         line_chart(
             {"cases/min": [(i, r["cases_per_minute"]) for i, r in enumerate(rows)]},

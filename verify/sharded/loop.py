@@ -29,8 +29,14 @@ from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, with
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import optimizer_state, schedule_state, step_scheduler
-from fsdp_verify.training.resume import rank_fingerprints, restore_trainer, saved_step, trainer_state
+from fsdp_verify.training.optim import optimizer_state, param_groups_state, schedule_state, step_scheduler
+from fsdp_verify.training.resume import (
+    FRESH_PARAM_GROUPS,
+    rank_fingerprints,
+    restore_trainer,
+    saved_step,
+    trainer_state,
+)
 from fsdp_verify.training.rng import dropout_seed
 from fsdp_verify.training.user_step import StepContext, StepRecording, load_step
 
@@ -228,6 +234,9 @@ def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple
         # optimizer's state template (`get_state_dict`) would leave out theirs.
         ctx.phase(f"unfreeze (at step {case.unfreeze_step}, before the save)")
         view.unfreeze([n for n in params if is_frozen(case.model, n)])
+    # The hyperparameters the optimizer was built with, for a hint: a group that kept them was
+    # not loaded (verify/hints.py).
+    records.meta(FRESH_PARAM_GROUPS, {k: v.tolist() for k, v in param_groups_state(optimizer).items()})
     ctx.phase("load checkpoint")
     trainer = view.checkpointer().load(path, optimizer)
     restore_trainer(trainer, scaler, ctx.rank, scheduler)
@@ -241,8 +250,8 @@ def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple
         full, opt = view.parameters(), state
     records.tensors(saved, "resumed", {f"params.{n}": t for n, t in full.items()})
     records.tensors(saved, "resumed", {f"optim.{n}": t for n, t in opt.items()})
-    lrs = [float(g["lr"]) for g in optimizer.param_groups]
-    records.full(saved, "resumed", "lr", torch.tensor(lrs, dtype=torch.float64))
+    for key, value in param_groups_state(optimizer).items():
+        records.full(saved, "resumed", key, value)
     if scheduler is not None:
         for key, value in schedule_state(scheduler).items():
             records.full(saved, "resumed", key, value)

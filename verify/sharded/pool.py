@@ -27,6 +27,7 @@ from fsdp_verify.case import Case
 from fsdp_verify.sharded.arena import read_fill
 from fsdp_verify.sharded.devices import pool_env
 from fsdp_verify.sharded.worker import PhaseBoard
+from fsdp_verify.sharded.zygote import RankProcess, Zygote, ZygoteError
 from fsdp_verify.trace import Trace
 
 DEFAULT_TIMEOUT_S = 120.0
@@ -53,7 +54,7 @@ class RankPool:
         self.world_size = world_size
         self.timeout_s = timeout_s
         self.start_timeout_s = start_timeout_s
-        self._procs: list[subprocess.Popen] = []
+        self._procs: list[RankProcess] = []
         self._to: list[Connection] = []  # parent -> rank
         self._from: list[Connection] = []  # rank -> parent; EOF when the rank dies
         self._board: PhaseBoard | None = None
@@ -66,6 +67,7 @@ class RankPool:
         # verify/sharded/arena.py) or "pipe" (a trace under 1 MB, or that directory full).
         self.last_trace_via = ""
         self.exit_codes: list[int | None] = []
+        self._zygote: Zygote | None = None
         self._stderr: list[_StderrRelay] = []
 
     # ---- lifecycle ----------------------------------------------------------------------------
@@ -74,41 +76,57 @@ class RankPool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
     def start(self) -> None:
-        """Spawn the ranks as `python -m fsdp_verify.sharded.worker` children talking over two pipes each: no
-        re-import of the caller's __main__, nothing inherited but the pipes."""
-        self.close()
+        """Fork the ranks from the pool's zygote (verify/sharded/zygote.py), started the first time
+        (a `python -m fsdp_verify.sharded.zygote` child: no re-import of the caller's __main__),
+        each talking over two pipes; a restart after a rank failure is a fork, not a torch start."""
+        self._stop_ranks()
         self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-", dir=memory_dir()))
         self._board = PhaseBoard(str(self._dir / "phases"), self.world_size, create=True)
         pg_timeout = max(self.timeout_s * 4, 60.0)  # the process group's own timeout acts after ours
-        env = {
-            **os.environ,
-            "PYTHONPATH": _import_path(),
-            **pool_env(
-                self.world_size
-            ),  # this xdist worker's own GPUs when CUDA is present (verify/sharded/devices.py)
-        }
+        # this xdist worker's own GPUs when CUDA is present (verify/sharded/devices.py)
+        env = {**os.environ, "PYTHONPATH": _import_path(), **pool_env(self.world_size)}
+        if self._zygote is None:
+            self._zygote = Zygote({**os.environ, "PYTHONPATH": env["PYTHONPATH"]}, self.start_timeout_s)
         for rank in range(self.world_size):
             down_r, down_w = os.pipe()
             up_r, up_w = os.pipe()
-            cmd = [sys.executable, "-m", "fsdp_verify.sharded.worker", str(rank), str(self.world_size), str(self._dir)]
-            cmd += [str(down_r), str(up_w), str(pg_timeout)]
-            proc = subprocess.Popen(
-                cmd, pass_fds=(down_r, up_w), env=env, stdin=subprocess.DEVNULL, stderr=subprocess.PIPE
-            )
-            os.close(down_r)
-            os.close(up_w)
+            err_r, err_w = os.pipe()  # its stderr, relayed (_StderrRelay)
+            args = [str(rank), str(self.world_size), str(self._dir), str(pg_timeout)]
+            try:
+                proc = self._zygote.spawn(args, (down_r, up_w, err_w), env)
+            except ZygoteError as e:
+                os.close(down_w)
+                os.close(up_r)
+                os.close(err_r)
+                self._stop_ranks()
+                raise RankFailure("start", rank, "start", str(e), {}) from None
+            finally:  # the rank's ends: the zygote holds its own copies now
+                os.close(down_r)
+                os.close(up_w)
+                os.close(err_w)
             self._procs.append(proc)
-            self._stderr.append(_StderrRelay(proc.stderr))
+            self._stderr.append(_StderrRelay(err_r))
             self._to.append(Connection(down_w, readable=False))
             self._from.append(Connection(up_r, writable=False))
         self.starts += 1
         self._collect("start", self.start_timeout_s)
 
     def close(self) -> None:
-        """Stop every worker: politely if idle, by SIGKILL otherwise. Leaves no process behind."""
-        for conn in self._to:
-            with contextlib.suppress(OSError, ValueError):
-                conn.send(("stop",))
+        """Stop every worker (politely if idle, by SIGKILL otherwise) and the zygote. Leaves no
+        process behind."""
+        self._stop_ranks()
+        if self._zygote is not None:
+            self._zygote.close()
+            self._zygote = None
+
+    def _stop_ranks(self, kill: bool = False) -> None:
+        """Stop the ranks (`kill`: by SIGKILL without asking), keeping the zygote to fork the next."""
+        for conn, p in zip(self._to, self._procs, strict=True):
+            if kill:
+                p.kill()
+            else:
+                with contextlib.suppress(OSError, ValueError):
+                    conn.send(("stop",))
         deadline = time.monotonic() + 2.0
         codes = []
         for p in self._procs:
@@ -209,7 +227,9 @@ class RankPool:
                         replies[rank] = message[1]
                     pending.discard(rank)
         except RankFailure:
-            self.close()  # the process group is unusable after a failure; start afresh next case
+            # The process group is unusable after a failure: the ranks go at once (none is owed a
+            # polite stop, which waited for the survivors' shutdown), new ones are forked next case.
+            self._stop_ranks(kill=True)
             raise
         return replies
 
@@ -282,18 +302,22 @@ class _StderrRelay:
 
     KEEP = 16384
 
-    def __init__(self, stream):
-        self._stream, self._tail = stream, bytearray()
+    def __init__(self, fd: int):
+        self._fd, self._tail = fd, bytearray()
         self._thread = threading.Thread(target=self._relay, daemon=True)
         self._thread.start()
 
     def _relay(self) -> None:
-        with contextlib.suppress(OSError, ValueError):
-            while chunk := self._stream.read1(65536):
+        try:
+            while chunk := os.read(self._fd, 65536):
                 with contextlib.suppress(OSError):
                     os.write(2, chunk)
                 self._tail += chunk
                 del self._tail[: -self.KEEP]
+        except OSError:
+            pass
+        finally:
+            os.close(self._fd)
 
     def join(self, timeout_s: float) -> None:
         self._thread.join(timeout_s)

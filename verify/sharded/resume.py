@@ -11,6 +11,7 @@ from collections.abc import Callable
 from typing import Any
 
 from fsdp_verify.case import Case
+from fsdp_verify.sharded.collect import RANK_ROWS
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool, memory_dir
 from fsdp_verify.trace import Trace
 from fsdp_verify.validation import CaseError
@@ -46,9 +47,11 @@ def run_resumed(
 
 def merged(saved: Trace, resumed: Trace) -> Trace:
     """One sharded trace: the first run's records (steps 0 to the save), the second's (the
-    loaded state, then every later step); the second run's meta, with both runs' item counts."""
+    loaded state, then every later step); the second run's meta, with both runs' item counts
+    and ranks' rows."""
     out = Trace("sharded", {**saved.records, **resumed.records}, dict(resumed.meta))
-    out.meta["items"] = {**saved.meta.get("items", {}), **resumed.meta.get("items", {})}
+    for what in ("items", RANK_ROWS):  # keyed by step: each run's own
+        out.meta[what] = {**saved.meta.get(what, {}), **resumed.meta.get(what, {})}
     return out
 
 

@@ -72,6 +72,52 @@ def schedule_state(scheduler) -> dict[str, torch.Tensor]:
     }
 
 
+# The param groups' hyperparameters a resume must carry (docs/resume.md): the constructor
+# arguments of the optimizers that change the arithmetic, and the `initial_lr` a schedule adds.
+# Not the implementation switches (`foreach`, `fused`, `capturable`, `differentiable`): each
+# side may choose its own (`foreach_is_exact`) and none moves a number.
+HYPERPARAMETERS = (
+    "lr",
+    "initial_lr",
+    "weight_decay",
+    "betas",
+    "eps",
+    "momentum",
+    "dampening",
+    "nesterov",
+    "amsgrad",
+    "maximize",
+    "alpha",
+    "centered",
+    "lr_decay",
+    "initial_accumulator_value",
+    "decoupled_weight_decay",
+)
+
+
+def param_groups_state(optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """`param_groups.<key>`: each hyperparameter the first group holds, over the groups (float64,
+    a row per group; `betas` two columns; a flag 0 or 1; NaN where a group lacks it or holds None),
+    compared exactly right after a resume's load as the optimizer state is."""
+    groups = optimizer.param_groups
+    out: dict[str, torch.Tensor] = {}
+    for key in HYPERPARAMETERS:
+        if key not in groups[0]:
+            continue
+        rows = [g.get(key) for g in groups]
+        width = max((len(v) for v in rows if isinstance(v, (tuple, list))), default=0)
+        values = [
+            [float("nan") if x is None else float(x) for x in (v if isinstance(v, (tuple, list)) else [v])]
+            for v in rows
+        ]
+        if width:
+            values = [v + [float("nan")] * (width - len(v)) for v in values]
+        out[f"param_groups.{key}"] = torch.tensor(values, dtype=torch.float64).reshape(
+            len(groups), *([width] if width else [])
+        )
+    return out
+
+
 def foreach_is_exact(params: list[torch.Tensor]) -> bool:
     """Whether the multi-tensor ("foreach") update may run instead of the single-tensor one.
 

@@ -24,6 +24,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
 from fsdp_verify.training.optim import schedule_state
@@ -77,7 +78,7 @@ class Checkpointer:
         trainer = trainer_template(path)
         dcp.load({"trainer": trainer}, checkpoint_id=path)  # first: which parameters were stepped
         state = {"model": self.rename(model_sd)}
-        to_read = {k: v for k, v in optim_sd.items() if not _unstepped_state_key(k, trainer)}
+        to_read = {k: v for k, v in optim_sd.items() if not unstepped_state_key(k, trainer)}
         if to_read:  # empty on an FSDP1 rank that holds no element of any parameter: nothing to read
             state["optim"] = to_read
         dcp.load(state, checkpoint_id=path, planner=self.planner())
@@ -123,6 +124,9 @@ class Checkpointer:
 
 
 STEPPED = "stepped."
+# trace.meta key: the resumed run's param groups' hyperparameters as its optimizer was built,
+# before the load (`param_groups_state`, as lists).
+FRESH_PARAM_GROUPS = "fresh_param_groups"
 
 
 def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
@@ -150,7 +154,7 @@ def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, 
             optimizer.state.pop(p, None)
 
 
-def _unstepped_state_key(key: str, trainer: dict[str, torch.Tensor]) -> bool:
+def unstepped_state_key(key: str, trainer: dict[str, torch.Tensor]) -> bool:
     """Whether `key` (`state.<fqn>.<entry>`, flattened) is the optimizer state of a parameter
     the saving run had not stepped. The checkpoint holds none for it where the optimizer had
     stepped others (torch's `_init_optim_state` makes state only for an optimizer with none): a
@@ -176,12 +180,20 @@ def saved_step(path: str) -> int:
 def trainer_template(path: str) -> dict[str, torch.Tensor]:
     """Empty tensors of the saved trainer state's shapes and dtypes, read from the checkpoint's
     metadata (the saving run's world size fixes the generators' shape)."""
+    return saved_template(path).get("trainer", {})
+
+
+def saved_template(path: str) -> dict[str, dict]:
+    """Everything the checkpoint at `path` holds, as a state dict to load it into, by part
+    (`model`, `optim`, `trainer`): an empty tensor of each saved tensor's shape and dtype, read
+    from the checkpoint's metadata, and None for each other value (a param group's `lr`: DCP
+    puts the saved one in its place)."""
     metadata = dcp.FileSystemReader(path).read_metadata()
-    out = {}
+    out: dict[str, dict] = {}
     for key, meta in metadata.state_dict_metadata.items():
-        if key.startswith("trainer."):
-            props = meta.properties
-            out[key.removeprefix("trainer.")] = torch.empty(tuple(meta.size), dtype=props.dtype)
+        part, _, name = key.partition(".")
+        tensor = isinstance(meta, TensorStorageMetadata)
+        out.setdefault(part, {})[name] = torch.empty(tuple(meta.size), dtype=meta.properties.dtype) if tensor else None
     return out
 
 

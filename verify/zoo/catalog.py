@@ -17,6 +17,8 @@ from typing import Any
 
 from hypothesis import strategies as st
 
+from fsdp_verify.torch_support import COMM_CONTRACT, ZOO_COMM, part_off_note
+
 MULTI_RANK = (2, 3, 4)
 
 
@@ -31,6 +33,13 @@ class ZooBug:
     precisions: tuple[str, ...] = ("fp32", "bf16")
     model_kinds: tuple[str, ...] = ("mlp",)
     pins: dict[str, Any] = field(default_factory=dict)
+    needs: tuple[str, ...] = ()  # parts of the toolkit a torch may lack (torch_support: ZOO_COMM)
+
+    def off_here(self) -> str | None:
+        """Why this torch cannot show the bug (a part it needs is off: its mutant cannot be built,
+        or the contract that catches it is off), or None."""
+        needs = self.needs + ((COMM_CONTRACT,) if "comm" in self.catchers else ())
+        return next((why for why in map(part_off_note, needs) if why), None)
 
     def strategy(self, world_sizes: tuple[int, ...] | None = None):
         """The pinned case strategy; `world_sizes` narrows the bug's own (e.g. to 2 in CI)."""
@@ -222,6 +231,7 @@ ZOO: list[ZooBug] = [
         # are bit for bit the correct engine's, so only the contract can tell.
         world_sizes=(2,),
         pins=dict(_CHEAP),
+        needs=(ZOO_COMM,),
     ),
     ZooBug(
         "all_gather_in_fp32",
@@ -231,6 +241,7 @@ ZOO: list[ZooBug] = [
         ("comm",),
         precisions=("bf16",),
         pins=dict(_CHEAP),
+        needs=(ZOO_COMM,),
     ),
     ZooBug(
         "retains_full_params",
@@ -536,6 +547,50 @@ ZOO += [
         "a data loader's position not restored (issue 29)",
         ("resumed",),
         pins=dict(_RESUME),
+    ),
+    # Slips of a loop's load that a user brought (issue 38): each named right after the load,
+    # by a hint that tests its cause against the records (verify/hints.py).
+    ZooBug(
+        "optimizer_state_swapped_on_resume",
+        _mutant("optimizer_state_swapped_on_resume"),
+        "the optimizer state of two parameters of the same shape lands on each other",
+        "a state dict keyed by position loaded into an optimizer listing its parameters in another order (issue 38)",
+        ("resumed",),
+        # two layers of the same output width: their biases (and, square, their weights) alike
+        pins={
+            **_RESUME,
+            "optim.name": st.sampled_from(("adam", "adamw")),
+            "model.widths": st.tuples(st.integers(1, 16), st.integers(2, 16)).map(lambda t: (t[0], t[1], t[1])),
+            "model.frozen": (),
+        },
+    ),
+    ZooBug(
+        "optimizer_state_in_bf16_on_resume",
+        _mutant("optimizer_state_in_bf16_on_resume"),
+        "every float optimizer state rounded through bf16 by the load",
+        "a checkpoint that stored the optimizer's moments in bf16 (issue 38)",
+        ("resumed",),
+        pins={**_RESUME, "optim.name": st.sampled_from(("adam", "adamw"))},
+    ),
+    ZooBug(
+        "weights_loaded_on_rank0_only",
+        _mutant("weights_loaded_on_rank0_only"),
+        "only rank 0 takes the loaded weights; the other ranks keep the fresh model's shards",
+        "an `if rank == 0` left from a full-state-dict load whose broadcast was removed (issue 38)",
+        ("resumed",),
+        pins=dict(_RESUME),
+    ),
+    ZooBug(
+        "weight_decay_from_the_code_on_resume",
+        _mutant("weight_decay_from_the_code_on_resume"),
+        "the resumed optimizer's param groups take the code's weight_decay (0) over the saved one",
+        "a loop that re-applies its optimizer config after the load (issue 38)",
+        ("resumed",),
+        pins={
+            **_RESUME,
+            "optim.name": st.sampled_from(("adamw", "sgd")),
+            "optim.weight_decay": st.sampled_from((0.01, 0.1)),
+        },
     ),
     ZooBug(
         "scheduler_not_restored_on_resume",

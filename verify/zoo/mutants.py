@@ -17,8 +17,7 @@ from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultAllGather as _DefaultAllGather
-from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter as _DefaultReduceScatter
+from torch.distributed.tensor import DTensor
 
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.contracts import Contracts
@@ -27,6 +26,7 @@ from fsdp_verify.engines.fsdp2 import fully_shard_engine
 from fsdp_verify.engines.prefetch import set_prefetching
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.training.checkpointing import checkpoint_units
 from fsdp_verify.training.resume import Checkpointer, trainer_template
 
@@ -335,6 +335,21 @@ def loss_normalised_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec
 
 
 # ---- resource contracts (issue 14): every number right, the reason for sharding defeated -------
+# FSDP2's default collectives are private: a release without them has no comm mutants (the zoo
+# leaves them out, saying why: torch_support.ZOO_COMM); the rest of the zoo imports as ever.
+_COLLECTIVES = "torch.distributed.fsdp._fully_shard._fsdp_collectives"
+_DefaultReduceScatter = private_name(_COLLECTIVES, "DefaultReduceScatter") or object
+_DefaultAllGather = private_name(_COLLECTIVES, "DefaultAllGather") or object
+
+
+def _need_default_collectives() -> None:
+    from fsdp_verify.torch_support import ZOO_COMM, part_off_note
+
+    why = part_off_note(ZOO_COMM)
+    if why:
+        raise RuntimeError(why)
+
+
 class _AllReduceThenKeepMine(_DefaultReduceScatter):
     """A "reduce-scatter" that all-reduces the whole gradient buffer and keeps this rank's chunk:
     the same sums (at two ranks bit for bit: a + b is b + a), twice the bytes on the wire."""
@@ -348,6 +363,7 @@ class _AllReduceThenKeepMine(_DefaultReduceScatter):
 def all_reduce_instead_of_reduce_scatter(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Gradients all-reduced in full, then each rank keeps its shard (DDP habits in a sharded
     engine; seed 001: a reduce-scatter moves half of an all-reduce's bytes)."""
+    _need_default_collectives()
     fully_shard_engine(model, mesh, spec)
     for unit in _units(model):
         if unit._get_fsdp_state()._fsdp_param_groups:
@@ -371,6 +387,7 @@ class _GatherMasterWeights(_DefaultAllGather):
 def all_gather_in_fp32(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Parameters all-gathered in fp32 under a bf16 policy, cast to bf16 after the gather
     (seed 001: the all-gather moves param_dtype, half an fp32 gather's bytes)."""
+    _need_default_collectives()
     fully_shard_engine(model, mesh, spec)
     for unit in _units(model):
         if unit._get_fsdp_state()._fsdp_param_groups:
@@ -841,6 +858,68 @@ class _SchedulerNotRestored(Checkpointer):
         return {k: v for k, v in trainer.items() if not k.startswith("schedule.")}
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of a DTensor (the tensor itself otherwise), to change in place."""
+    return t._local_tensor if isinstance(t, DTensor) else t
+
+
+class _OptimStateSwapped(Checkpointer):
+    """Loads everything, but the optimizer state of two parameters of the same shape lands on
+    each other: a state dict keyed by position (`optimizer.state_dict()`'s integer ids) loaded
+    into an optimizer whose parameters are listed in another order (built from a dict of
+    parameter groups, or after a refactor moved a layer). Same shapes, so nothing complains."""
+
+    def after_load(self, optimizer, trainer):
+        seen: dict[tuple[int, ...], nn.Parameter] = {}
+        for _, p in self.module.named_parameters():
+            if not optimizer.state.get(p):
+                continue
+            other = seen.setdefault(tuple(p.shape), p)
+            if other is not p:
+                optimizer.state[p], optimizer.state[other] = optimizer.state[other], optimizer.state[p]
+                break
+        return trainer
+
+
+class _OptimStateInBf16(Checkpointer):
+    """Loads everything, the optimizer's float state rounded through bf16 (a checkpoint that
+    stored Adam's moments in bf16 to save space, read back into fp32 state)."""
+
+    def after_load(self, optimizer, trainer):
+        with torch.no_grad():
+            for state in optimizer.state.values():
+                for value in state.values():
+                    if isinstance(value, torch.Tensor) and value.is_floating_point():
+                        local = _local(value)
+                        local.copy_(local.to(torch.bfloat16).to(local.dtype))
+        return trainer
+
+
+class _LoadedOnRank0Only(Checkpointer):
+    """Loads the optimizer on every rank but the model's weights on rank 0 only: the other ranks
+    keep the shards of the freshly built model (an `if rank == 0:` left over from a loop that
+    loaded a full state dict on rank 0 and broadcast it, the broadcast since removed)."""
+
+    def load(self, path, optimizer):
+        fresh = [] if dist.get_rank() == 0 else [_local(p).detach().clone() for p in self.module.parameters()]
+        trainer = super().load(path, optimizer)
+        with torch.no_grad():
+            for p, before in zip(self.module.parameters(), fresh):
+                _local(p).copy_(before)
+        return trainer
+
+
+class _WeightDecayFromTheCode(Checkpointer):
+    """Loads everything, then applies the loop's own optimizer settings to the param groups
+    (`for g in optimizer.param_groups: g.update(config)`), whose `weight_decay` is 0: the saved
+    one is overwritten, and the run goes on without weight decay."""
+
+    def after_load(self, optimizer, trainer):
+        for group in optimizer.param_groups:
+            group["weight_decay"] = 0.0
+        return trainer
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
@@ -848,6 +927,10 @@ rng_not_restored_on_resume = _resuming(_RngNotRestored)
 loss_scale_reset_on_resume = _resuming(_LossScaleReset)
 data_position_reset_on_resume = _resuming(_DataPositionReset)
 scheduler_not_restored_on_resume = _resuming(_SchedulerNotRestored)
+optimizer_state_swapped_on_resume = _resuming(_OptimStateSwapped)
+optimizer_state_in_bf16_on_resume = _resuming(_OptimStateInBf16)
+weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
+weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
 
 
 # ---- tensor parallelism (issue 39) -----------------------------------------------------------------

@@ -56,6 +56,13 @@ class FlatView(EngineView):
     def set_requires_gradient_sync(self, sync: bool) -> None:
         raise NotImplementedError
 
+    def checkpointer(self):
+        """Whole tensors saved, each rank's piece loaded (verify/engines/flat/checkpoint.py):
+        `get_state_dict` takes plain pieces for replicated tensors."""
+        from fsdp_verify.engines.flat.checkpoint import FlatCheckpointer
+
+        return FlatCheckpointer(self)
+
     def grad_scaler(self, spec, device: torch.device):
         """`ShardedGradScaler`: a flat engine's gradients are plain tensors, which
         `torch.amp.GradScaler` checks on this rank alone; this one all-reduces the found-inf

@@ -1,0 +1,201 @@
+"""Hints from evidence (verify/hints.py, verify/evidence.py), on Traces made by hand: each cause
+is named where the records show it and not where they show something close to it. The same
+hints on real runs of the zoo's mutants: tests/test_resume.py and tests/test_mutants.py."""
+
+from __future__ import annotations
+
+import torch
+
+from fsdp_verify.compare.comparators import compare_traces
+from fsdp_verify.hints import hint
+from fsdp_verify.sharded.collect import RANK_ROWS
+from fsdp_verify.trace import Trace
+from fsdp_verify.training.resume import FRESH_PARAM_GROUPS
+
+K = 1  # the step saved after
+
+
+def _traces(saved: dict[str, torch.Tensor], loaded: dict[str, torch.Tensor], init=None, meta=None):
+    ref = Trace("reference", {(K, "resumed", n): t for n, t in saved.items()})
+    for n, t in (init or {}).items():
+        ref.records[(0, "init", n)] = t
+    got = Trace("sharded", {(K, "resumed", n): t for n, t in loaded.items()}, dict(meta or {}))
+    for n, t in (init or {}).items():  # both sides built the same model
+        got.records[(0, "init", n)] = t
+    return ref, got
+
+
+def _hint(ref: Trace, got: Trace, world_size: int = 2) -> str:
+    first = next(f for f in compare_traces(ref, got) if not f.ok)
+    return hint(first, ref, got, world_size)
+
+
+def _rows(n: int, *ranks: int) -> list[list[int]]:
+    """Rows 0..n split evenly over `ranks`, in order."""
+    per = n // len(ranks)
+    return [[r, i * per, (i + 1) * per] for i, r in enumerate(ranks)]
+
+
+A, B = torch.tensor([1.0, 2.0, 3.0, 4.0]), torch.tensor([5.0, 6.0, 7.0, 8.0])
+THIRDS = torch.tensor([1 / 3, 2 / 3, 1.1, 4.3])
+
+
+# ---- the loaded state of a resume ---------------------------------------------------------------
+def test_two_states_landed_on_each_other_are_named_swapped():
+    saved = {"optim.a.exp_avg": A, "optim.b.exp_avg": B}
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": B, "optim.b.exp_avg": A}))
+    assert "the loaded a.exp_avg is the saved b.exp_avg and the loaded b.exp_avg is the saved a.exp_avg" in said
+    assert "swapped" in said
+
+
+def test_one_state_loaded_under_another_name_is_mis_keyed_not_swapped():
+    saved = {"optim.a.exp_avg": A, "optim.b.exp_avg": B}
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": B, "optim.b.exp_avg": B}))
+    assert "is the saved b.exp_avg" in said and "mis-keyed" in said and "swapped" not in said
+
+
+def test_another_state_entry_of_the_same_values_is_not_taken_for_a_swap():
+    """Only the same entry of another parameter counts: an exp_avg equal to some exp_avg_sq is
+    not evidence of a swap."""
+    saved = {"optim.a.exp_avg": A, "optim.a.exp_avg_sq": B}
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": B, "optim.a.exp_avg_sq": B}))
+    assert "swapped" not in said and "mis-keyed" not in said
+    assert "differs from the saved one" in said and "it is none of" in said
+
+
+def test_a_state_at_bf16_rounding_is_named_with_its_dtype_and_near_it_is_only_described():
+    saved = {"optim.a.exp_avg": THIRDS}
+    rounded = THIRDS.to(torch.bfloat16).float()
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": rounded}))
+    assert (
+        "is the saved value rounded to bf16" in said
+        and "stored or passed in bf16, a lower precision than its float32" in said
+    )
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": THIRDS.half().float()}))
+    assert "rounded to fp16" in said
+    # bf16 rounding and then one more ulp somewhere: not the rounding, described
+    moved = rounded.clone()
+    moved[0] = torch.nextafter(moved[0], torch.tensor(2.0))
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": moved}))
+    assert (
+        "it was stored or passed in" not in said
+        and "it is none of: another record's saved value, the saved value rounded to bf16 or fp16" in said
+    )
+
+
+def test_zeros_where_state_was_saved_are_a_fresh_optimizers_and_no_state_at_all_too():
+    saved = {"optim.a.exp_avg": A, "optim.a.step": torch.tensor(3.0)}
+    said = _hint(*_traces(saved, {"optim.a.exp_avg": torch.zeros(4), "optim.a.step": torch.tensor(3.0)}))
+    assert "all zeros" in said and "fresh optimizer" in said
+    said = _hint(*_traces(saved, {}))
+    assert "holds no state" in said and "fresh optimizer" in said
+    # state held for others but not this one: not a fresh optimizer
+    saved["optim.b.exp_avg"] = B
+    said = _hint(*_traces(saved, {"optim.b.exp_avg": B}))
+    assert "though it holds state for others" in said and "fresh optimizer" not in said
+
+
+def test_a_step_count_of_zero_is_a_reset_and_another_wrong_count_is_described():
+    saved = {"optim.a.step": torch.tensor(3.0)}
+    assert "reset on resume" in _hint(*_traces(saved, {"optim.a.step": torch.tensor(0.0)}))
+    said = _hint(*_traces(saved, {"optim.a.step": torch.tensor(2.0)}))
+    assert "reset" not in said and "it is none of" in said
+
+
+def test_a_parameter_at_its_initial_value_is_a_key_not_loaded_and_another_value_is_described():
+    init = {"w": A}
+    saved = {"params.w": B}
+    said = _hint(*_traces(saved, {"params.w": A}, init=init))
+    assert "holds its initial values" in said and "not loaded" in said
+    said = _hint(*_traces(saved, {"params.w": A + 1}, init=init))
+    assert "initial" in said and "it is none of" in said and "not loaded" not in said
+
+
+def _by_rank(saved_w, loaded_w, init_w, ranks=(0, 1)):
+    rows = {f"{K}/resumed/params.w": _rows(len(saved_w), *ranks)}
+    return _traces({"params.w": saved_w}, {"params.w": loaded_w}, init={"w": init_w}, meta={RANK_ROWS: rows})
+
+
+def test_only_some_ranks_shards_wrong_are_named_and_fresh_shards_say_where_the_load_went():
+    init, saved = torch.zeros(4), A
+    said = _hint(*_by_rank(saved, torch.tensor([1.0, 2.0, 0.0, 0.0]), init))
+    assert "rank(s) [1] differ" in said and "rank(s) [0] are the saved ones" in said
+    assert "loaded on rank(s) [0] only" in said
+    # rank 1's rows wrong but not the initial values: the ranks named, no cause
+    said = _hint(*_by_rank(saved, torch.tensor([1.0, 2.0, 9.0, 9.0]), init))
+    assert "rank(s) [1] differ" in said and "only" not in said
+    # every rank's rows wrong: no rank named (here: the initial values everywhere, a key not loaded)
+    said = _hint(*_by_rank(saved, init, init))
+    assert "rank(s)" not in said and "holds its initial values" in said
+
+
+def test_without_per_rank_rows_no_rank_is_named():
+    """A view that makes its own full tensors (FSDP1, the flat engine) records no rank's rows."""
+    init, saved = torch.zeros(4), A
+    ref, got = _by_rank(saved, torch.tensor([1.0, 2.0, 0.0, 0.0]), init)
+    got.meta.pop(RANK_ROWS)
+    said = _hint(ref, got)
+    assert "rank(s)" not in said and "it is none of" in said
+
+
+def test_a_hyperparameter_is_compared_with_the_saved_and_the_built_value():
+    saved = {"param_groups.weight_decay": torch.tensor([0.1], dtype=torch.float64)}
+    loaded = {"param_groups.weight_decay": torch.tensor([0.0], dtype=torch.float64)}
+    built = {FRESH_PARAM_GROUPS: {"param_groups.weight_decay": [0.1]}}
+    said = _hint(*_traces(saved, loaded, meta=built))
+    assert "is [0.0]" in said and "not the saved [0.1] nor the [0.1] the optimizer was built with" in said
+    assert "set after the load" in said
+    built = {FRESH_PARAM_GROUPS: {"param_groups.weight_decay": [0.0]}}
+    said = _hint(*_traces(saved, loaded, meta=built))
+    assert "the value the optimizer was built with" in said and "set after" not in said
+    said = _hint(*_traces(saved, loaded))  # what it was built with not recorded: described only
+    assert "not the saved [0.1]" in said and "built" not in said and "set after" not in said
+
+
+# ---- the step hints -------------------------------------------------------------------------------
+G = {"a": torch.tensor([1.0, -2.0, 3.0, 0.5]), "b": torch.tensor([0.25, 4.0]), "frozen": torch.zeros(2)}
+
+
+def _grads(factors: dict[str, float], world_size: int = 2, rows=None) -> tuple[Trace, Trace]:
+    ref = Trace("reference", {(1, "grads", n): t for n, t in G.items()})
+    got = Trace("sharded", {(1, "grads", n): t * factors.get(n, 1.0) for n, t in G.items()})
+    got.meta["items"] = {"1": [[2]] * world_size}
+    if rows:
+        got.meta[RANK_ROWS] = rows
+    return ref, got
+
+
+def test_every_gradient_a_world_size_multiple_names_the_division():
+    said = _hint(*_grads({"a": 4.0, "b": 4.0}, world_size=4), world_size=4)
+    assert "every gradient of the step is world_size x" in said and "too rarely" in said
+    said = _hint(*_grads({"a": 1 / 3, "b": 1 / 3}, world_size=3), world_size=3)
+    assert "1/world_size x" in said and "once too often" in said
+
+
+def test_the_world_size_of_the_step_is_the_one_that_ran_it():
+    """After a resume on 4 ranks a step's world size is 4, not the case's 2."""
+    said = _hint(*_grads({"a": 4.0, "b": 4.0}, world_size=4), world_size=2)
+    assert "(the world size: 4)" in said
+
+
+def test_a_world_size_factor_on_some_gradients_is_described_not_explained():
+    said = _hint(*_grads({"a": 0.5}), world_size=2)
+    assert "1/world_size x" in said and "1 of the step's 2 gradients" in said
+    assert "once too often" not in said
+
+
+def test_twice_at_world_size_2_is_said_to_be_ambiguous_and_another_factor_is_no_world_size():
+    said = _hint(*_grads({"a": 2.0, "b": 2.0}), world_size=2)
+    assert "cannot tell" in said and "too rarely" not in said
+    said = _hint(*_grads({"a": 2.0, "b": 2.0}, world_size=3), world_size=3)
+    assert "2x the reference's" in said and "world size" not in said
+
+
+def test_only_some_ranks_shards_of_a_gradient_differing_are_named_and_every_ranks_not():
+    rows = {"1/grads/a": _rows(4, 0, 1)}
+    ref, got = _grads({}, rows=rows)
+    got.records[(1, "grads", "a")] = G["a"] * torch.tensor([1.0, 1.0, 1.01, 1.01])
+    said = _hint(ref, got)
+    assert "only rank(s) [1]'s shards of the reduced gradient a differ" in said
+    got.records[(1, "grads", "a")] = G["a"] * torch.tensor([1.0001, 1.0, 1.01, 1.01])
+    assert "only" not in _hint(ref, got)  # rank 0's rows moved too: no rank is right

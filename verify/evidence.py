@@ -1,0 +1,113 @@
+"""What the records show about a divergence, tested before a hint names a cause (verify/hints.py):
+a value that is another record's, a value at a lower precision's rounding, the ranks whose
+pieces differ, one factor across a step's records. Each answers from the two Traces alone (the
+sharded one's `rank_rows` say which rows each rank held); None or empty: the records do not show
+it, and the hint describes instead of naming a cause."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fsdp_verify.sharded.collect import rank_rows
+from fsdp_verify.trace import Key, Trace
+
+# The precisions a value may have been stored in and read back from (a checkpoint's, a cast).
+LOWER_PRECISIONS = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+# A fitted factor holds when what it leaves is this small a part of the record (as the gradient
+# hints always held it): far below any bug's, far above float noise.
+FIT = 1e-3
+
+
+def rounded_through(saved: torch.Tensor, got: torch.Tensor) -> str | None:
+    """The lower precision ("bf16", "fp16") whose rounding of `saved` gives `got` exactly, where
+    `got` is not `saved` itself; None if none does."""
+    if not saved.is_floating_point() or got.dtype != saved.dtype or got.shape != saved.shape:
+        return None
+    if torch.equal(saved, got):
+        return None
+    for dtype, name in LOWER_PRECISIONS.items():
+        if torch.finfo(dtype).bits < torch.finfo(saved.dtype).bits and torch.equal(
+            saved.to(dtype).to(saved.dtype), got
+        ):
+            return name
+    return None
+
+
+def equal_records(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[str]:
+    """The names of the candidates that hold exactly `value` (shape, dtype and every bit)."""
+    return [
+        n for n, t in candidates.items() if t.shape == value.shape and t.dtype == value.dtype and torch.equal(t, value)
+    ]
+
+
+def rank_deviations(ref: torch.Tensor, got: torch.Tensor, spans: list[list[int]]) -> dict[int, float]:
+    """Per rank holding rows of the record: the largest change of its rows relative to the whole
+    reference's largest element (the comparators' normwise measure, restricted to its rows)."""
+    a, b = ref.detach().double(), got.detach().double()
+    scale = a.abs().max().item() if a.numel() else 0.0
+    out: dict[int, float] = {}
+    for rank, start, end in spans:
+        if end <= start:
+            continue
+        diff = (a[start:end] - b[start:end]).abs().max().item()
+        out[rank] = max(out.get(rank, 0.0), diff / scale if scale > 0 else (0.0 if diff == 0 else float("inf")))
+    return out
+
+
+@dataclass
+class RanksApart:
+    """Ranks by how their rows of some records compare: bit for bit the reference's, off by more
+    than a limit, or in between (within it, not exact)."""
+
+    right: list[int]
+    wrong: list[int]
+    unsure: list[int]
+
+
+def ranks_apart(ref: Trace, got: Trace, keys: list[Key], limit: float = 0.0) -> RanksApart | None:
+    """The ranks holding rows of the records `keys`, by how those rows compare (a rank is wrong
+    if any of its rows is off by more than `limit`, right if all are exact); None where none of
+    them was recorded per rank (a view that makes its own full tensors, a replicated value)."""
+    devs: dict[int, float] = {}
+    for key in keys:
+        spans = rank_rows(got, key)
+        if spans is None or key not in ref.records or key not in got.records:
+            continue
+        a, b = ref.records[key], got.records[key]
+        if a.shape != b.shape or not a.shape:
+            continue
+        for rank, dev in rank_deviations(a, b, spans).items():
+            devs[rank] = max(devs.get(rank, 0.0), dev)
+    if not devs:
+        return None
+    return RanksApart(
+        right=sorted(r for r, d in devs.items() if d == 0),
+        wrong=sorted(r for r, d in devs.items() if d > limit),
+        unsure=sorted(r for r, d in devs.items() if 0 < d <= limit),
+    )
+
+
+def factor(ref: torch.Tensor, got: torch.Tensor) -> float | None:
+    """c with got = c x ref, to `FIT` of the record's norm; None if no single factor fits (or
+    the reference is zero)."""
+    a, b = ref.detach().double().flatten(), got.detach().double().flatten()
+    if a.shape != b.shape:
+        return None
+    denom = a.dot(a).item()
+    if denom == 0:
+        return None
+    c = a.dot(b).item() / denom
+    return c if (b - c * a).norm().item() <= FIT * a.norm().item() else None
+
+
+def near(x: float, value: float) -> bool:
+    return abs(x - value) <= FIT * abs(value)
+
+
+def step_world_size(got: Trace, step: int) -> int | None:
+    """The ranks that ran `step` (a resumed run's may differ from the saving run's): the ranks
+    the step's item counts were recorded for."""
+    items = got.meta.get("items", {}).get(str(step))
+    return len(items) if items else None

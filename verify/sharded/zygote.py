@@ -1,0 +1,248 @@
+"""Rank processes forked from a warm parent, so that restarting a pool costs a fork, not a start
+of torch.
+
+A pool restarts its ranks after every rank failure (the process group is unusable then). A new
+process spends seconds importing torch and the toolkit (5-9 s each on a loaded 2-core machine,
+measured for issue 38) before it can join a process group, and a search shrinking a case that
+crashes a rank restarts the pool once per step. The zygote is one process per pool that imports
+all that once and then forks each rank on request: the fork is milliseconds. It imports but
+never runs torch (no CUDA, no thread pools), which is what makes the fork safe, and it sets the
+rank's own environment (its GPUs) before anything in the rank touches CUDA.
+
+The ranks are the zygote's children, so the zygote reaps them and sends their exit codes back;
+`RankProcess` is the pool's handle on one (the subset of `subprocess.Popen` the pool uses). The
+zygote dies with the pool's process (PR_SET_PDEATHSIG, and the end of its pipe), and its ranks
+die with it. Ctrl-C is the pool's owner's to handle: the zygote ignores it, as the ranks do.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import gc
+import importlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+from multiprocessing.connection import Connection, wait
+from multiprocessing.reduction import recvfds, sendfds
+
+# What the zygote imports for its ranks: what a rank imports (torch, the loop, the engines), and
+# what FSDP2's first `fully_shard` in a process imports lazily (torch._dynamo: 3.4 s, measured).
+# Importing starts no thread and no CUDA, so forking after it is safe.
+WARM = ("fsdp_verify.sharded.worker", "torch._dynamo")
+
+
+class ZygoteError(RuntimeError):
+    """The zygote died or did not answer (the pool then reports its ranks as failing to start)."""
+
+
+class Zygote:
+    """The pool's side: start the zygote, fork ranks from it, learn how they ended."""
+
+    def __init__(self, env: dict[str, str], start_timeout_s: float = 300.0):
+        self._sock: socket.socket | None = None
+        self._conn: Connection | None = None
+        self._proc: subprocess.Popen | None = None
+        self.exits: dict[int, int] = {}  # pid -> exit code (negative: killed by that signal)
+        self._env = env
+        self._start_timeout_s = start_timeout_s
+
+    @property
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        cmd = [sys.executable, "-m", "fsdp_verify.sharded.zygote", str(theirs.fileno())]
+        self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=self._env, stdin=subprocess.DEVNULL)
+        theirs.close()
+        self._sock, self._conn = ours, Connection(os.dup(ours.fileno()))
+        self._expect("ready", self._start_timeout_s)
+
+    def close(self) -> None:
+        """Stop the zygote; ranks still running die with it (their PR_SET_PDEATHSIG)."""
+        if self._conn is not None:
+            with contextlib.suppress(OSError, ValueError):
+                self._conn.send(("stop",))
+            self._conn.close()
+            self._sock.close()
+        if self._proc is not None:
+            try:
+                self._proc.wait(5.0)
+            except subprocess.TimeoutExpired:
+                self._proc.kill()
+                self._proc.wait(5.0)
+        self._sock = self._conn = self._proc = None
+
+    def spawn(self, args: list[str], fds: tuple[int, int, int], env: dict[str, str]) -> RankProcess:
+        """Fork a rank running `worker.main(args)` with the pipe ends `fds` (down, up, and the
+        write end its stderr goes to), its environment `env` (its PYTHONPATH put first on its
+        sys.path)."""
+        if not self.alive:
+            self.close()
+            self.start()
+        try:
+            self._conn.send(("spawn", args, env))
+            sendfds(self._sock, list(fds))
+        except OSError as e:
+            raise ZygoteError(f"the zygote is gone: {e}") from None
+        return RankProcess(self, self._expect("pid", 30.0))
+
+    def kill(self, pid: int) -> None:
+        with contextlib.suppress(OSError, ValueError):
+            self._conn.send(("kill", pid))
+
+    def pump(self, timeout_s: float) -> None:
+        """Read what the zygote sent (exit codes) for up to `timeout_s` (0: what is there)."""
+        if self._conn is None:
+            return
+        if wait([self._conn], timeout=timeout_s):
+            self._read()
+
+    def _read(self) -> tuple:
+        try:
+            message = self._conn.recv()
+        except (EOFError, OSError):
+            self._conn.close()
+            self._sock.close()
+            self._sock = self._conn = None
+            raise ZygoteError("the zygote died") from None
+        if message[0] == "exit":
+            self.exits[message[1]] = message[2]
+        return message
+
+    def _expect(self, kind: str, timeout_s: float):
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0 or not wait([self._conn], timeout=remaining):
+                raise ZygoteError(f"no {kind!r} from the zygote within {timeout_s:.0f} s")
+            message = self._read()
+            if message[0] == kind:
+                return message[1] if len(message) > 1 else None
+
+
+class RankProcess:
+    """One rank forked by the zygote, as the pool uses a `subprocess.Popen`."""
+
+    def __init__(self, zygote: Zygote, pid: int):
+        self.zygote, self.pid = zygote, pid
+
+    @property
+    def returncode(self) -> int | None:
+        return self.zygote.exits.get(self.pid)
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            with contextlib.suppress(ZygoteError):
+                self.zygote.pump(0)
+        return self.returncode
+
+    def wait(self, timeout: float | None = None) -> int:
+        import time
+
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while self.returncode is None:
+            remaining = 1.0 if deadline is None else deadline - time.monotonic()
+            if remaining <= 0:
+                raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout)
+            try:
+                self.zygote.pump(remaining)
+            except ZygoteError:  # the zygote died and took its ranks with it
+                self.zygote.exits.setdefault(self.pid, -signal.SIGKILL)
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            self.zygote.kill(self.pid)
+
+
+# ---- the zygote process -----------------------------------------------------------------------
+def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -> None:
+    """In the forked child: drop the zygote's handles, take the rank's environment, run the rank."""
+    code = 1
+    try:
+        for handle in handles:
+            handle.close() if hasattr(handle, "close") else os.close(handle)
+        signal.set_wakeup_fd(-1)
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+        # The pool's environment and import path now, not the zygote's at its start: a rank
+        # sees what a process started now would (a variable set, a path added since).
+        os.environ.clear()
+        os.environ.update(env)
+        sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
+        os.dup2(fds[2], 2)  # its stderr: the pool relays it and keeps its tail (pool.py)
+        os.close(fds[2])
+        from fsdp_verify.sharded import worker
+
+        worker.main([*args[:3], str(fds[0]), str(fds[1]), args[3]])
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def main(fd: int) -> None:
+    # Dies with the pool's process (before the imports, which take seconds). No watcher thread, as
+    # a rank has (worker.py): the zygote forks, so it stays one thread.
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for module in WARM:
+        importlib.import_module(module)
+    # What was imported stays out of the ranks' garbage collections: a collection touches every
+    # object it tracks, and so would copy every page the ranks share with the zygote (a polite
+    # stop's gc.collect took 1.6 s, measured).
+    gc.freeze()
+
+    control = socket.socket(fileno=fd)
+    conn = Connection(os.dup(fd))
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)  # a rank ended: the wakeup fd says so
+    children: set[int] = set()
+    conn.send(("ready",))
+    while True:
+        ready = wait([conn, wake_r])
+        if wake_r in ready:
+            os.read(wake_r, 4096)
+        while children:  # reap every rank that ended, and say how
+            pid, status = os.waitpid(-1, os.WNOHANG)
+            if pid == 0:
+                break
+            children.discard(pid)
+            conn.send(("exit", pid, os.waitstatus_to_exitcode(status)))
+        if conn not in ready:
+            continue
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            break
+        if message[0] == "stop":
+            break
+        if message[0] == "kill":
+            if message[1] in children:  # not reaped yet, so the pid is still this rank's
+                os.kill(message[1], signal.SIGKILL)
+            continue
+        _, args, env = message
+        fds = recvfds(control, 3)  # the rank's two pipe ends and its stderr
+        pid = os.fork()
+        if pid == 0:
+            _rank(args, fds, env, [control, conn, wake_r, wake_w])
+        for f in fds:
+            os.close(f)
+        children.add(pid)
+        conn.send(("pid", pid))
+    for pid in children:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    os._exit(0)
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]))
