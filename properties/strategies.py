@@ -27,6 +27,7 @@ from torch import nn
 
 from fsdp_verify.case import (
     GRAD_REDUCTIONS,
+    NOT_MODELLED_BESIDE,
     OPTIMIZERS,
     SCHEDULES,
     Case,
@@ -506,7 +507,9 @@ def _cases(
     mesh = field("mesh_shape", hsdp_meshes(dp, multiple) if hsdp else st.just(None))
     # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
     # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
-    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else dp))
+    # Beside tp, True or False: an int below the shard group hangs FSDP2 on a sub-mesh (Case
+    # refuses it; tests/upstream/test_fsdp2_int_reshard_on_a_submesh.py).
+    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else dp) if tp == 1 else st.booleans())
     values = {
         "model": model,
         "wrap": wrap,
@@ -745,15 +748,11 @@ def _model_keywords(
 
 
 # ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------
-# What tensor parallelism is not drawn beside (Case refuses it: not modelled), pinned off when tp
-# degrees are asked for.
-_NOT_WITH_TP = {
-    "ignored": (),
-    "shard_placement": "dim0",
-    "offload": False,
-    "model.experts": 0,
-    "model.tie_embeddings": False,
-}
+def _parallel_pins(parallelism: str) -> dict[str, Any]:
+    """What the strategies draw that is not modelled beside `parallelism` (verify/case.py,
+    `NOT_MODELLED_BESIDE`, the one table), each field pinned to its value when off."""
+    rows = next(rows for (name, _), rows in NOT_MODELLED_BESIDE.items() if name == parallelism)
+    return {row.field: row.off for row in rows if row.drawn}
 
 
 def _tp_draws(
@@ -782,11 +781,14 @@ def _tp_draws(
         raise PinError(f"tp: degrees {tps} divide no world size in world_sizes {tuple(world_sizes)} (world = dp x tp)")
     if "fp16" in precisions:
         raise PinError("precisions: fp16 cases are drawn with loss scaling, which is not modelled beside tp")
-    for name, off in _NOT_WITH_TP.items():
-        given = pins.get(name, off)
-        if not isinstance(given, SearchStrategy) and given != off:
-            raise PinError(f"{name}: expected {off!r} with tp (not modelled beside tensor parallelism), got {given!r}")
-    return tps, kept, {**pins, **_NOT_WITH_TP}
+    off = _parallel_pins("tp")
+    for name, value in off.items():
+        given = pins.get(name, value)
+        if not isinstance(given, SearchStrategy) and given != value:
+            raise PinError(
+                f"{name}: expected {value!r} with tp (not modelled beside tensor parallelism), got {given!r}"
+            )
+    return tps, kept, {**pins, **off}
 
 
 def _round_up(value: int, multiple: int) -> int:

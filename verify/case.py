@@ -31,6 +31,48 @@ INIT_MODES = ("eager", "meta")
 
 
 @dataclass(frozen=True)
+class NotModelled:
+    """A setting the reference does not model beside a parallelism composed with FSDP: `field`
+    (dotted for nested ones) must hold `off`. `drawn`: the case strategies draw the field, so they
+    pin it off where the parallelism is drawn (properties/strategies.py, `_parallel_pins`)."""
+
+    field: str
+    off: Any
+    why: str
+    drawn: bool = True
+
+    def value(self, case: Case) -> Any:
+        head, _, rest = self.field.partition(".")
+        value = getattr(case, head)
+        return getattr(value, rest) if rest else value
+
+
+# What is not modelled beside each parallelism composed with FSDP, by the Case field that turns
+# it on and that field's value when off. The one place both the Case's refusal (naming the field,
+# exit 2) and the draws read; a parallelism added beside tp (expert, pipeline, compile) adds a
+# row here, and a combination modelled later is a row removed.
+NOT_MODELLED_BESIDE: dict[tuple[str, Any], tuple[NotModelled, ...]] = {
+    ("tp", 1): (
+        NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
+        NotModelled("ignored", (), "ignored parameters (the loop's all-reduce is over every rank)"),
+        NotModelled("shard_placement", "dim0", "Shard(1) placements of 2-D parameters"),
+        NotModelled("offload", False, "CPU offload of 2-D parameters"),
+        NotModelled("model.experts", 0, "routed experts"),
+        NotModelled(
+            "model.tie_embeddings",
+            False,
+            "tied embeddings (the embedding is split by rows, the head by columns: one tensor cannot be both)",
+        ),
+        # Drawn apart: a resume only where `resumes` is asked, loss scaling only with fp16 (both
+        # refused beside tp by the strategies' `_tp_draws`).
+        NotModelled("resume_after", None, "a resume (not modelled yet)", drawn=False),
+        NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
+        NotModelled("zoom", None, "zoom's per-module probes", drawn=False),
+    ),
+}
+
+
+@dataclass(frozen=True)
 class PrecisionSpec:
     """FSDP2 MixedPrecisionPolicy fields by dtype name; None means "as the parameter" (fp32).
     Any spelling `fsdp_verify.dtypes` accepts is stored as its short name (`bfloat16` -> `bf16`)."""
@@ -461,6 +503,7 @@ class Case:
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
+        self._validate_modelled_together()
         self._validate_tp()
         if self.data.kind == "cancellation":
             check(
@@ -784,6 +827,21 @@ class Case:
                 True,
             )
 
+    def _validate_modelled_together(self) -> None:
+        """Refuse, naming the field, a setting not modelled beside a parallelism the case asks for
+        (`NOT_MODELLED_BESIDE`)."""
+        for (name, off), rows in NOT_MODELLED_BESIDE.items():
+            asked = getattr(self, name)
+            if asked == off:
+                continue
+            for row in rows:
+                check(
+                    row.value(self) == row.off,
+                    row.field,
+                    f"{row.off!r} with {name}={asked}: {row.why} beside {name} is not modelled",
+                    row.value(self),
+                )
+
     def _validate_tp(self) -> None:
         """Tensor parallelism's fields (docs/tensor-parallel.md): a degree, a plan that splits the
         model evenly over it, and the knobs modelled beside it."""
@@ -795,27 +853,15 @@ class Case:
                 value = getattr(self, name)
                 check(value in (None, False), name, f"{'null' if name == 'tp_plan' else 'false'} with tp=1", value)
             return
-        # What the reference does not model beside tensor parallelism: refused, naming the field.
-        for name, value, off, why in (
-            ("step", self.step, None, "a user's step (its own collectives are not modelled)"),
-            ("ignored", self.ignored, (), "ignored parameters (the loop's all-reduce is over every rank)"),
-            ("shard_placement", self.shard_placement, "dim0", "Shard(1) placements of 2-D parameters"),
-            ("offload", self.offload, False, "CPU offload of 2-D parameters"),
-            ("model.experts", self.model.experts, 0, "routed experts"),
-            ("resume_after", self.resume_after, None, "a resume (not modelled yet)"),
-            ("loss_scaling", self.loss_scaling, None, "fp16 loss scaling"),
-            ("zoom", self.zoom, None, "zoom's per-module probes"),
-        ):
-            check(
-                value == off, name, f"{off!r} with tp={self.tp}: {why} beside tensor parallelism is not modelled", value
-            )
-        if self.model.kind == "transformer":
-            check(
-                not self.model.tie_embeddings,
-                "model.tie_embeddings",
-                f"false with tp={self.tp} (the embedding is split by rows, the head by columns: one tensor cannot be both)",
-                True,
-            )
+        rsf = self.reshard_after_forward
+        check(
+            isinstance(rsf, bool) or not 1 < rsf < self.mesh[-1],
+            "reshard_after_forward",
+            f"true or false with tp={self.tp}, or an int that is not below the shard group {self.mesh[-1]}: FSDP2"
+            " (torch 2.13) builds the post-forward mesh of a data-parallel sub-mesh on some ranks only, a hang"
+            " (tests/upstream/test_fsdp2_int_reshard_on_a_submesh.py)",
+            rsf,
+        )
         if self.sequence_parallel:
             check(
                 self.model.kind == "transformer" and self.tp_plan is None,
