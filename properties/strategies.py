@@ -28,6 +28,7 @@ from torch import nn
 from fsdp_verify.case import (
     COMPILE_BACKENDS,
     GRAD_REDUCTIONS,
+    NOT_MODELLED_BESIDE,
     OPTIMIZERS,
     SCHEDULES,
     Case,
@@ -486,25 +487,34 @@ def _cases(
     pins: dict[str, Any],
     hsdp: bool = False,
     compile_rate: float | None = None,
+    tps: tuple[int, ...] = (1,),
 ) -> Case:
     def field(name: str, default: SearchStrategy) -> Any:
         return draw(_pinned(pins, name, default))
 
     world = field("world_size", st.sampled_from(world_sizes))
+    # The tp degree (docs/tensor-parallel.md): drawn only where asked (`tps`), so a seed's draws
+    # without it stay what they were; the data-parallel ranks are then world / tp.
+    tp = draw(st.sampled_from([t for t in tps if world % t == 0])) if tps != (1,) else 1
+    dp = world // tp
     model = field("model", models(model_kinds, **_sub(pins, "model")))
+    if tp > 1:
+        model = tp_divisible(model, tp, _sub(pins, "model"))
     precision = field("precision", precision_specs(precisions, **_sub(pins, "precision")))
     wrap = field("wrap", wrap_plans(model, precision=precision))
     steps = field("steps", st.integers(1, 3))
     microbatches = field("microbatches", st.integers(1, 4))
     optim = field("optim", optim_specs(**_sub(pins, "optim")))
-    data = field("data", data_specs(world * microbatches, model.kind, **_sub(pins, "data")))
+    data = field("data", data_specs(dp * microbatches, model.kind, **_sub(pins, "data")))
     # A pinned int reshard_after_forward: only meshes whose shard dimension it divides (`cases`
     # left only the world sizes it divides).
     multiple = _pinned_reshard_int(engine, pins)
-    mesh = field("mesh_shape", hsdp_meshes(world, multiple) if hsdp else st.just(None))
+    mesh = field("mesh_shape", hsdp_meshes(dp, multiple) if hsdp else st.just(None))
     # An int divides the shard dimension (the mesh's last), not the world: (4, 1) takes none.
     # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
-    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else world))
+    # Beside tp, True or False: an int below the shard group hangs FSDP2 on a sub-mesh (Case
+    # refuses it; tests/upstream/test_fsdp2_int_reshard_on_a_submesh.py).
+    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else dp) if tp == 1 else st.booleans())
     values = {
         "model": model,
         "wrap": wrap,
@@ -539,7 +549,7 @@ def _cases(
         # Not with an int reshard_after_forward between 1 and S: FSDP2 crashes there (Case refuses it).
         "shard_placement": field(
             "shard_placement",
-            st.sampled_from(PLACEMENTS) if _shard1_takes(rsf, mesh[-1] if mesh else world) else st.just("dim0"),
+            st.sampled_from(PLACEMENTS) if _shard1_takes(rsf, mesh[-1] if mesh else dp) else st.just("dim0"),
         ),
         "replica_sync_last": field(
             "replica_sync_last", st.booleans() if mesh is not None and len(mesh) == 2 else st.just(False)
@@ -564,6 +574,9 @@ def _cases(
     takes = pins.get("step") is None and precision.param_dtype in (None, "fp32")
     takes = takes and values["clip_norm"] is None and not model.experts
     values["ignored"] = field("ignored", ignored_draws(model) if takes else st.just(()))
+    if tp > 1:
+        values.update(tp=tp, **draw(tp_styles(model, values["precision"], pins)))
+        values["clip_norm"] = _tp_clip(values)
     try:
         case = Case(**values)
     except CaseError:
@@ -671,6 +684,9 @@ def cases(
     if custom_model is not None:
         pins = _custom_pins(custom_model, pins)
     hsdp = hsdp and _takes_2d_meshes(engine, pins)
+    tps, world_sizes, pins = _tp_draws(engine, world_sizes, precisions, pins)
+    if resume and tps != (1,):
+        raise PinError("resume: not drawn beside tp (a resume of a tensor-parallel run is not modelled)")
     world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
     pins = _knob_pins(engine, pins)
     rate = compile_rate  # None: the profile loaded when the case is drawn (`_with_compile`)
@@ -680,7 +696,9 @@ def cases(
             fsdp1_modelled
         )
     else:
-        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp, rate)
+        drawn = _cases(engine, tuple(sorted(world_sizes)), precisions, model_kinds, pins, hsdp, rate, tps)
+        if tps != (1,):
+            drawn = drawn.map(_sequence_parallel_norms_trainable)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
     if resume:  # docs/resume.md
@@ -921,6 +939,124 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     except CaseError:
         assume(False)
         raise
+
+
+# ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------
+def _parallel_pins(parallelism: str) -> dict[str, Any]:
+    """What the strategies draw that is not modelled beside `parallelism` (verify/case.py,
+    `NOT_MODELLED_BESIDE`, the one table), each field pinned to its value when off."""
+    rows = next(rows for (name, _), rows in NOT_MODELLED_BESIDE.items() if name == parallelism)
+    return {row.field: row.off for row in rows if row.drawn}
+
+
+def _tp_draws(
+    engine: str, world_sizes: tuple[int, ...], precisions: tuple[str, ...], pins: dict[str, Any]
+) -> tuple[tuple[int, ...], tuple[int, ...], dict[str, Any]]:
+    """The tp degrees to draw among (the `tp` pin: one, or a list; (1,) when not asked), the world
+    sizes some of them divide, and the pins with what tensor parallelism is not drawn beside
+    pinned off. An engine that does not declare `tp` asked for it is refused, naming the field."""
+    from fsdp_verify.engines import engine_capabilities
+    from fsdp_verify.engines.capabilities import not_declared
+
+    value = pins.pop("tp", 1)
+    if isinstance(value, SearchStrategy):
+        elements = getattr(value, "elements", None)  # st.sampled_from: what a list of degrees pins
+        if elements is None:
+            raise PinError("tp: expected a degree or a list of degrees to draw among, got a strategy")
+        tps = tuple(elements)
+    else:
+        tps = (value,)
+    if tps == (1,):
+        return tps, world_sizes, pins
+    if "tp" not in engine_capabilities(engine).taken():
+        raise PinError(f"tp: expected 1: {not_declared(engine, 'tp')}, got {max(tps)}")
+    kept = tuple(w for w in world_sizes if any(w % t == 0 for t in tps))
+    if not kept:
+        raise PinError(f"tp: degrees {tps} divide no world size in world_sizes {tuple(world_sizes)} (world = dp x tp)")
+    if "fp16" in precisions:
+        raise PinError("precisions: fp16 cases are drawn with loss scaling, which is not modelled beside tp")
+    off = _parallel_pins("tp")
+    for name, value in off.items():
+        given = pins.get(name, value)
+        if not isinstance(given, SearchStrategy) and given != value:
+            raise PinError(
+                f"{name}: expected {value!r} with tp (not modelled beside tensor parallelism), got {given!r}"
+            )
+    return tps, kept, {**pins, **off}
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def tp_divisible(model: ModelSpec, tp: int, pins: dict[str, Any]) -> ModelSpec:
+    """`model` with every dimension its plan splits rounded up to a multiple of `tp` (the fields
+    pinned stay as pinned: the case then refuses a pin that does not divide): the Transformer's
+    heads (the dimension follows them), vocabulary, feed-forward width and sequence; the MLP's widths
+    between a colwise layer and the next."""
+    if model.is_custom:
+        return model
+    if model.kind == "mlp":
+        if "widths" in pins:
+            return model
+        widths = list(model.widths)
+        for i in range(0, len(widths) - 1, 2):  # layer i is colwise: its output splits
+            widths[i + 1] = _round_up(widths[i + 1], tp)
+        return replace(model, widths=tuple(widths))
+    changes: dict[str, Any] = {}
+    if "n_heads" not in pins and "dim" not in pins:
+        heads = _round_up(model.n_heads, tp)
+        changes.update(n_heads=heads, dim=heads * (model.dim // model.n_heads))
+    for name in ("vocab_size", "ffn_hidden", "seq_len"):  # the sequence: for sequence parallelism
+        if name not in pins:
+            changes[name] = _round_up(getattr(model, name), tp)
+    return replace(model, **changes)
+
+
+@st.composite
+def tp_styles(draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: dict[str, Any]) -> dict[str, Any]:
+    """Sequence parallelism (the built-in Transformer's plan) and loss parallelism (a token
+    model's cross-entropy), each on or off. Not sequence parallelism where FSDP2 sums its norms'
+    partial gradients over tp in param_dtype while reduce_dtype is wider (pytorch/pytorch#190626,
+    torch 2.13: tests/upstream/test_fsdp2_tp_reduce_dtype.py, a strict xfail; `check` catches it)."""
+    transformer = model.kind == "transformer" and pins.get("tp_plan") is None
+    low = precision.param_dtype not in (None, "fp32") and precision.reduce_dtype not in (None, precision.param_dtype)
+    sp = draw(_pinned(pins, "sequence_parallel", st.booleans() if transformer and not low else st.just(False)))
+    lp = draw(
+        _pinned(
+            pins, "loss_parallel", st.booleans() if model.kind != "mlp" and pins.get("loss") is None else st.just(False)
+        )
+    )
+    return {"sequence_parallel": sp, "loss_parallel": lp}
+
+
+def _sequence_parallel_norms_trainable(case: Case) -> Case:
+    """`case` with its norms trainable under sequence parallelism: torch 2.13's SequenceParallel
+    makes a frozen parameter trainable (tests/upstream/test_sequence_parallel_unfreezes_params.py,
+    a strict xfail; `check` catches it), so a frozen norm there is not drawn."""
+    from fsdp_verify.models import is_frozen, parameter_names
+
+    if not case.sequence_parallel or not case.model.frozen:
+        return case
+    names = parameter_names(case.model)
+    frozen = tuple(n for n in names if is_frozen(case.model, n) and not n.endswith("norm.weight"))
+    if len(frozen) == sum(is_frozen(case.model, n) for n in names):
+        return case
+    unfreeze = case.unfreeze_step if frozen else None
+    return case.with_(model=replace(case.model, frozen=frozen), unfreeze_step=unfreeze)
+
+
+def _tp_clip(values: dict[str, Any]) -> float | None:
+    """The drawn clip, unless the plan leaves parameters off the tp mesh (the Case refuses the clip
+    there: torch's clip_grad_norm_ cannot stack norms of two meshes): then none."""
+    if values["clip_norm"] is None:
+        return None
+    try:
+        Case(**values)
+    except CaseError as e:
+        if e.field_path == "clip_norm":
+            return None
+    return values["clip_norm"]
 
 
 def _shard1_takes(rsf: bool | int, shard: int) -> bool:

@@ -39,6 +39,7 @@ from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
 from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
 from fsdp_verify.torch_support import private_name
+from fsdp_verify.reference.tensor_parallel import TensorParallel
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
@@ -125,8 +126,8 @@ class _Step:
     local_grads: list[dict[str, torch.Tensor]]  # sync-last accumulators, per rank
     fingerprints: dict[str, list[int]]  # verify/probes/rng.py
     # `replica_sync_last`: per unit, each replica's reduce-scattered gradients of the micro-batches
-    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype.
-    partial: dict[str, list[torch.Tensor]] = field(default_factory=dict)
+    # not yet all-reduced (FSDP2's `_partial_reduce_output`), in reduce_dtype; by tp rank.
+    partial: dict[int, dict[str, list[torch.Tensor]]] = field(default_factory=dict)
     # `ignored`: each rank's gradients of the parameters FSDP2 leaves alone, accumulated in fp32
     # over the micro-batches until the loop all-reduces them.
     ignored_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
@@ -159,6 +160,8 @@ class _Run:
     # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
     views: _FlatLayout | None = None
     fusion: FusionJolt | None = None  # the compiler's freedoms, on an eager run (reference/fusion.py)
+    # Tensor parallelism's arithmetic, emulated on `model` (reference/tensor_parallel.py).
+    tp: TensorParallel | None = None
 
     @classmethod
     def build(
@@ -220,6 +223,7 @@ class _Run:
             watch=watch,
             views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
             fusion=jolted,
+            tp=TensorParallel(case, model) if case.tp > 1 else None,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -354,16 +358,27 @@ class _Run:
             return self._rank_pass(state, r, index)
 
     def _rank_pass(self, state: _Step, r: int, index) -> RankPass:
+        if self.tp is not None:  # its tp ranks side by side (reference/tensor_parallel.py)
+            with self.tp.region():
+                return self._rank_pass_of(state, r, index)
+        return self._rank_pass_of(state, r, index)
+
+    def _rank_pass_of(self, state: _Step, r: int, index) -> RankPass:
         before = rng_fingerprint(self.rng_states[r])  # each rank's generator around its forward
         torch.set_rng_state(self.rng_states[r])
         args, kwargs = as_call(take(state.inputs, index))
+        compute, leaves = self.tp.split(state.compute) if self.tp is not None else (state.compute, None)
         with self.fusion.forward() if self.fusion is not None else contextlib.nullcontext():
-            out = functional_call(self.model, state.compute, args, kwargs, tie_weights=not untied(self.case))
+            out = functional_call(self.model, compute, args, kwargs, tie_weights=not untied(self.case))
             out = logits_of(self.case.model, out)
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
-        loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
+        if self.tp is not None:
+            loss = self.tp.loss(self.case, out, state.targets[index], state.loss_factor)
+            out = self.tp.whole(out)
+        else:
+            loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
         if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
             summed = loss / len(state.groups[0])
         else:  # a pipeline's schedule backpropagates its own (reference/pipeline_parallel.py)
@@ -375,9 +390,15 @@ class _Run:
             self.fusion.backward_pass() if self.fusion is not None else contextlib.nullcontext(),
             self.recomputing(state),
         ):
-            grads = torch.autograd.grad(
-                backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
-            )
+            if leaves is None:
+                grads = torch.autograd.grad(
+                    backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+                )
+            else:  # against each tp rank's leaf, then put back together
+                flat = [leaf for n in state.trainable for leaf in leaves[n]]
+                got = torch.autograd.grad(backpropagated, flat, allow_unused=True, materialize_grads=True)
+                per = [list(got[i * self.case.tp : (i + 1) * self.case.tp]) for i in range(len(state.trainable))]
+                grads = self.tp.gradients(state.trainable, per)
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
@@ -401,9 +422,10 @@ class _Run:
         for r, index in enumerate(group):
             done = ranks[r]
             if self.emulate and self.case.pp == 1:  # verify/probes/rng.py (a pipeline's stages: none)
-                state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
-                state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
-                state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
+                for _ in range(self.case.tp):  # every rank's, those of a tp group alike
+                    state.fingerprints.setdefault(f"before_forward.{m}", []).append(done.rng_before)
+                    state.fingerprints.setdefault(f"after_forward.{m}", []).append(done.rng_after)
+                    state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
             rank_grads.append(done.grads)
             state.rank_loss[r] += done.loss
             _store_logits(state.logits, index, done.logits)
@@ -431,13 +453,29 @@ class _Run:
             if m < len(state.groups) - 1:
                 return
             rank_grads = state.local_grads
+        if self.tp is not None:  # each partial gradient summed over its tp ranks first, as FSDP2 does
+            rank_grads = self.tp.combine(rank_grads, self.reduce_dtype)
         if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`_FlatLayout.carry`)
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
-            hsdp = functools.partial(ep_average, hsdp_average=_hsdp_average) if self.emulates_ep() else _hsdp_average
-            averaged = hsdp(
-                rank_grads, self.case, self.reduce_dtype, self.divide, partial=state.partial, all_reduce=last
+            if self.emulates_ep():  # not beside tp (verify/case.py): one partial sum
+                averaged = ep_average(
+                    rank_grads,
+                    self.case,
+                    self.reduce_dtype,
+                    self.divide,
+                    _hsdp_average,
+                    partial=state.partial.setdefault(0, {}),
+                    all_reduce=last,
+                )
+            else:
+                averaged = self._per_tp_rank(
+                    lambda grads, t: _hsdp_average(
+                        grads, self.case, self.reduce_dtype, self.divide, state.partial.setdefault(t, {}), last
+                    ),
+                    rank_grads,
+                )
             )
             for n, avg in averaged.items():
                 state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
@@ -507,7 +545,9 @@ class _Run:
         elif self.case.pp > 1 and self.order == "ring" and self.emulate:  # each stage reduces its own
             averaged = pp_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
         elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
-            averaged = _hsdp_average(rank_grads, self.case, self.reduce_dtype, self.divide)
+            averaged = self._per_tp_rank(
+                lambda grads, _t: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
+            )
         else:
             averaged = {
                 n: _average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
@@ -518,6 +558,11 @@ class _Run:
                 n: self.jolt.reduction(avg, [g[n] for g in rank_grads], f"{step}/grads") for n, avg in averaged.items()
             }
         return averaged
+
+    def _per_tp_rank(self, average, rank_grads: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        """`average(rank_grads, t)` of the ranks' gradients; under tensor parallelism on each tp
+        rank t's local shards, as FSDP2 reduce-scatters them (reference/tensor_parallel.py)."""
+        return average(rank_grads, 0) if self.tp is None else self.tp.per_tp_rank(average, rank_grads)
 
     def hand_grads_to_params(self, state: _Step) -> None:
         """The reduced fp32 gradients become the parameters' `.grad` (the same tensors)."""
@@ -551,6 +596,8 @@ class _Run:
         grads = [p.grad for p in with_grad]
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
+        elif self.emulate and self.order in ("ring", "rank") and self.tp is not None:  # 2-D gradients
+            norm = self.tp.norm([(n, p.grad) for n, p in named], self.case.mesh[-1])
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
             dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
             norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
@@ -741,7 +788,7 @@ def _hsdp_average(
     gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
     micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
     partial_reduce_output`), then all-reduces the sum."""
-    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])  # a 1-D mesh: (1, W)
+    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.dp_size)  # a 1-D mesh: (1, W)
     pre, post = divide
     # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
     # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)

@@ -13,7 +13,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import find as hypothesis_find
 
 from fsdp_verify.case import ModelSpec
-from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, TAKEABLE, Capabilities
+from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, PARALLEL_KNOBS, TAKEABLE, Capabilities
 from fsdp_verify.properties.strategies import PinError, cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.sharded.pool import RankFailure
@@ -53,6 +53,7 @@ def test_the_builtin_engines_declare_what_they_take():
     from fsdp_verify.engines import engine_capabilities
 
     assert engine_capabilities("fsdp2").takes == frozenset(TAKEABLE)
+    assert set(PARALLEL_KNOBS) == {"ep", "pp", "tp", "sequence_parallel", "loss_parallel"}
     assert engine_capabilities("fsdp1").taken() == {"experts", "unfreeze_step"}
     assert engine_capabilities("flat").taken() == {"experts"}
     assert engine_capabilities(PLAIN).taken() == frozenset(LOOP_KNOBS)

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -31,6 +32,52 @@ INIT_MODES = ("eager", "meta")
 # torch.compile (docs/compile.md): what is compiled (Case.compile) and by which backend.
 COMPILE_SCOPES = ("units", "model")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+@dataclass(frozen=True)
+class NotModelled:
+    """A setting the reference does not model beside a parallelism composed with FSDP: `field`
+    (dotted for nested ones) must hold `off`. `drawn`: the case strategies draw the field, so they
+    pin it off where the parallelism is drawn (properties/strategies.py, `_parallel_pins`)."""
+
+    field: str
+    off: Any
+    why: str
+    drawn: bool = True
+
+    def value(self, case: Case) -> Any:
+        head, _, rest = self.field.partition(".")
+        value = getattr(case, head)
+        return getattr(value, rest) if rest else value
+
+
+# What is not modelled beside each parallelism composed with FSDP, by the Case field that turns
+# it on and that field's value when off. The one place both the Case's refusal (naming the field,
+# exit 2) and the draws read; a parallelism added beside tp (expert, pipeline, compile) adds a
+# row here, and a combination modelled later is a row removed.
+NOT_MODELLED_BESIDE: dict[tuple[str, Any], tuple[NotModelled, ...]] = {
+    ("tp", 1): (
+        NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
+        NotModelled("ignored", (), "ignored parameters (the loop's all-reduce is over every rank)"),
+        NotModelled("shard_placement", "dim0", "Shard(1) placements of 2-D parameters"),
+        NotModelled("offload", False, "CPU offload of 2-D parameters"),
+        NotModelled("model.experts", 0, "routed experts"),
+        NotModelled(
+            "model.tie_embeddings",
+            False,
+            "tied embeddings (the embedding is split by rows, the head by columns: one tensor cannot be both)",
+        ),
+        # Drawn apart: a resume only where `resumes` is asked, loss scaling only with fp16 (both
+        # refused beside tp by the strategies' `_tp_draws`).
+        NotModelled("resume_after", None, "a resume (not modelled yet)", drawn=False),
+        NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
+        NotModelled("zoom", None, "zoom's per-module probes", drawn=False),
+        # The other compositions (verify/engines/compositions.py, `NOT_WITH_COMPILE`): not tried together.
+        NotModelled("ep", 1, "expert parallelism"),
+        NotModelled("pp", 1, "pipeline parallelism"),
+        NotModelled("compile", None, "torch.compile"),
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -330,6 +377,22 @@ class Case:
     compile_fullgraph: bool = False
     compile_backend: str = "inductor"
 
+    # ---- tensor parallelism (docs/tensor-parallel.md) ----
+    # The tp degree: `world_size` counts every rank, data-parallel ranks times `tp`; the ranks form
+    # the mesh `mesh + (tp,)`, its dims named ("shard", "tp") or ("replicate", "shard", "tp"), and
+    # `mesh_shape` is the data-parallel part. The engine applies the plan over "tp" first, then
+    # `fully_shard` over the data-parallel dims (torchtitan's order). 1: no tensor parallelism.
+    tp: int = 1
+    # The plan (verify/engines/tensor_parallel.py): None = the built-in model's, or a transformers
+    # model's own `base_model_tp_plan`; "pkg.module:NAME" / "file.py:NAME" = a dict of module FQN to
+    # ParallelStyle, or a function (model, tp_mesh) returning one (a user's code: verify/trust.py).
+    tp_plan: str | None = None
+    # The built-in Transformer's plan with sequence parallelism (norms on sequence shards) and
+    # with loss parallelism (the head's output left sharded over the vocabulary, the
+    # cross-entropy computed under `loss_parallel()`).
+    sequence_parallel: bool = False
+    loss_parallel: bool = False
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -355,6 +418,10 @@ class Case:
         "compile",
         "compile_fullgraph",
         "compile_backend",
+        "tp",
+        "tp_plan",
+        "sequence_parallel",
+        "loss_parallel",
     )
 
     def __post_init__(self) -> None:
@@ -367,6 +434,13 @@ class Case:
         self.optim.validate()
         self.data.validate()
         check(is_int(self.world_size) and self.world_size >= 1, "world_size", "a positive integer", self.world_size)
+        check(is_int(self.tp) and self.tp >= 1, "tp", "a positive integer (1: no tensor parallelism)", self.tp)
+        check(
+            self.world_size % self.tp == 0,
+            "world_size",
+            f"a multiple of tp={self.tp} (every rank: data-parallel ranks times tp)",
+            self.world_size,
+        )
         self._validate_zoom()
         mesh = self.mesh
         check(
@@ -389,7 +463,11 @@ class Case:
             prod == self.dp_size,
             "mesh_shape",
             f"dimensions whose product is world_size={self.world_size}"
-            + (f" / pp={self.pp} = {self.dp_size} (the data-parallel ranks)" if self.pp > 1 else ""),
+            + (
+                f" / (pp x tp)={self.pp * self.tp} = {self.dp_size} (the data-parallel ranks)"
+                if self.dp_size != self.world_size
+                else ""
+            ),
             self.mesh_shape,
         )
         check(is_int(self.steps) and self.steps >= 1, "steps", "a positive integer", self.steps)
@@ -400,7 +478,7 @@ class Case:
             self.microbatches,
         )
         per = self.dp_size * self.microbatches
-        ranks = "world_size" if self.pp == 1 else "(world_size / pp)"
+        ranks = "world_size" if self.dp_size == self.world_size else "(world_size / (pp x tp))"
         check(
             self.data.batch_size % per == 0,
             "data.batch_size",
@@ -475,12 +553,14 @@ class Case:
         self._validate_custom()
         self._validate_wrap()
         self._validate_checkpointing()
+        self._validate_modelled_together()
         from fsdp_verify.engines.expert_parallel import check_experts
 
         check_experts(self)
         from fsdp_verify.engines.pipeline_parallel import check_pipeline
 
         check_pipeline(self)
+        self._validate_tp()
         self._validate_compile()
         if self.data.kind == "cancellation":
             check(
@@ -839,6 +919,59 @@ class Case:
         beside = not_modelled_with_compile(self)
         check(beside is None, "compile", f"null with {beside}", self.compile)
 
+    def _validate_modelled_together(self) -> None:
+        """Refuse, naming the field, a setting not modelled beside a parallelism the case asks for
+        (`NOT_MODELLED_BESIDE`)."""
+        for (name, off), rows in NOT_MODELLED_BESIDE.items():
+            asked = getattr(self, name)
+            if asked == off:
+                continue
+            for row in rows:
+                check(
+                    row.value(self) == row.off,
+                    row.field,
+                    f"{row.off!r} with {name}={asked}: {row.why} beside {name} is not modelled",
+                    row.value(self),
+                )
+
+    def _validate_tp(self) -> None:
+        """Tensor parallelism's fields (docs/tensor-parallel.md): a degree, a plan that splits the
+        model evenly over it, and the knobs modelled beside it."""
+        for name in ("sequence_parallel", "loss_parallel"):
+            check(isinstance(getattr(self, name), bool), name, "true or false", getattr(self, name))
+        check(self.tp_plan is None or is_import_path(self.tp_plan), "tp_plan", f"null or {IMPORT_PATH}", self.tp_plan)
+        if self.tp == 1:
+            for name in ("tp_plan", "sequence_parallel", "loss_parallel"):
+                value = getattr(self, name)
+                check(value in (None, False), name, f"{'null' if name == 'tp_plan' else 'false'} with tp=1", value)
+            return
+        rsf = self.reshard_after_forward
+        check(
+            isinstance(rsf, bool) or not 1 < rsf < self.mesh[-1],
+            "reshard_after_forward",
+            f"true or false with tp={self.tp}, or an int that is not below the shard group {self.mesh[-1]}: FSDP2"
+            " (torch 2.13) builds the post-forward mesh of a data-parallel sub-mesh on some ranks only, a hang"
+            " (tests/upstream/test_fsdp2_int_reshard_on_a_submesh.py)",
+            rsf,
+        )
+        if self.sequence_parallel:
+            check(
+                self.model.kind == "transformer" and self.tp_plan is None,
+                "sequence_parallel",
+                "false unless the built-in Transformer's plan is used (a plan of your own decides its own styles)",
+                True,
+            )
+        if self.loss_parallel:
+            check(
+                self.model.kind != "mlp" and self.loss is None,
+                "loss_parallel",
+                "false for an MLP or a loss of your own (loss parallelism computes the cross-entropy)",
+                True,
+            )
+        from fsdp_verify.engines.tensor_parallel import check_plan
+
+        check_plan(self)
+
     # ---- derived ------------------------------------------------------------------------------
     @property
     def mesh(self) -> tuple[int, ...]:
@@ -847,9 +980,15 @@ class Case:
 
     @property
     def dp_size(self) -> int:
-        """The data-parallel ranks: every rank, or under pipeline parallelism each stage's ranks
-        (the stages of one data-parallel rank take one batch)."""
-        return self.world_size // self.pp if is_int(self.pp) and self.pp >= 1 else self.world_size
+        """The data-parallel ranks: every rank, or under pipeline parallelism each stage's ranks (the
+        stages of one data-parallel rank take one batch), under tensor parallelism every tp group."""
+        parts = [d for d in (self.pp, self.tp) if is_int(d) and d >= 1]
+        return self.world_size // math.prod(parts) if parts else self.world_size
+
+    @property
+    def device_mesh_shape(self) -> tuple[int, ...]:
+        """Every rank's mesh: the data-parallel mesh, with `tp` last when there is tensor parallelism."""
+        return self.mesh + ((self.tp,) if self.tp > 1 else ())
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
@@ -870,7 +1009,7 @@ class Case:
 
     @property
     def local_batch(self) -> int:
-        """Samples of one data-parallel rank (the stages of a pipeline share them)."""
+        """Samples of one data-parallel rank (the stages of a pipeline, the ranks of a tp group share them)."""
         return self.data.batch_size // self.dp_size
 
     # ---- JSON ---------------------------------------------------------------------------------
@@ -976,6 +1115,8 @@ def check_field_value(name: str, value: Any) -> None:
                 changes.update(mesh_shape=(1, 2), world_size=2)
             if name in ("compile_fullgraph", "compile_backend"):  # options of compile: judged with it
                 changes.update(compile="model", wrap=("",))
+            if name in ("sequence_parallel", "loss_parallel", "tp_plan"):  # wrong only without tp
+                changes.update(tp=2)
             Case().with_(**changes)
     except CaseError as e:
         if e.field_path == name:
@@ -1006,6 +1147,10 @@ NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
     (
         "pipeline parallelism (compiled stages were not tried: docs/pipeline-parallel.md)",
         lambda case: getattr(case, "pp", 1) > 1,
+    ),
+    (
+        "tensor parallelism (compiled tp plans were not tried: docs/tensor-parallel.md)",
+        lambda case: getattr(case, "tp", 1) > 1,
     ),
 )
 

@@ -14,9 +14,10 @@ from typing import Any
 from fsdp_verify.validation import CaseError
 
 
-def load_object(path: str, field: str) -> Any:
-    """The callable `path` names. A module that does not import, or a name it lacks, is a
-    CaseError naming `field` (exit code 2; `repro` turns it into 125)."""
+def load_object(path: str, field: str, callable_only: bool = True) -> Any:
+    """The callable `path` names (any object, with `callable_only=False`: a tensor-parallel plan
+    may be a dict). A module that does not import, or a name it lacks, is a CaseError naming
+    `field` (exit code 2; `repro` turns it into 125)."""
     if not isinstance(path, str) or ":" not in path:
         raise CaseError(field, "'pkg.module:NAME' or 'path/to/file.py:NAME'", path)
     where, attr = path.rsplit(":", 1)
@@ -32,8 +33,8 @@ def load_object(path: str, field: str) -> Any:
     obj = module
     for part in attr.split("."):
         obj = getattr(obj, part, None)
-    if not callable(obj):
-        raise CaseError(field, f"a callable named {attr!r} in {where!r}", path)
+    if obj is None or (callable_only and not callable(obj)):
+        raise CaseError(field, f"a {'callable named' if callable_only else 'name'} {attr!r} in {where!r}", path)
     return obj
 
 

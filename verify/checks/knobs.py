@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.engines.capabilities import ENGINE_KNOBS
+from fsdp_verify.engines.capabilities import TAKEABLE
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "KnobsApplied"
@@ -15,10 +15,10 @@ COMPARATOR = "KnobsApplied"
 def check_knobs(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     findings = []
     for knob, evidence in got.meta.get("knobs_not_applied", []):
-        field = ENGINE_KNOBS[knob].field if knob in ENGINE_KNOBS else knob
+        field = TAKEABLE[knob].field if knob in TAKEABLE else knob
         message = (
             f"engine {case.engine!r} did not apply `{field}`"
-            f"{f' ({ENGINE_KNOBS[knob].applies})' if knob in ENGINE_KNOBS else ''}, which it declares it takes:"
+            f"{f' ({TAKEABLE[knob].applies})' if knob in TAKEABLE else ''}, which it declares it takes:"
             f" {evidence} (the run stopped before its first step)"
         )
         findings.append(Finding(0, "build", f"<{field}>", False, "not applied", COMPARATOR, message))
@@ -26,5 +26,5 @@ def check_knobs(case: Case, ref: Trace, got: Trace) -> list[Finding]:
 
 
 def knobs_summary(case: Case, ref: Trace, got: Trace) -> str | None:
-    asked = [k.field for k in ENGINE_KNOBS.values() if k.asked(case)]
+    asked = [k.field for k in TAKEABLE.values() if k.asked(case)]
     return f"the engine applied {', '.join(f'`{a}`' for a in asked)}" if asked else None

@@ -18,6 +18,7 @@ import torch
 from fsdp_verify.case import Case, ModelSpec, _owner
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.engines.tensor_parallel import split_parameters
 from fsdp_verify.models import _construct, is_ignored
 from fsdp_verify.trace import Trace
 
@@ -39,16 +40,18 @@ def expected_params(case: Case) -> list[str]:
 
 
 @functools.lru_cache(maxsize=64)
-def _structure(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...]]:
-    """(parameter names, groups of tied names) of a model spec, from one meta-device build (no
-    memory), kept per spec: building even on meta costs a medium Transformer tens of ms a case."""
+def _structure(spec: ModelSpec) -> tuple[tuple[str, ...], tuple[tuple[str, ...], ...], dict[str, tuple[int, ...]]]:
+    """(parameter names, groups of tied names, shapes) of a model spec, from one meta-device
+    build (no memory), kept per spec: building even on meta costs a medium Transformer tens of ms
+    a case."""
     with torch.device("meta"):
         model = _construct(spec)
     by_tensor: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         by_tensor.setdefault(id(p), []).append(name)
     params = tuple(name for name, _ in model.named_parameters())
-    return params, tuple(tuple(names) for names in by_tensor.values() if len(names) > 1)
+    shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+    return params, tuple(tuple(names) for names in by_tensor.values() if len(names) > 1), shapes
 
 
 def check_ownership(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -103,7 +106,9 @@ def check_map(case: Case, ownership: OwnershipMap, expected: list[str], ties: li
             findings.append(
                 _fail(name, "ownership", f"owned by {own.units[0]!r}, but the wrap plan puts it in {want!r}")
             )
-        findings.extend(_check_coverage(case, name, own.shape, own.local_numel, own.padding))
+        # the parameter's own shape (an engine may state a tensor-parallel shard's)
+        shape = _structure(case.model)[2].get(name, own.shape)
+        findings.extend(_check_coverage(case, name, shape, own.local_numel, own.padding))
     return findings
 
 
@@ -111,28 +116,40 @@ def _check_coverage(
     case: Case, name: str, shape: tuple[int, ...], local: tuple[int, ...], padding: tuple[int, ...]
 ) -> list[Finding]:
     """Within each replica, the ranks' local pieces add up to the parameter exactly, and every
-    rank's piece plus its padding is the same size (the padded chunk all-gathered)."""
-    shard = case.mesh[-1]
+    rank's piece plus its padding is the same size (the padded chunk all-gathered). Under tensor
+    parallelism a replica is its shard group's ranks times the tp ranks (rank (s, t) = s * tp + t):
+    a parameter the plan splits is held once by all of them together (2-D shards, the data-
+    parallel one a `_StridedShard` of the tp one), any other once by each tp rank's shard group."""
+    shard, tp = case.mesh[-1], getattr(case, "tp", 1)
     numel = math.prod(shape)
     if len(local) != case.world_size:
         return [_fail(name, "ownership", f"local sizes for {len(local)} ranks, expected {case.world_size}")]
+    split = tp > 1 and name in split_parameters(case)
     out = []
-    for start in range(0, case.world_size, shard):
-        ranks = range(start, start + shard)
-        held = sum(local[r] for r in ranks)
-        if held != numel:
-            sizes = ", ".join(f"rank {r}: {local[r]}" for r in ranks)
-            out.append(
-                _fail(
-                    name,
-                    "ownership",
-                    f"ranks {start}..{start + shard - 1} hold {held} of its {numel} elements ({sizes})",
-                )
-            )
-        if padding:
-            padded = {local[r] + padding[r] for r in ranks}
-            if len(padded) > 1:
-                out.append(_fail(name, "ownership", f"padded shard sizes differ across ranks: {sorted(padded)}"))
+    for start in range(0, case.world_size, shard * tp):
+        groups = (
+            [range(start, start + shard * tp)]
+            if split
+            else [range(start + t, start + shard * tp, tp) for t in range(tp)]
+        )
+        for ranks in groups:
+            out += _check_group(name, numel, local, padding, ranks)
+    return out
+
+
+def _check_group(
+    name: str, numel: int, local: tuple[int, ...], padding: tuple[int, ...], ranks: range
+) -> list[Finding]:
+    out = []
+    held = sum(local[r] for r in ranks)
+    if held != numel:
+        sizes = ", ".join(f"rank {r}: {local[r]}" for r in ranks)
+        where = f"ranks {ranks[0]}..{ranks[-1]}" if ranks.step == 1 else f"ranks {', '.join(map(str, ranks))}"
+        out.append(_fail(name, "ownership", f"{where} hold {held} of its {numel} elements ({sizes})"))
+    if padding:
+        padded = {local[r] + padding[r] for r in ranks}
+        if len(padded) > 1:
+            out.append(_fail(name, "ownership", f"padded shard sizes differ across ranks: {sorted(padded)}"))
     return out
 
 

@@ -174,6 +174,7 @@ LOOP = "training loop"
 DATA = "data"
 SCALE = "fp16 dynamic loss scaling"
 CODE = "engine and your code"
+TP = "tensor parallelism (docs/tensor-parallel.md)"
 RESUME = "checkpoint and resume (docs/resume.md)"
 EP = "expert parallelism (docs/expert-parallel.md)"
 PP = "pipeline parallelism (docs/pipeline-parallel.md)"
@@ -309,7 +310,7 @@ FLAGS: tuple[Flag, ...] = (
         "--mesh-shape",
         "mesh_shape",
         MESH,
-        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product (times --pp); none = 1-D",
+        "SHARD or REPLICATE,SHARD (HSDP); sets the world size to their product (times --tp and --pp); none = 1-D",
         mesh,
         "R,S",
         special=True,
@@ -601,34 +602,67 @@ FLAGS: tuple[Flag, ...] = (
         EP,
         "the expert-parallel degree: the grouped experts (--top-k) sharded over an ep dim carved out of the shard"
         " dim, tokens moved by all-to-all; 1 = none (default)",
-        integer,
-        "N",
-    ),
-    Flag(
-        "--pp",
-        "pp",
-        PP,
-        "the pipeline degree: the model cut into stages over a pp dim of N ranks, --world-size counting every rank"
-        " (pp x data-parallel) and --mesh-shape the data-parallel part; 1 = none (default)",
-        integer,
-        "N",
-    ),
-    Flag(
-        "--pp-schedule",
-        "pp_schedule",
-        PP,
-        "gpipe | 1f1b | interleaved1f1b (two stages a rank); torch.distributed.pipelining's (default 1f1b)",
-        str,
-        "NAME",
-    ),
-    Flag(
-        "--pp-split",
-        "pp_split",
-        PP,
-        "your split: fn(model, n_stages) -> the stage modules (sharing the model's parameters); none = the built-in"
-        " model's blocks split evenly",
+        # tensor parallelism (docs/tensor-parallel.md)
+        Flag(
+            "--tp",
+            "tp",
+            TP,
+            "the tensor-parallel degree: the ranks form the mesh (dp, tp) or (replicate, shard, tp), --world-size counting"
+            " every rank (dp x tp) and --mesh-shape the data-parallel part; 1 = none (default)",
+            integer,
+            "N",
+        ),
+        Flag(
+            "--pp",
+            "pp",
+            PP,
+            "the pipeline degree: the model cut into stages over a pp dim of N ranks, --world-size counting every rank"
+            " (pp x data-parallel) and --mesh-shape the data-parallel part; 1 = none (default)",
+            integer,
+            "N",
+        ),
+        Flag(
+            "--pp-schedule",
+            "pp_schedule",
+            PP,
+            "gpipe | 1f1b | interleaved1f1b (two stages a rank); torch.distributed.pipelining's (default 1f1b)",
+            str,
+            "NAME",
+        ),
+        Flag(
+            "--pp-split",
+            "pp_split",
+            PP,
+            "your split: fn(model, n_stages) -> the stage modules (sharing the model's parameters); none = the built-in"
+            " model's blocks split evenly",
+            or_none(str),
+            "IMPORT",
+        ),
+        "--tp-plan",
+        "tp_plan",
+        TP,
+        "your plan: a dict of module FQN to ParallelStyle, or a function (model, tp_mesh) returning one; none = the"
+        " built-in model's, or a transformers model's own base_model_tp_plan",
         or_none(str),
         "IMPORT",
+    ),
+    Flag(
+        "--sequence-parallel",
+        "sequence_parallel",
+        TP,
+        "the built-in Transformer's plan with sequence parallelism (SequenceParallel norms)",
+        boolean,
+        "BOOL",
+        const=True,
+    ),
+    Flag(
+        "--loss-parallel",
+        "loss_parallel",
+        TP,
+        "the head's output sharded over the vocabulary, the cross-entropy under loss_parallel()",
+        boolean,
+        "BOOL",
+        const=True,
     ),
     # checkpoint and resume: drawn together by fuzz/sweep --resume (their values depend on the
     # steps, world size and engine drawn), so no draw option of their own

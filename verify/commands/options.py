@@ -191,12 +191,14 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
         for f in case_flags.FLAGS
         if f.field in flags and not f.special and not f.field.startswith("model.")
     }
+    tp = flags.get("tp", case.tp)
     if "mesh_shape" in flags:
         changes["mesh_shape"] = flags["mesh_shape"]
         shape = flags["mesh_shape"] or ()
         if "world_size" not in flags and shape and all(isinstance(d, int) for d in shape):
-            pp = flags.get("pp", case.pp)  # the mesh is the data-parallel part: times the stages
-            changes["world_size"] = _product(shape) * (pp if isinstance(pp, int) and pp > 0 else 1)
+            pp = flags.get("pp", case.pp)  # the mesh is the data-parallel part: times the stages and tp
+            stages = pp if isinstance(pp, int) and pp > 0 else 1
+            changes["world_size"] = _product(shape) * stages * (tp if isinstance(tp, int) and tp >= 1 else 1)
     if "world_size" in flags:
         changes["world_size"] = flags["world_size"]
         changes.setdefault("mesh_shape", None)

@@ -203,8 +203,29 @@ def _compile(case: Case, model: nn.Module) -> str:
     return ""
 
 
+def _tp(case: Case, model: nn.Module) -> str:
+    """Every parameter the plan splits is a DTensor split over the mesh's "tp" dim as the plan
+    splits it (Shard(d) there; FSDP2's data-parallel dims come before, a `_StridedShard` of it)."""
+    from fsdp_verify.engines.tensor_parallel import split_parameters
+
+    params = dict(model.named_parameters())
+    for name, dim in split_parameters(case).items():
+        p = params.get(name)
+        if p is None:
+            continue
+        if not isinstance(p, DTensor):
+            return f"{name!r} is a plain tensor, which the plan splits over tp (Shard({dim}))"
+        names = p.device_mesh.mesh_dim_names or ()
+        placement = p.placements[names.index("tp")] if "tp" in names else None
+        if type(placement) is not Shard or placement.dim != dim:
+            where = f"{placement} over the mesh's 'tp' dim" if placement is not None else f"on the mesh dims {names}"
+            return f"{name!r} is {where} ({p.placements} over {names}), which the plan splits Shard({dim}) over 'tp'"
+    return ""
+
+
 _READERS = {
     "ep": _ep,
+    "tp": _tp,
     "offload": _offload,
     "shard_placement": _shard_placement,
     "ignored": _ignored,

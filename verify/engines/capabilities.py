@@ -65,8 +65,9 @@ ENGINE_KNOBS: dict[str, Knob] = {
     )
 }
 # Parallelisms composed with FSDP: the engine applies them before `fully_shard` (`ShardSpec.
-# expert_parallel`). Not among ENGINE_KNOBS: a plug-in that passes `fully_shard_kwargs` through
-# takes every FSDP2 knob, yet shards no experts over an ep mesh unless it says so.
+# parallelize`, `expert_parallel`, `pipeline`). Not among ENGINE_KNOBS: a plug-in that passes
+# `fully_shard_kwargs` through takes every FSDP2 knob, yet applies no plan, shards no experts over
+# an ep mesh and cuts no stages unless it says so.
 PARALLEL_KNOBS: dict[str, Knob] = {
     k.name: k
     for k in (
@@ -77,6 +78,9 @@ PARALLEL_KNOBS: dict[str, Knob] = {
             "the grouped experts over mesh['ep'] with all-to-all dispatch, then fully_shard: ShardSpec.expert_parallel",
         ),
         Knob("pp", "pp", 1, "the model cut into stages over mesh['pp'], each stage sharded: ShardSpec.pipeline"),
+        Knob("tp", "tp", 1, "parallelize_module(model, mesh['tp'], plan) before fully_shard: ShardSpec.parallelize"),
+        Knob("sequence_parallel", "sequence_parallel", False, "the plan's SequenceParallel norms"),
+        Knob("loss_parallel", "loss_parallel", False, "the plan's head sharded over the vocabulary"),
     )
 }
 # What the toolkit's loop applies to the engine's module (FSDPModule's setters, requires_grad_):
@@ -170,7 +174,7 @@ def not_declared(engine: str, knob: str) -> str:
 PLAIN = Capabilities()
 # `fully_shard` with every knob applied (the built-in engine, and a plug-in that passes
 # `ShardSpec.fully_shard_kwargs` through and calls `ShardSpec.after_sharding`), after the case's
-# expert parallelism (`ShardSpec.expert_parallel`).
+# parallelisms (`ShardSpec.parallelize`, `expert_parallel`, `pipeline`).
 FSDP2 = Capabilities(takes=frozenset(TAKEABLE))
 
 

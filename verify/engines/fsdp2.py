@@ -1,6 +1,7 @@
 """The built-in engine: PyTorch FSDP2, `torch.distributed.fsdp.fully_shard`, per the wrap plan,
 with every knob of the case (verify/engines/spec.py): what a plug-in that passes the spec's
-arguments through does, and declares, too."""
+arguments through does, and declares, too. With tensor parallelism the case's plan comes first,
+then `fully_shard` over the data-parallel dims (torchtitan's order; docs/tensor-parallel.md)."""
 
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
     pipelined = spec.pipeline(model, mesh, fully_shard_engine)  # each stage sharded as below
     if pipelined is not None:
         return pipelined
-    spec.compile(model)  # torchtitan's order: checkpointing (the loop's), compile, fully_shard
+    mesh = spec.parallelize(model, mesh)  # torchtitan's order: tp, checkpointing (the loop's), compile, fully_shard
+    spec.compile(model)
     kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
         unit = model.get_submodule(fqn)

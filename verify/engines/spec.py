@@ -16,7 +16,10 @@ all and may declare so:
 
     shard.capabilities = Capabilities(takes=ENGINE_KNOBS)
 
-The built-in `fsdp2` engine is exactly that.
+The built-in `fsdp2` engine is exactly that, after the case's tensor-parallel plan: with `tp`
+the engine gets every rank's mesh, its dims named ("shard", "tp") or ("replicate", "shard",
+"tp"), and `spec.parallelize(model, mesh)` applies the plan over "tp" and returns the
+data-parallel mesh `fully_shard` takes (torchtitan's order; docs/tensor-parallel.md).
 """
 
 from __future__ import annotations
@@ -91,6 +94,19 @@ class ShardSpec:
             rsf = True
         return {**kwargs, "mesh": mesh, "reshard_after_forward": rsf}
 
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+        """The case's tensor-parallel plan applied over `mesh["tp"]` (`parallelize_module`,
+        verify/engines/tensor_parallel.py), and the mesh to `fully_shard` over: the data-parallel
+        dims. Without tensor parallelism: nothing applied, `mesh` itself."""
+        case = self.case
+        if case is None or case.tp == 1:
+            return mesh
+        from fsdp_verify.engines.tensor_parallel import apply_plan, plan_for
+
+        tp_mesh = mesh["tp"]
+        apply_plan(model, tp_mesh, plan_for(case, model, tp_mesh))
+        return data_parallel_mesh(mesh)
+
     def fully_shard_kwargs(self, model: nn.Module, mesh: DeviceMesh) -> dict[str, Any]:
         """`fully_shard`'s keyword arguments for every unit of the plan: the mesh, the policy,
         `reshard_after_forward`, and the case's `offload_policy`, `shard_placement_fn` and
@@ -147,6 +163,12 @@ class ShardSpec:
             # it, and FSDP2 would reduce-scatter fewer parameters there than on the others; zeros
             # keep every rank's reduce-scatter the same (as a MoE trainer sets it).
             model.set_reduce_scatter_unused_params(True)
+
+
+def data_parallel_mesh(mesh: DeviceMesh) -> DeviceMesh:
+    """`mesh` without its "tp" dim: ("shard",) or ("replicate", "shard")."""
+    names = tuple(n for n in (mesh.mesh_dim_names or ()) if n != "tp")
+    return mesh[names] if len(names) > 1 else mesh[names[0]]
 
 
 def sum_reduction(model: nn.Module) -> None:

@@ -44,6 +44,7 @@ class Attention(nn.Module):
     def __init__(self, dim: int, n_heads: int, dropout: float):
         super().__init__()
         self.n_heads = n_heads
+        self.head_dim = dim // n_heads
         self.wq = Linear(dim, dim, bias=False)
         self.wk = Linear(dim, dim, bias=False)
         self.wv = Linear(dim, dim, bias=False)
@@ -51,11 +52,13 @@ class Attention(nn.Module):
         self.dropout = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     def forward(self, x: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        b, s, d = x.shape
-        q, k, v = (w(x).view(b, s, self.n_heads, -1).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
+        b, s, _ = x.shape
+        # Heads by their width, not their count: under tensor parallelism wq's output holds this
+        # rank's heads only (as torchtitan's attention reads them).
+        q, k, v = (w(x).view(b, s, -1, self.head_dim).transpose(1, 2) for w in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, freqs), apply_rope(k, freqs)
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.dropout(self.wo(out.transpose(1, 2).reshape(b, s, d)))
+        return self.dropout(self.wo(out.transpose(1, 2).reshape(b, s, -1)))
 
 
 class FeedForward(nn.Module):

@@ -19,10 +19,10 @@ class KnobsProbe(Probe):
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         from fsdp_verify.engines import engine_capabilities
         from fsdp_verify.engines.applied import not_applied
-        from fsdp_verify.engines.capabilities import ENGINE_KNOBS
+        from fsdp_verify.engines.capabilities import TAKEABLE
 
         takes = engine_capabilities(self.case.engine).takes
-        if not any(k.asked(self.case) and k.name in takes for k in ENGINE_KNOBS.values()):
+        if not any(k.asked(self.case) and k.name in takes for k in TAKEABLE.values()):
             return  # nothing to read (the same on every rank): no collective
         missing = not_applied(self.case, model, takes)
         counts = all_gather_ints([len(missing)]) if self.world_size > 1 else [[len(missing)]]

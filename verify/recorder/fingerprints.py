@@ -30,11 +30,15 @@ import torch
 
 def local_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     """(the local tensor, its first row in the full tensor, the full tensor's rows). A DTensor
-    must be sharded along dim 0 only (FSDP2's Shard(0)) or replicated."""
+    sharded along dim 0 on one mesh dim (FSDP2's Shard(0)) or replicated gives its local rows; a
+    tensor-parallel run's 2-D shards (a `_StridedShard` of the rows, or columns) are gathered
+    whole: `full_tensor()`, a collective every rank issues in the same order, the Recorder's only."""
     from torch.distributed.tensor import DTensor
 
     if not isinstance(t, DTensor):
         return t, 0, (t.shape[0] if t.ndim else 1)
+    if not rows_only(t.placements):
+        return t.full_tensor(), 0, (t.shape[0] if t.ndim else 1)
     from fsdp_verify.torch_support import RECORDER, part_off_note, private_name
 
     offsets = private_name("torch.distributed.tensor._utils", "compute_local_shape_and_global_offset")
@@ -45,6 +49,15 @@ def local_view(t: torch.Tensor) -> tuple[torch.Tensor, int, int]:
     if any(offset[1:]) or tuple(shape[1:]) != tuple(t.shape[1:]):
         raise ValueError(f"placements {t.placements}: only sharding along dim 0 (FSDP2's Shard(0)) is supported")
     return local, (offset[0] if t.ndim else 0), (t.shape[0] if t.ndim else 1)
+
+
+def rows_only(placements) -> bool:
+    """Whether a DTensor's local part is a block of its rows: replicated but for one plain
+    Shard(0) (not a `_StridedShard`, whose rows interleave with another dim's)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    sharded = [p for p in placements if not isinstance(p, Replicate)]
+    return not sharded or (len(sharded) == 1 and type(sharded[0]) is Shard and sharded[0].dim == 0)
 
 
 def as_rows(t: torch.Tensor) -> torch.Tensor:

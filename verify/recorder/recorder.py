@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.compare.tolerance import unit_roundoff
-from fsdp_verify.recorder.fingerprints import as_rows, local_view, row_stats, sample_hashes, total_stats
+from fsdp_verify.recorder.fingerprints import as_rows, local_view, row_stats, rows_only, sample_hashes, total_stats
 from fsdp_verify.recorder.names import strip_wrappers
 from fsdp_verify.recorder.perturb import GradientPerturbation, seed_from_env
 from fsdp_verify.recorder.store import RUN_KIND, SCHEMA_VERSION, write_meta, write_state, write_step
@@ -42,6 +42,13 @@ def _dist() -> tuple[int, int]:
     if dist.is_available() and dist.is_initialized():
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
+
+
+def _rows_placements(p: torch.Tensor):
+    """A parameter's placements where its local part is a block of rows (`rows_only`); None
+    where it is recorded otherwise (plain, or gathered whole: `local_view`)."""
+    placements = getattr(p, "placements", None)
+    return placements if placements is not None and rows_only(placements) else None
 
 
 def _dtype(t: torch.Tensor) -> str:
@@ -192,7 +199,7 @@ class Recorder:
         # Where each rank's rows sit never changes, and gradients and optimizer state are placed as
         # their parameter: computed once here (DTensor's placement arithmetic is Python; caching it
         # took the recorder from 1.119 to 1.060 of the bare run at world size 2 on the bench).
-        self.placement = {n: (getattr(p, "placements", None), p.shape, *local_view(p)[1:]) for n, p in self.params}
+        self.placement = {n: (_rows_placements(p), p.shape, *local_view(p)[1:]) for n, p in self.params}
         self.precision = precision_of(model)
         seed = perturb if perturb is not None else seed_from_env()
         # Under a policy the gradients were rounded to its param_dtype (the unsharded gradient,

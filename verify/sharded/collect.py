@@ -54,11 +54,15 @@ class Collector:
         device: torch.device | None = None,
         spill_dir: str | None = None,
         row_ranks: range | None = None,
+        row_stride: int = 1,
     ):
         self.trace, self.rank, self.world_size = trace, rank, world_size
         # The ranks that record rows and means (rank 0 among them); None: every rank. Under
         # pipeline parallelism the first stage's, to which the last stage hands its outputs.
+        # Under tp only ranks 0, s, 2s, ... of those (s = the tp degree: a tp group's ranks hold
+        # the same ones, its first records them).
         self.row_ranks = row_ranks if row_ranks is not None else range(world_size)
+        self.row_stride = row_stride
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
         # Given a directory every rank reaches on one host (the pool's, on /dev/shm where there
@@ -74,6 +78,11 @@ class Collector:
         self._groups: dict[tuple[DeviceMesh, int], int | None] = {}
 
     # ---- recording ----------------------------------------------------------------------------
+
+    def records_rows(self, rank: int) -> bool:
+        """Whether `rank` records rows and means (`row_ranks`, every `row_stride`-th)."""
+        return rank in self.row_ranks and rank % self.row_stride == 0
+
     def full(self, step: int, phase: str, name: str, value: torch.Tensor) -> None:
         """A value every rank holds whole (or only rank 0's counts): rank 0 keeps it now."""
         if self.trace is not None:
@@ -86,12 +95,12 @@ class Collector:
 
     def rows(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's rows of a tensor whose rows are the ranks' in rank order (logits)."""
-        if self.rank in self.row_ranks:
+        if self.records_rows(self.rank):
             self._keep((step, phase, name), ROWS, self.rank, local)
 
     def mean(self, step: int, phase: str, name: str, local: torch.Tensor) -> None:
         """This rank's value of a scalar averaged over ranks (the loss)."""
-        if self.rank in self.row_ranks:
+        if self.records_rows(self.rank):
             self._keep((step, phase, name), MEAN, self.rank, local)
 
     def tensors(self, step: int, phase: str, named: dict[str, torch.Tensor], sums: str | None = None) -> None:
@@ -279,11 +288,14 @@ class Collector:
 
         for key, (kind, _, mine) in self.pieces.items():  # rank 0 holds a piece of every record
             if kind in (ROWS, MEAN):
-                values = [mine] + [
-                    _holding(fill, key, r).read(key) for r, fill in enumerate(others, 1) if r in self.row_ranks
+                # Under tp a rank's rows are its tp group's (the tp ranks hold the same batch):
+                # the first rank of each group keeps them (`records_rows`).
+                held = [(0, mine)] + [
+                    (r, _holding(fill, key, r).read(key)) for r, fill in enumerate(others, 1) if self.records_rows(r)
                 ]
+                values = [v for _, v in held]
                 if kind == ROWS:
-                    put(key, [(r, len(v)) for r, v in enumerate(values)])
+                    put(key, [(r, len(v)) for r, v in held])
             else:  # SUM: the ranks of rank 0's group, by position
                 values = [mine] + [fill.read(key) for _, fill in _placed(others, key)]
             self.trace.records[key] = _whole(kind, values)

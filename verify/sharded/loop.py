@@ -8,12 +8,14 @@ rank and phase.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
@@ -60,9 +62,11 @@ class RankContext:
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
     # Under pipeline parallelism the first stage's ranks record the rows and the loss (the last
-    # stage hands them its outputs): one data-parallel rank each, as the reference has.
+    # stage hands them its outputs): one data-parallel rank each, as the reference has. Under
+    # tensor parallelism the ranks of a tp group hold the same rows and loss: the first of each
+    # group records them (`row_stride`).
     rows = range(case.dp_size) if case.pp > 1 else None
-    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows)
+    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows, row_stride=case.tp)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     if case.compile is not None:
         fresh_compiler()  # this case's graphs and counts only (verify/training/compile.py)
@@ -103,7 +107,9 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     if not loading:  # a resumed run's state is the checkpoint's, recorded as it is loaded
         ctx.phase("step 0 record initial params")
         _record_params_and_state(records, 0, view, {}, initial=True)
-    torch.manual_seed(dropout_seed(case, ctx.rank))
+    # A data-parallel rank's stream, the same on every rank of its tp group: replicated activations
+    # draw the same dropout mask there (docs/tensor-parallel.md).
+    torch.manual_seed(dropout_seed(case, ctx.rank // case.tp))
     run_steps = _user_steps if case.step is not None else _pipeline_steps if case.pp > 1 else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, (optimizer, scheduler), params, probes, records)
     for probe in probes:
@@ -155,8 +161,9 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         position += 1
         inputs, targets = global_batch(case, position)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
-        slices = microbatch_slices(case, ctx.rank)
-        counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(ctx.world_size)]
+        dp_rank = ctx.rank // case.tp  # the ranks of a tp group take one batch
+        slices = microbatch_slices(case, dp_rank)
+        counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
         items[str(step)] = counts
         for m, index in enumerate(slices):
             if not case.sync_every_microbatch:
@@ -169,23 +176,24 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
             for probe in probes:
                 probe.before_forward(step, m)
             args, kwargs = as_call(take(inputs, index, ctx.device))
-            out = logits_of(case.model, sharded(*args, **kwargs))
-            for probe in probes:
-                probe.after_forward(step, m, out)
-            scale = loss_scale(counts[ctx.rank][m], sum(counts[ctx.rank]), sum(map(sum, counts)), ctx.world_size)
-            loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
-            # grad_reduction sum: the engine sums over the ranks, so each rank's loss is divided
-            # by the world size for backward (the loss recorded is the loss itself).
-            summed = loss / view.sum_loss_divisor(ctx.world_size) if case.grad_reduction == "sum" else loss
-            ctx.phase(f"step {step} backward (micro-batch {m})")
-            (scaler.scale(summed) if scaler is not None else summed).backward()
+            with vocabulary_parallel(case):  # the cross-entropy over vocabulary shards, and its backward
+                out = logits_of(case.model, sharded(*args, **kwargs))
+                for probe in probes:
+                    probe.after_forward(step, m, out)
+                scale = loss_scale(counts[dp_rank][m], sum(counts[dp_rank]), sum(map(sum, counts)), case.dp_size)
+                loss = microbatch_loss(case, out, targets[index].to(ctx.device), scale)
+                # grad_reduction sum: the engine sums over the ranks, so each rank's loss is divided
+                # by the world size for backward (the loss recorded is the loss itself).
+                summed = loss / view.sum_loss_divisor(case.dp_size) if case.grad_reduction == "sum" else loss
+                ctx.phase(f"step {step} backward (micro-batch {m})")
+                (scaler.scale(summed) if scaler is not None else summed).backward()
             if ignored and m == len(slices) - 1 and ctx.world_size > 1:
                 # FSDP2 leaves `ignored` parameters alone: the loop reduces their gradients itself
                 view.reduce_ignored(ignored, 1 if case.grad_reduction == "sum" else ctx.world_size)
             for probe in probes:
                 probe.after_backward(step, m)
-            logits.append(out.detach())
-            local_loss += loss.detach().float()
+            logits.append(whole(out.detach()))
+            local_loss += whole(loss.detach()).float()
         dtypes["logits"] = str(out.dtype)
 
         ctx.phase(f"step {step} record logits and loss")
@@ -427,6 +435,22 @@ def _record_loss_scale(records: Collector, step: int, scale: float, skipped: boo
     records.full(step, "loss_scale", "scale", torch.tensor(scales, dtype=torch.float32))
     records.full(step, "loss_scale", "skipped", torch.tensor(skips, dtype=torch.int64))
     return len(set(skips)) == 1
+
+
+def vocabulary_parallel(case: Case):
+    """`loss_parallel()` where the case asks for loss parallelism (the head's output is sharded
+    over the vocabulary and the cross-entropy must see it so, forward and backward), else nothing."""
+    if not case.loss_parallel:
+        return contextlib.nullcontext()
+    from torch.distributed.tensor.parallel import loss_parallel
+
+    return loss_parallel()
+
+
+def whole(t: torch.Tensor) -> torch.Tensor:
+    """A tensor whole: a DTensor's full value (loss parallelism's logits, sharded over the
+    vocabulary, and its loss), a plain tensor as it is."""
+    return t.full_tensor() if isinstance(t, DTensor) else t
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:

@@ -44,7 +44,7 @@ def check_in_place(case: Case, calibrate: bool = True) -> tuple[Verdict | None, 
     device, backend = device_for(int(os.environ["LOCAL_RANK"]))
     if not dist.is_initialized():
         dist.init_process_group(backend)
-    mesh = MeshCache(device.type).get(case.mesh, case.ep, case.pp)
+    mesh = MeshCache(device.type).of(case)
     with shared_spill_dir() as spill_dir:
         got = run_sharded(case, RankContext(rank, world, device, mesh, spill_dir=spill_dir))
         ref, split = reference_in_place(case, spill_dir)

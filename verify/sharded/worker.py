@@ -75,14 +75,15 @@ class MeshCache:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple[tuple[int, ...], int, int], DeviceMesh] = {}
+        self._meshes: dict[tuple[tuple[int, ...], int, int, int], DeviceMesh] = {}
 
-    def get(self, shape: tuple[int, ...], ep: int = 1, pp: int = 1) -> DeviceMesh:
+    def get(self, shape: tuple[int, ...], ep: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
         """The data-parallel mesh `shape`, its dims named (shard,) or (replicate, shard); with
         `ep` > 1 its shard dim unflattened into ("efsdp", "ep") (verify/engines/expert_parallel.py);
-        with `pp` > 1 a "pp" dim of that many stages before it (verify/engines/pipeline_parallel.py):
-        made here, once, as its groups outlive a case."""
-        key = (tuple(shape), ep, pp)
+        with `pp` > 1 a "pp" dim of that many stages before it (verify/engines/pipeline_parallel.py);
+        with `tp` > 1 a last "tp" dim (docs/tensor-parallel.md): made here, once, as its groups
+        outlive a case. The compositions are not drawn together (verify/case.py)."""
+        key = (tuple(shape), ep, pp, tp)
         if key not in self._meshes:
             names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
             if ep > 1:
@@ -91,9 +92,15 @@ class MeshCache:
                 self._meshes[key] = expert_mesh(self.get(shape), ep)
             elif pp > 1:
                 self._meshes[key] = init_device_mesh(self.device_type, (pp, *shape), mesh_dim_names=("pp", *names))
+            elif tp > 1:
+                self._meshes[key] = init_device_mesh(self.device_type, (*shape, tp), mesh_dim_names=(*names, "tp"))
             else:
                 self._meshes[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
         return self._meshes[key]
+
+    def of(self, case: Case) -> DeviceMesh:
+        """The case's mesh: every rank's."""
+        return self.get(case.mesh, case.ep, case.pp, case.tp)
 
 
 def _die_with_parent() -> None:
@@ -193,7 +200,7 @@ def run_case(
     clock.mark("decode case")
     case = Case.from_json(case_json)
     clock.mark("mesh")
-    mesh = meshes.get(case.mesh, case.ep, case.pp)
+    mesh = meshes.of(case)
     ctx = RankContext(
         rank=rank, world_size=world_size, device=device, mesh=mesh, phase=clock, spill_dir=pool_dir, resume=resume
     )

@@ -667,6 +667,93 @@ ZOO += [
     ),
 ]
 
+# Tensor parallelism (issue 39): a tp degree of 2 (world sizes 2 and 4: meshes (1, 2) and (2, 2)).
+_TP = {**_CHEAP, "tp": 2}
+_TP_WORLDS = (2, 4)
+
+ZOO += [
+    ZooBug(
+        "tp_norm_grad_not_reduced",
+        _mutant("tp_norm_grad_not_reduced"),
+        "under sequence parallelism a norm's weight gradient is each tp rank's partial sum, never summed over tp",
+        "issue 39: Megatron's `sequence_parallel` parameter attribute forgotten (a hand-written SP norm)",
+        ("grads",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("transformer",),
+        pins={**_TP, "sequence_parallel": True, "clip_norm": None},  # norms off the tp mesh: no clip
+    ),
+    ZooBug(
+        "rowwise_output_not_all_reduced",
+        _mutant("rowwise_output_not_all_reduced"),
+        "a row-parallel linear's partial output used as it is, never all-reduced over tp",
+        "issue 39: the reduction of a RowwiseParallel output hook forgotten",
+        ("logits",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("mlp", "transformer"),
+        pins={**_TP, "sequence_parallel": False},
+    ),
+    ZooBug(
+        "tp_grad_all_reduce_in_bf16",
+        _mutant("tp_grad_all_reduce_in_bf16"),
+        "the norms' partial gradients summed over tp in bf16 while reduce_dtype is fp32",
+        "issue 39, pytorch/pytorch#190626 (FSDP2's own, torch 2.13; here by hand)",
+        ("grads",),
+        world_sizes=_TP_WORLDS,
+        precisions=("bf16",),
+        model_kinds=("transformer",),
+        pins={**_TP, "sequence_parallel": True, "precision.reduce_dtype": "fp32", "clip_norm": None},
+    ),
+    ZooBug(
+        "fsdp_over_tp_dim",
+        _mutant("fsdp_over_tp_dim"),
+        "the mesh's dims swapped: the plan over the data-parallel dim, fully_shard over tp",
+        "issue 39: a mesh built as (dp, tp) read as (tp, dp)",
+        ("build",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("mlp", "transformer"),
+        pins=dict(_TP),
+    ),
+    ZooBug(
+        "colwise_bias_replicated",
+        _mutant("colwise_bias_replicated"),
+        "a column-parallel linear's bias left whole: every tp rank adds the bias's first chunk",
+        "issue 39: a bias not split with its weight (a hand-written ColwiseParallel)",
+        ("init",),
+        world_sizes=_TP_WORLDS,
+        pins=dict(_TP),
+    ),
+    ZooBug(
+        "loss_parallel_without_vocab_reduction",
+        _mutant("loss_parallel_without_vocab_reduction"),
+        "loss parallelism's log-softmax over each rank's vocabulary shard alone (no max or sum over tp)",
+        "issue 39: a vocab-parallel cross-entropy missing its all-reduces",
+        ("loss",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("transformer",),
+        pins={**_TP, "loss_parallel": True},
+    ),
+    ZooBug(
+        "dropout_seeded_per_rank",
+        _mutant("dropout_seeded_per_rank"),
+        "each rank's generator seeded by its global rank: the tp ranks draw different masks for a replicated activation",
+        "issue 39: `seed + rank` where `seed + dp_rank` was meant",
+        ("rng", "logits"),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("transformer",),
+        pins={**_TP, "sequence_parallel": False, "model.dropout": 0.1},
+    ),
+    ZooBug(
+        "embedding_tokens_not_masked",
+        _mutant("embedding_tokens_not_masked"),
+        "a vocabulary-sharded embedding clamps tokens outside a rank's rows instead of masking them",
+        "issue 39: a hand-written vocab-parallel embedding without its mask (`_MaskPartial`)",
+        ("logits",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("transformer",),
+        pins=dict(_TP),
+    ),
+]
+
 BY_NAME = {bug.name: bug for bug in ZOO}
 
 # Expert parallelism and the grouped experts' routing (issue 40, docs/expert-parallel.md).

@@ -1235,6 +1235,232 @@ def recompiles_every_step(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -
     return fully_shard_engine(model, mesh, spec)
 
 
+# ---- tensor parallelism (issue 39) -----------------------------------------------------------------
+def _parallel_then_shard(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, plan: dict) -> nn.Module:
+    """The fsdp2 engine with `plan` (a mutation of the case's) applied over "tp" first."""
+    from fsdp_verify.engines.spec import data_parallel_mesh
+    from fsdp_verify.engines.tensor_parallel import apply_plan
+
+    apply_plan(model, mesh["tp"], plan)
+    kwargs = spec.fully_shard_kwargs(model, data_parallel_mesh(mesh))
+    for fqn in spec.wrap:
+        fully_shard(model.get_submodule(fqn), **kwargs)
+    spec.after_sharding(model)
+    return model
+
+
+def _plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> dict:
+    from fsdp_verify.engines.tensor_parallel import plan_for
+
+    return plan_for(spec.case, model, mesh["tp"])
+
+
+def tp_norm_grad_not_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Sequence parallelism written by hand: the norms run on each rank's sequence shard with
+    their weights as plain tensors (the plan's SequenceParallel left out), so nothing marks their
+    gradients partial and nothing sums them over tp: each tp rank keeps the gradient of its own
+    shard (Megatron's `sequence_parallel` attribute forgotten)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    plan = {k: v for k, v in _plan(model, mesh, spec).items() if not isinstance(v, SequenceParallel)}
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
+def rowwise_output_not_all_reduced(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A row-parallel linear whose partial output goes on as it is: each rank's share of the sum,
+    never all-reduced (the reduction in the output hook forgotten)."""
+    from torch.distributed.tensor.parallel import RowwiseParallel
+
+    class _Unreduced(RowwiseParallel):
+        @staticmethod
+        def _prepare_output_fn(output_layouts, use_local_output, mod, outputs, device_mesh):
+            return outputs.to_local()  # Partial: this rank's share only
+
+    plan = {
+        k: _Unreduced(input_layouts=v.input_layouts[0]) if type(v) is RowwiseParallel and _linear(model, k) else v
+        for k, v in _plan(model, mesh, spec).items()
+    }
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
+def _linear(model: nn.Module, fqn: str) -> bool:
+    return isinstance(model.get_submodule(fqn), nn.Linear)
+
+
+class _AllReduceGradInParamDtype(torch.autograd.Function):
+    """Identity; backward: the gradient all-reduced over `group` in its own dtype."""
+
+    @staticmethod
+    def forward(ctx, weight, group):
+        ctx.group = group
+        return weight.view_as(weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+class _Grouped(torch.autograd.Function):
+    """Identity both ways, one autograd node: the module's own uses of its input add up first."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad
+
+
+def tp_grad_all_reduce_in_bf16(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Sequence parallelism by hand that does sum the norms' partial gradients over tp, in the
+    gradient's dtype (param_dtype, bf16) while reduce_dtype is fp32 (Megatron's sequence-parallel
+    gradient all-reduce in the model's dtype): what pytorch/pytorch#190626 is in FSDP2 itself."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from fsdp_verify.models.transformer import RMSNorm
+
+    plan = _plan(model, mesh, spec)
+    group = mesh["tp"].get_group()
+    for fqn, style in plan.items():
+        norm = model.get_submodule(fqn)
+        if isinstance(style, SequenceParallel) and isinstance(norm, RMSNorm):
+
+            def forward(x, norm=norm):
+                x = _Grouped.apply(x)  # as DTensor.from_local groups the input's gradient sum
+                weight = _AllReduceGradInParamDtype.apply(norm.weight, group)
+                normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + norm.eps)
+                return (normed * weight.float()).to(weight.dtype)
+
+            norm.forward = forward
+    plan = {k: v for k, v in plan.items() if not isinstance(v, SequenceParallel)}
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
+def fsdp_over_tp_dim(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The mesh's dims taken the wrong way round: the plan applied over the data-parallel dim and
+    `fully_shard` over "tp" (an `init_device_mesh(("dp", "tp"))` read as ("tp", "dp")), so
+    ranks with different batches compute one layer's shards between them."""
+    from fsdp_verify.engines.tensor_parallel import apply_plan, plan_for
+
+    shard = mesh["shard"]
+    apply_plan(model, shard, plan_for(spec.case, model, shard))
+    kwargs = spec.fully_shard_kwargs(model, mesh["tp"])
+    for fqn in spec.wrap:
+        fully_shard(model.get_submodule(fqn), **kwargs)
+    spec.after_sharding(model)
+    return model
+
+
+def colwise_bias_replicated(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A column-parallel linear's bias left whole (replicated) while its weight is split: every
+    rank adds the bias's first chunk to its slice of the output, the shard rank 0 would hold."""
+    from torch.distributed.tensor import DTensor, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ColwiseParallel
+
+    class _BiasHead(ColwiseParallel):
+        def _partition_linear_fn(self, name, module, device_mesh):
+            module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)])))
+            if module.bias is not None:
+                head = module.bias.detach()[: module.bias.shape[0] // device_mesh.size()].clone()
+                module.register_parameter("bias", nn.Parameter(DTensor.from_local(head, device_mesh, [Shard(0)])))
+
+    plan = {
+        k: _BiasHead(output_layouts=v.output_layouts[0], use_local_output=v.use_local_output)
+        if type(v) is ColwiseParallel and _linear(model, k)
+        else v
+        for k, v in _plan(model, mesh, spec).items()
+    }
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
+# The loss-parallel mutant: its model's next cross-entropy under `loss_parallel()` takes the
+# log-softmax of each rank's vocabulary shard alone. torch's handler is patched once in a process
+# that runs it and acts only on the first log-softmax after such a model's forward (`_armed`).
+_armed = [False]
+
+
+def _install_local_log_softmax() -> None:
+    from torch.distributed.tensor.parallel import loss as tp_loss
+
+    aten = torch.ops.aten
+    handlers = tp_loss.customized_loss_ops
+    correct = handlers[aten._log_softmax.default]
+    if getattr(correct, "mutant", False):
+        return
+
+    def handler(op_call, args, kwargs):
+        if not _armed[0]:
+            return correct(op_call, args, kwargs)
+        _armed[0] = False
+        x = args[0]
+        local = torch.log_softmax(x._local_tensor, args[1])  # no max or sum over the ranks
+        return type(x)(local, x._spec, requires_grad=local.requires_grad)
+
+    handler.mutant = True
+    handlers[aten._log_softmax.default] = handler
+
+
+def loss_parallel_without_vocab_reduction(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Loss parallelism without its reductions over the vocabulary: each rank normalises its
+    shard of the logits by its own max and sum of exponentials (a home-grown vocab-parallel
+    cross-entropy missing its all-reduces), so every probability is over a shard of the vocabulary."""
+    _install_local_log_softmax()
+    model.register_forward_pre_hook(lambda *_: _armed.__setitem__(0, True))
+    return fully_shard_engine(model, mesh, spec)
+
+
+def dropout_seeded_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each rank's generator seeded by its global rank (`seed + rank`, not `seed + dp_rank`) at the
+    first forward: the tp ranks draw different dropout masks for an activation they all hold."""
+    seeded = [False]
+    rank = dist.get_rank()
+
+    def reseed(*_):
+        if not seeded[0]:
+            seeded[0] = True
+            torch.manual_seed(spec.case.seed * 7919 + 1000003 * (rank + 1))
+
+    fully_shard_engine(model, mesh, spec)
+    model.register_forward_pre_hook(reseed)
+    return model
+
+
+def embedding_tokens_not_masked(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A vocabulary-sharded embedding (RowwiseParallel) written by hand that clamps a token
+    outside its rows onto its first or last row instead of masking it out: every rank adds a row
+    for every token, and the partial outputs' sum counts tokens several times."""
+    from torch.distributed.tensor import DTensor, Partial, Shard, distribute_tensor
+    from torch.distributed.tensor.parallel import ParallelStyle, RowwiseParallel
+
+    class _Clamped(ParallelStyle):
+        def __init__(self, style):
+            self.output_layouts, self.use_local_output = style.output_layouts, style.use_local_output
+
+        def _apply(self, module, device_mesh):
+            module.register_parameter("weight", nn.Parameter(distribute_tensor(module.weight, device_mesh, [Shard(0)])))
+            rows, lo = (
+                module.num_embeddings // device_mesh.size(),
+                device_mesh.get_local_rank() * (module.num_embeddings // device_mesh.size()),
+            )
+
+            def forward(tokens):
+                local = torch.nn.functional.embedding((tokens - lo).clamp(0, rows - 1), module.weight.to_local())
+                out = DTensor.from_local(local, device_mesh, [Partial()]).redistribute(placements=self.output_layouts)
+                return out.to_local() if self.use_local_output else out
+
+            module.forward = forward
+            return module
+
+    plan = {
+        k: _Clamped(v) if isinstance(v, RowwiseParallel) and isinstance(model.get_submodule(k), nn.Embedding) else v
+        for k, v in _plan(model, mesh, spec).items()
+    }
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
 def _declare_what_fully_shard_engine_takes() -> None:
     """Each mutant above that is a mutation of the built-in FSDP2 engine takes every knob it
     takes (verify/engines/capabilities.py), so the zoo is drawn what `fsdp2` is drawn; those on
