@@ -15,7 +15,6 @@ each a screen long, so that a new knob changes one phase and the reference stays
 from __future__ import annotations
 
 import contextlib
-import functools
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -38,8 +37,8 @@ from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
 from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
-from fsdp_verify.torch_support import private_name
 from fsdp_verify.reference.tensor_parallel import TensorParallel
+from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
 from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
@@ -392,7 +391,10 @@ class _Run:
         ):
             if leaves is None:
                 grads = torch.autograd.grad(
-                    backpropagated, [state.compute[n] for n in state.trainable], allow_unused=True, materialize_grads=True
+                    backpropagated,
+                    [state.compute[n] for n in state.trainable],
+                    allow_unused=True,
+                    materialize_grads=True,
                 )
             else:  # against each tp rank's leaf, then put back together
                 flat = [leaf for n in state.trainable for leaf in leaves[n]]
@@ -476,7 +478,6 @@ class _Run:
                     ),
                     rank_grads,
                 )
-            )
             for n, avg in averaged.items():
                 state.master_grads[n] = avg.to(torch.float32)  # FSDP2 set no gradient before: nothing to add
             return

@@ -21,18 +21,6 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 
-def full_quietly(t: DTensor) -> torch.Tensor:
-    """`t.full_tensor()`, without DTensor's warning that a 2-D shard (a tensor-parallel run's
-    `_StridedShard` rows) takes two all-gathers: the records' gather, not the engine's traffic."""
-    quiet = logging.getLogger("torch.distributed.tensor._redistribute")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)
-    try:
-        return t.full_tensor()
-    finally:
-        quiet.setLevel(level)
-
-
 def shard_dim(t: DTensor) -> int | None:
     """The mesh dim a tensor is Shard(0) on, -1 if fully replicated, None for other layouts."""
     dims = [i for i, p in enumerate(t.placements) if not isinstance(p, Replicate)]
@@ -45,8 +33,9 @@ def shard_dim(t: DTensor) -> int | None:
 
 def full_quietly(t: DTensor) -> torch.Tensor:
     """`t.full_tensor()` for the records, without DTensor's advice on how a training step could
-    gather such a layout faster (expert parallelism's (_StridedShard, Shard) parameters: "2
-    sequential all_gather operations will be performed"): a record is not the user's step."""
+    gather such a layout faster (a tensor-parallel run's 2-D shards and expert parallelism's
+    (_StridedShard, Shard) parameters: "2 sequential all_gather operations will be performed"):
+    the records' gather, not the engine's traffic."""
     log = logging.getLogger("torch.distributed.tensor._redistribute")
     level = log.level
     log.setLevel(logging.ERROR)
