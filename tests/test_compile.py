@@ -26,7 +26,7 @@ from fsdp_verify.properties.profiles import COMPILE_RATES, profile_compile_rate
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.training.compile import CACHE_ENV, use_cache_dir
-from tests.conftest import mlp_case
+from tests.conftest import mlp_case, regression
 
 PLAIN = "examples/engine/my_engine.py:shard"
 EVERYTHING = "examples/engine/my_engine.py:shard_everything"
@@ -217,9 +217,61 @@ def test_the_hook_mutant_is_correct_eagerly(fsdp_check):
 
 @pytest.mark.parametrize("case_hash", ["96057a5e8b38", "7777b4796553"])
 def test_the_sweeps_compiled_false_alarms_stay_fixed(fsdp_check, case_hash):
-    from tests.conftest import regression
-
     verdict = fsdp_check(regression(case_hash))
+    assert verdict.ok, verdict.summary()
+
+
+# Sweep seed 4187's 05692d89ad30 (an MLP, 40x) shrunk by hand: world size 1, fp32, one step, the
+# first block its own checkpointed and compiled unit, dropout 0.5, backend "eager".
+REDRAWN_DROPOUT = "0c778baba209"
+
+
+def test_the_eager_backends_redrawn_dropout_is_caught_and_named_the_compilers(fsdp_check):
+    """PyTorch's bug, not the toolkit's bound: under backend "eager" a checkpointed unit's
+    recomputation draws new dropout masks (tests/upstream/test_compile_eager_backend_checkpoint_
+    redraws_dropout.py). The sharded run agrees with the compiled reference; the compiled reference
+    parts from eager in its gradients by whole masks, and the verdict names the bug."""
+    from fsdp_verify.checks.compiler import REDRAWN_DROPOUT_REPRO
+
+    case = regression(REDRAWN_DROPOUT)
+    verdict = fsdp_check(case)
+    assert not verdict.ok
+    assert {f.phase for f in verdict.failures} == {"compiler"}
+    first = verdict.first_divergence
+    assert first.comparator == "CompiledVsEager" and first.name.startswith("grads.") and first.ratio > 100
+    assert "the compiler's, not the sharding's" in verdict.summary()
+    assert REDRAWN_DROPOUT_REPRO in verdict.hint and "new mask" in verdict.hint
+    # Each ingredient is needed: AOTAutograd replays the forward's masks, and without dropout or
+    # without checkpointing there is nothing to redraw.
+    assert fsdp_check(case.with_(compile_backend="aot_eager")).ok
+    assert fsdp_check(case.with_(activation_checkpointing=False)).ok
+
+
+def test_the_redrawn_dropout_hint_needs_every_ingredient():
+    from fsdp_verify.checks.compiler import compiler_hint
+    from fsdp_verify.compare.finding import Finding
+
+    case = regression(REDRAWN_DROPOUT)
+    grads = Finding(1, "compiler", "grads.layers.0.linear.bias", False, "deviation", "CompiledVsEager")
+    assert compiler_hint(case, grads)
+    logits = Finding(1, "compiler", "logits.output", False, "deviation", "CompiledVsEager")
+    assert not compiler_hint(case, logits)  # a forward at step 1 draws eager's masks: not this bug
+    for other in (
+        case.with_(compile_backend="aot_eager"),
+        case.with_(activation_checkpointing=False),
+        case.with_(**{"model.dropout": 0.0}),
+    ):
+        assert not compiler_hint(other, grads)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="PyTorch's own bug (torch 2.13): backend='eager' recomputes a checkpointed dropout with a new"
+    " mask (tests/upstream/test_compile_eager_backend_checkpoint_redraws_dropout.py); found by sweep seed 4187",
+)
+def test_the_eager_backend_with_checkpointed_dropout_passes(fsdp_check):
+    verdict = fsdp_check(regression(REDRAWN_DROPOUT))
     assert verdict.ok, verdict.summary()
 
 

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks import run_checks
-from fsdp_verify.checks.compiler import check_compiler
+from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
@@ -106,6 +106,7 @@ def judge(
         "checks": time.perf_counter() - t_checks,
     }
     verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
+    verdict.hint = verdict.hint or compiler_hint(case, verdict.first_divergence)
     if case.loss_scaling is not None:
         verdict.loss_scales = _loss_scales(ref, got)
     return verdict

@@ -41,6 +41,33 @@ def not_comparable(case: Case) -> str | None:
     return None
 
 
+# A PyTorch bug (torch 2.13) that every case with these three ingredients meets: Dynamo turns a
+# checkpoint into its `tag_activation_checkpoint` op, whose eager implementation runs the
+# checkpoint with preserve_rng_state=False (the caller's True overridden, counting on Inductor's
+# RNG functionalization), so under backend "eager", where no compiler pass runs, the backward's
+# recomputation draws new dropout masks: the compiled gradients are those of a forward that never
+# ran. Inductor draws its own masks (not comparable, above) and `aot_eager` replays the forward's.
+# Found by sweep seed 4187 (cases 05692d89ad30, d9eb9d673e1d); regression 0c778baba209.
+REDRAWN_DROPOUT_REPRO = "tests/upstream/test_compile_eager_backend_checkpoint_redraws_dropout.py"
+
+
+def compiler_hint(case: Case, first: Finding | None) -> str:
+    """For a divergence of the compiled reference from eager: the known PyTorch bug the case has
+    every ingredient of, where its gradients (or what follows from them) are the first to part;
+    else nothing (the records alone do not say which operation the compiler changed)."""
+    if first is None or first.phase != "compiler" or first.ok:
+        return ""
+    derived = first.step > 1 or not first.name.startswith(("logits.", "loss."))
+    if case.compile_backend == "eager" and case.activation_checkpointing and case.model.dropout > 0 and derived:
+        return (
+            f"this case has every ingredient of a known PyTorch bug: backend 'eager' recomputes a checkpointed"
+            f" unit's dropout (p={case.model.dropout}) with a new mask in backward (Dynamo's checkpoint op overrides"
+            f" preserve_rng_state=True), so the compiled gradients are those of masks the forward never drew;"
+            f" `--compile-backend aot_eager` replays the forward's. Repro: {REDRAWN_DROPOUT_REPRO}"
+        )
+    return ""
+
+
 def check_compiler(case: Case, compiled: Trace) -> list[Finding]:
     """Findings of phase "compiler": each record of the compiled reference `compiled` that parts
     from the eager reference by more than the fusion floor allows, or one passing finding that
