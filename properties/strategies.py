@@ -626,6 +626,8 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
     """`case` with torch.compile drawn last (docs/compile.md), so that a seed's earlier draws stay
     what they were, and nothing drawn at all where the rate is 0 or the engine does not take it
     (`_knob_pins` pinned it off): a seed then draws what it drew before."""
+    from fsdp_verify.checks.compiler import redraws_dropout
+
     rate = profile_compile_rate() if rate is None else rate
     scope = draw(_pinned(pins, "compile", compile_scopes(case, rate)))
     if scope is None:
@@ -634,7 +636,9 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
         with_scope = case.with_(compile=scope)
         takes = fullgraph_takes(with_scope)
         fullgraph = draw(_pinned(pins, "compile_fullgraph", st.booleans() if takes else st.just(False)))
-        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(COMPILE_BACKENDS)))
+        # not the ingredients of a known PyTorch bug (verify/checks/compiler.py `redraws_dropout`)
+        backends = [b for b in COMPILE_BACKENDS if not redraws_dropout(with_scope.with_(compile_backend=b))]
+        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(backends)))
         return with_scope.with_(compile_fullgraph=fullgraph, compile_backend=backend)
     except CaseError:
         assume(False)

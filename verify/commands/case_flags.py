@@ -602,42 +602,46 @@ FLAGS: tuple[Flag, ...] = (
         EP,
         "the expert-parallel degree: the grouped experts (--top-k) sharded over an ep dim carved out of the shard"
         " dim, tokens moved by all-to-all; 1 = none (default)",
-        # tensor parallelism (docs/tensor-parallel.md)
-        Flag(
-            "--tp",
-            "tp",
-            TP,
-            "the tensor-parallel degree: the ranks form the mesh (dp, tp) or (replicate, shard, tp), --world-size counting"
-            " every rank (dp x tp) and --mesh-shape the data-parallel part; 1 = none (default)",
-            integer,
-            "N",
-        ),
-        Flag(
-            "--pp",
-            "pp",
-            PP,
-            "the pipeline degree: the model cut into stages over a pp dim of N ranks, --world-size counting every rank"
-            " (pp x data-parallel) and --mesh-shape the data-parallel part; 1 = none (default)",
-            integer,
-            "N",
-        ),
-        Flag(
-            "--pp-schedule",
-            "pp_schedule",
-            PP,
-            "gpipe | 1f1b | interleaved1f1b (two stages a rank); torch.distributed.pipelining's (default 1f1b)",
-            str,
-            "NAME",
-        ),
-        Flag(
-            "--pp-split",
-            "pp_split",
-            PP,
-            "your split: fn(model, n_stages) -> the stage modules (sharing the model's parameters); none = the built-in"
-            " model's blocks split evenly",
-            or_none(str),
-            "IMPORT",
-        ),
+        integer,
+        "N",
+    ),
+    Flag(
+        "--pp",
+        "pp",
+        PP,
+        "the pipeline degree: the model cut into stages over a pp dim of N ranks, --world-size counting every rank"
+        " (pp x data-parallel) and --mesh-shape the data-parallel part; 1 = none (default)",
+        integer,
+        "N",
+    ),
+    Flag(
+        "--pp-schedule",
+        "pp_schedule",
+        PP,
+        "gpipe | 1f1b | interleaved1f1b (two stages a rank); torch.distributed.pipelining's (default 1f1b)",
+        str,
+        "NAME",
+    ),
+    Flag(
+        "--pp-split",
+        "pp_split",
+        PP,
+        "your split: fn(model, n_stages) -> the stage modules (sharing the model's parameters); none = the built-in"
+        " model's blocks split evenly",
+        or_none(str),
+        "IMPORT",
+    ),
+    # tensor parallelism (docs/tensor-parallel.md)
+    Flag(
+        "--tp",
+        "tp",
+        TP,
+        "the tensor-parallel degree: the ranks form the mesh (dp, tp) or (replicate, shard, tp), --world-size counting"
+        " every rank (dp x tp) and --mesh-shape the data-parallel part; 1 = none (default)",
+        integer,
+        "N",
+    ),
+    Flag(
         "--tp-plan",
         "tp_plan",
         TP,
