@@ -464,8 +464,8 @@ class Case:
             "mesh_shape",
             f"dimensions whose product is world_size={self.world_size}"
             + (
-                f" / (pp x tp)={self.pp * self.tp} = {self.dp_size} (the data-parallel ranks)"
-                if self.dp_size != self.world_size
+                f" / {self._parallel_degrees} = {self.dp_size} (the data-parallel ranks)"
+                if self._parallel_degrees
                 else ""
             ),
             self.mesh_shape,
@@ -478,7 +478,7 @@ class Case:
             self.microbatches,
         )
         per = self.dp_size * self.microbatches
-        ranks = "world_size" if self.dp_size == self.world_size else "(world_size / (pp x tp))"
+        ranks = f"(world_size / {self._parallel_degrees})" if self._parallel_degrees else "world_size"
         check(
             self.data.batch_size % per == 0,
             "data.batch_size",
@@ -984,6 +984,12 @@ class Case:
         stages of one data-parallel rank take one batch), under tensor parallelism every tp group."""
         parts = [d for d in (self.pp, self.tp) if is_int(d) and d >= 1]
         return self.world_size // math.prod(parts) if parts else self.world_size
+
+    @property
+    def _parallel_degrees(self) -> str:
+        """The degrees that divide the world into data-parallel ranks, as a message says them
+        ("tp=2", "pp=2"), "" without."""
+        return " x ".join(f"{n}={d}" for n, d in (("pp", self.pp), ("tp", self.tp)) if is_int(d) and d > 1)
 
     @property
     def device_mesh_shape(self) -> tuple[int, ...]:
