@@ -42,7 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_verify.engines import EngineLoadError, resolve_case_engine
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure
-    from fsdp_verify.sharded.torchrun import check_in_place, launched_by_torchrun
+    from fsdp_verify.sharded.torchrun import check_in_place, launched_by_torchrun, leave_in_place
 
     try:
         case = case_from_args(args)
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         if launched_by_torchrun():
             verdict, ok = check_in_place(case, calibrate=not args.no_calibrate)
             if verdict is None:  # ranks other than 0 exit with rank 0's verdict, reported there
-                return EXIT_OK if ok else EXIT_DIVERGED
+                leave_in_place(EXIT_OK if ok else EXIT_DIVERGED)
         else:
             verdict = check_case(case, timeout_s=args.timeout, calibrate=not args.no_calibrate)
     except RankFailure as e:
@@ -94,7 +94,10 @@ def run(args: argparse.Namespace) -> int:
         save_html(verdict, args.html)
     if args.out:
         write_check_report(verdict, args.out)
-    return EXIT_OK if verdict.ok else EXIT_DIVERGED
+    code = EXIT_OK if verdict.ok else EXIT_DIVERGED
+    if launched_by_torchrun():
+        leave_in_place(code)
+    return code
 
 
 def check_command(case) -> str:
