@@ -805,17 +805,37 @@ def _model_keywords(
 
 
 GROUPED_FIELDS = ("model.top_k", "model.capacity_factor", "model.aux_loss", "model.router_bias")
+# What asks for each composition's draw: a pin of one of these fields to anything but its value
+# when off (a strategy counts as asking). Unasked, the composition draws nothing at all, so a
+# seed draws the cases it drew before it existed (as tp and compile: drawn where asked).
+ASKS_GROUPED = {
+    "ep": 1,
+    "model.top_k": None,
+    "model.capacity_factor": None,
+    "model.aux_loss": 0.0,
+    "model.router_bias": 0.0,
+}
+ASKS_PIPELINE = {"pp": 1, "pp_schedule": None, "pp_split": None}
+
+
+def _asked(pins: dict[str, Any], asks: dict[str, Any]) -> bool:
+    """Whether a pin asks for a composition (`ASKS_GROUPED`, `ASKS_PIPELINE`)."""
+    return any(
+        name in pins and (isinstance(pins[name], SearchStrategy) or pins[name] != off) for name, off in asks.items()
+    )
 
 
 @st.composite
 def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case`'s routed experts as grouped experts (verify/models/moe.py: top-k, capacity, the
     load-balancing loss, the router bias) and sharded over an ep dim (docs/expert-parallel.md),
-    drawn after everything else so that a seed's earlier draws stay what they were. Only where
-    routed experts were drawn, so only for an engine that takes them (`experts`); an ep degree
+    drawn after everything else and only where asked (`ASKS_GROUPED`: `--ep`, `--top-k`, ...),
+    so that a seed's draws stay what they were. Only where routed experts were drawn, so only for an engine that takes them (`experts`); an ep degree
     only for one that takes `ep` (`_knob_pins` pins it to 1 otherwise). Beside ep > 1, what the
     reference does not model there yet is drawn off (a clip, Shard(1) placements, offload)."""
     model = case.model
+    if not _asked(pins, ASKS_GROUPED):
+        return case
     if not model.experts or model.kind != "mlp" or case.resume_after is not None:
         assume(all(pins.get(name) in (None, 0, 0.0) for name in GROUPED_FIELDS) and pins.get("ep", 1) == 1)
         return case
@@ -872,7 +892,8 @@ def _ep_degrees(case: Case, model: ModelSpec) -> list[int]:
 @st.composite
 def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = False) -> Case:
     """`case` cut into pipeline stages (docs/pipeline-parallel.md), drawn after everything else
-    so that a seed's earlier draws stay what they were: a third of the draws where a degree
+    and only where asked (`ASKS_PIPELINE`: `--pp`, ...), so that a seed's draws stay what they
+    were: a third of the draws where a degree
     divides the world size and the model has a block a stage, for an engine that takes `pp`
     (`_knob_pins` pins it to 1 otherwise). The data-parallel mesh is drawn again for the ranks a
     stage has; what the reference does not model beside a pipeline is drawn off (Case refuses
@@ -880,6 +901,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     once a step (sync on the last micro-batch only)."""
     from fsdp_verify.engines.pipeline_parallel import SCHEDULES, stages_per_rank
 
+    if not _asked(pins, ASKS_PIPELINE):
+        return case
     blocks = case.model.n_blocks if not case.model.is_custom or "pp_split" in pins else 0
     degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
     pinned_on = pinned_beside("pp", case, pins)

@@ -145,8 +145,10 @@ def test_ep_is_never_drawn_for_an_engine_that_does_not_declare_it(case):
 
 
 def test_fsdp2_is_drawn_ep_with_fsdp_and_hsdp_and_grouped_routing():
-    # pp pinned to 1: a pipeline drawn after takes the routed experts away (not modelled beside it)
-    strategy = cases(engine="fsdp2", world_sizes=(2, 4), hsdp=True, model_kinds=("mlp",), experts=4, pp=[1])
+    # drawn where asked (`--ep 1 2 4`); pp pinned to 1: a pipeline takes the routed experts away
+    strategy = cases(
+        engine="fsdp2", world_sizes=(2, 4), hsdp=True, model_kinds=("mlp",), experts=4, ep=[1, 2, 4], pp=[1]
+    )
     drawn = draw_cases(strategy, 80, 40)
     seen = Counter((c.ep, len(c.mesh)) for c in drawn if c.ep > 1)
     assert {(2, 1), (2, 2)} <= set(seen) and any(ep == 4 for ep, _ in seen), seen

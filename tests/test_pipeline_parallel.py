@@ -165,6 +165,15 @@ def test_pp_is_never_drawn_for_an_engine_that_does_not_declare_it(case):
     refuse_untakeable(case)
 
 
+def test_pipelines_and_grouped_experts_are_drawn_only_where_asked():
+    """Unasked, neither draws anything: a seed draws the cases it drew before they existed (the
+    property tests' pinned seeds and the reports' counts stay what they were)."""
+    drawn = draw_cases(cases(engine="fsdp2", world_sizes=(2, 4), hsdp=True, experts=[2, 4]), 60, 3)
+    assert drawn and all(c.pp == 1 and c.ep == 1 and c.model.top_k is None for c in drawn)
+    asked = draw_cases(cases(engine="fsdp2", world_sizes=(4,), pp=[1, 2], model_kinds=("mlp",)), 40, 3)
+    assert any(c.pp == 2 for c in asked)
+
+
 def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
     strategy = cases(
         engine="fsdp2", world_sizes=(2, 4), hsdp=True, pp=[2, 4], n_layers=[4], widths=[(8, 9, 10, 11, 12)]

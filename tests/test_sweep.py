@@ -160,7 +160,9 @@ def test_every_mesh_shape_joins_the_draw_for_an_engine_that_takes_2d_meshes():
     from fsdp_verify.properties.draw import draw_cases
     from fsdp_verify.properties.strategies import PinError, cases
 
-    drawn = draw_cases(cases(world_sizes=(1, 2, 4), model_kinds=("mlp",), hsdp=True), 120, 1)
+    # 200 draws: nine shapes; at 120 one went undrawn once the compile draw's (empty) span moved
+    # Hypothesis's generation (a draw's luck, not a shape left out)
+    drawn = draw_cases(cases(world_sizes=(1, 2, 4), model_kinds=("mlp",), hsdp=True), 200, 1)
     meshes = {(c.world_size, c.mesh_shape) for c in drawn}
     factorings = {(1, (1, 1)), (2, (1, 2)), (2, (2, 1)), (4, (1, 4)), (4, (2, 2)), (4, (4, 1))}
     assert meshes == factorings | {(1, None), (2, None), (4, None)}
