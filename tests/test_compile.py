@@ -276,6 +276,10 @@ def test_the_redrawn_dropouts_ingredients_are_left_out_of_the_draw():
     with_dropout, without = compiled(0.5), compiled(0.0)
     assert with_dropout and not any(redraws_dropout(c) or c.compile_backend == "eager" for c in with_dropout)
     assert any(c.compile_backend == "eager" for c in without)
+    # a pinned eager backend (fuzz --compile-backend eager) draws no checkpointed dropout beside it
+    pinned = cases(compile="units", compile_backend="eager", model_kinds=("mlp",), activation_checkpointing=True)
+    drawn = draw_cases(pinned, 30, 11)
+    assert drawn and not any(redraws_dropout(c) for c in drawn)
 
 
 @pytest.mark.xfail(
