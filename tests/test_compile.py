@@ -48,6 +48,17 @@ EVERYTHING = "examples/engine/my_engine.py:shard_everything"
             "compile_fullgraph",
         ),
         ({"compile": "units", "zoom": "1"}, "compile"),
+        # fuzz seed 20270406 (00dda3bd90c7): not modelled under aot_eager/inductor (the eager backend is)
+        (
+            {
+                "compile": "model",
+                "compile_backend": "aot_eager",
+                "model": ModelSpec(kind="mlp", widths=(16, 33, 17, 8), frozen=("layers.0",)),
+                "unfreeze_step": 2,
+                "steps": 2,
+            },
+            "compile",
+        ),
     ],
 )
 def test_a_bad_compile_is_refused_naming_the_field(changes, field):
