@@ -48,6 +48,17 @@ EVERYTHING = "examples/engine/my_engine.py:shard_everything"
             "compile_fullgraph",
         ),
         ({"compile": "units", "zoom": "1"}, "compile"),
+        # fuzz seed 20270407 (fffd3e314091): a Dropout as a unit beside dropout, aot_eager, bf16
+        (
+            {
+                "compile": "units",
+                "compile_backend": "aot_eager",
+                "model": ModelSpec(kind="mlp", widths=(16, 33, 17, 8), dropout=0.1),
+                "wrap": ("layers.0.dropout", "layers.1", ""),
+                "precision": PrecisionSpec(param_dtype="bf16"),
+            },
+            "compile",
+        ),
         # fuzz seed 20270406 (00dda3bd90c7): not modelled under aot_eager/inductor (the eager backend is)
         (
             {
