@@ -622,6 +622,9 @@ def fullgraph_takes(case: Case) -> bool:
     return fullgraph_breaks(case) is None
 
 
+DRAWN_BACKENDS = ("eager",)  # compile backends drawn unless pinned (see `_with_compile`)
+
+
 def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float | None) -> Case:
     """`case` with torch.compile drawn last (docs/compile.md), so that a seed's earlier draws stay
     what they were, and nothing drawn at all where the rate is 0 or the engine does not take it
@@ -636,9 +639,16 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
         with_scope = case.with_(compile=scope)
         takes = fullgraph_takes(with_scope)
         fullgraph = draw(_pinned(pins, "compile_fullgraph", st.booleans() if takes else st.just(False)))
-        # not the ingredients of a known PyTorch bug (verify/checks/compiler.py `redraws_dropout`)
-        backends = [b for b in COMPILE_BACKENDS if not redraws_dropout(with_scope.with_(compile_backend=b))]
-        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(backends)))
+        # Unpinned, the eager backend only: AOTAutograd's (aot_eager, inductor) have open false
+        # alarms in corners not modelled yet (docs/compile.md: fuzz seed 20270408, 2d78feb47bc4),
+        # so they are drawn where asked (`--compile-backend`). Never the ingredients of a known
+        # PyTorch bug (verify/checks/compiler.py `redraws_dropout`): then nothing is compiled.
+        # A pinned scope (`--compile units`) draws among every backend that is not that bug's.
+        drawable = COMPILE_BACKENDS if "compile" in pins else DRAWN_BACKENDS
+        backends = [b for b in drawable if not redraws_dropout(with_scope.with_(compile_backend=b))]
+        if "compile_backend" not in pins and not backends:
+            return case
+        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(backends or list(COMPILE_BACKENDS))))
         compiled = with_scope.with_(compile_fullgraph=fullgraph, compile_backend=backend)
         # a pinned eager backend: the bug's other ingredients are not drawn beside it unless pinned too
         asked = "activation_checkpointing" in pins and ("model.dropout" in pins or "dropout" in pins)

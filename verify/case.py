@@ -1163,38 +1163,12 @@ NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
     # gradient of the unfrozen embedding parts from the compiled reference at step 2 (7e4x), which
     # agrees with eager; the eager backend and a run without the unfreeze are bit-exact. Not
     # analysed yet (PyTorch's or the modelling's): refused rather than cried wolf on.
-    # Fuzz seed 20270407, case fffd3e314091 (the Transformer at world size 1, bf16, aot_eager,
-    # `layers.0.attention.dropout` a unit of its own): the sharded run's gradients part from the
-    # compiled reference (1e3x, bf16 roundings) under `units` and `model` alike; the same case is
-    # bit-exact under the eager backend, without dropout, in fp32, or without that unit. Not
-    # analysed yet (where the graphs break around a unit without parameters): refused.
-    (
-        "dropout beside a unit without parameters (a Dropout as a unit) under an AOTAutograd backend (aot_eager,"
-        " inductor) in a low-precision policy: not modelled yet",
-        lambda case: (
-            case.compile_backend != "eager"
-            and case.model.dropout > 0
-            and case.precision.param_dtype not in (None, "fp32")
-            and _has_unit_without_parameters(case)
-        ),
-    ),
     (
         "unfreezing mid-run under an AOTAutograd backend (aot_eager, inductor: a compiled FSDP2 run's gradients"
         " after the unfreeze are not modelled yet; the eager backend is)",
         lambda case: case.unfreeze_step is not None and case.compile_backend != "eager",
     ),
 )
-
-
-def _has_unit_without_parameters(case: Case) -> bool:
-    """Whether the wrap plan names a module of a built-in model that holds no parameter at all (its
-    dropout); a user's model is not built here to know."""
-    if case.model.is_custom:
-        return False
-    from fsdp_verify.models import parameter_names
-
-    names = parameter_names(case.model)
-    return any(u and not any(n.startswith(u + ".") for n in names) for u in case.wrap_plan)
 
 
 def not_modelled_with_compile(case: Case) -> str | None:
