@@ -104,7 +104,8 @@ def test_the_draw_takes_the_same_spelling_as_check_and_fsdp_cases():
 
 
 def test_compile_is_drawn_at_the_profiles_rate():
-    assert COMPILE_RATES["ci"] == COMPILE_RATES["dev"] == 0.0 and 0 < COMPILE_RATES["nightly"] <= 0.5
+    # every profile 0 while compile's open corners stand (docs/compile.md): drawn where asked
+    assert COMPILE_RATES["ci"] == COMPILE_RATES["dev"] == COMPILE_RATES["nightly"] == 0.0
     assert profile_compile_rate("nightly") == COMPILE_RATES["nightly"]
     assert profile_compile_rate("a-profile-of-yours") == 0.0
     # rate 0: nothing is drawn, so a seed draws the cases it drew before compile existed
