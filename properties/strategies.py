@@ -26,7 +26,6 @@ from hypothesis.strategies import SearchStrategy
 from torch import nn
 
 from fsdp_verify.case import (
-    COMPILE_BACKENDS,
     GRAD_REDUCTIONS,
     NOT_MODELLED_BESIDE,
     OPTIMIZERS,
@@ -642,13 +641,13 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
         # Unpinned, the eager backend only: AOTAutograd's (aot_eager, inductor) have open false
         # alarms in corners not modelled yet (docs/compile.md: fuzz seed 20270408, 2d78feb47bc4),
         # so they are drawn where asked (`--compile-backend`). Never the ingredients of a known
-        # PyTorch bug (verify/checks/compiler.py `redraws_dropout`): then nothing is compiled.
-        # A pinned scope (`--compile units`) draws among every backend that is not that bug's.
-        drawable = COMPILE_BACKENDS if "compile" in pins else DRAWN_BACKENDS
-        backends = [b for b in drawable if not redraws_dropout(with_scope.with_(compile_backend=b))]
+        # PyTorch bug (verify/checks/compiler.py `redraws_dropout`): then nothing is compiled, and
+        # where the scope is pinned (`--compile units`) the draw is discarded instead.
+        backends = [b for b in DRAWN_BACKENDS if not redraws_dropout(with_scope.with_(compile_backend=b))]
         if "compile_backend" not in pins and not backends:
+            assume("compile" not in pins)
             return case
-        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(backends or list(COMPILE_BACKENDS))))
+        backend = draw(_pinned(pins, "compile_backend", st.sampled_from(backends)))
         compiled = with_scope.with_(compile_fullgraph=fullgraph, compile_backend=backend)
         # a pinned eager backend: the bug's other ingredients are not drawn beside it unless pinned too
         asked = "activation_checkpointing" in pins and ("model.dropout" in pins or "dropout" in pins)
