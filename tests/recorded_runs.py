@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -15,8 +16,22 @@ BIN = Path(sys.executable).parent
 ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
 
 
-def run(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
-    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
+# gloo's teardown at a process's exit, after the script's last line: torch 2.13 aborted a rank there
+# now and then in loaded full runs (SIGABRT, a joinable thread destroyed; the same abort as
+# tests/upstream/test_fsdp1_hybrid_shard_group_of_one.py and verify/sharded/torchrun.py note),
+# once in CI after every step had trained and been recorded. Not what these runs test: a launch
+# that ends in that abort, and only that one, is run again once, into a fresh directory.
+TEARDOWN_ABORT = "terminate called without an active exception"
+
+
+def run(cmd: list[str], env: dict | None = None, out: Path | None = None) -> subprocess.CompletedProcess:
+    def launch() -> subprocess.CompletedProcess:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
+
+    r = launch()
+    if r.returncode != 0 and out is not None and TEARDOWN_ABORT in r.stderr:
+        shutil.rmtree(out, ignore_errors=True)
+        r = launch()
     assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
     return r
 
@@ -27,7 +42,7 @@ def single(script: Path, out: Path, *extra: str, env: dict | None = None) -> Non
 
 def sharded(script: Path, out: Path, *extra: str, ranks: int = 2) -> None:
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
-    run([*torchrun, str(script), "--out", str(out), *extra])
+    run([*torchrun, str(script), "--out", str(out), *extra], out=out)
 
 
 def compare(*args, capsys) -> tuple[int, str]:
