@@ -28,12 +28,10 @@ torch 2.13, and the plans here apply dropout to local tensors, where it does not
 
 Where the ranks' partial sums meet in another order than the single device's, the emulation adds
 them as the ranks do, so a correct engine agrees bit for bit where the order is fixed: two tp ranks
-add commutatively; more are added in gloo's ring order (`gloo_allreduce_sum`). One known departure:
-a `Ranks` has its local shape, a DTensor its global one, and autograd picks `mm`'s backward by the
-input's strides (`mm_mat1_backward`): a local input of one row and one column (a rowwise linear
-with one input feature a rank, and one sample) looks column-major here and not on the ranks, and
-its input gradient rounds otherwise (1 ulp: fresh-seed sweep 20263902, case 849d741911c9, 0.11x
-the bound, which holds it). The gradients leave
+add commutatively; more are added in gloo's ring order (`gloo_allreduce_sum`). A `Ranks` has its
+local shape, a DTensor its global one; where autograd picks a kernel by the strides (a rowwise
+linear's input, `mm_mat1_backward`) the `Ranks` carries the DTensor's (`_as_sharded_input`). The
+gradients leave
 as full tensors (a sharded parameter's shards concatenated), except that a partial gradient stays
 one per tp rank, stacked, until `combine` sums it where FSDP2 reduces it (after a no-sync
 micro-batch's accumulation, which FSDP2 does per rank in reduce_dtype). `per_tp_rank` runs the
@@ -66,10 +64,15 @@ class Ranks(torch.Tensor):
     placement: tuple | None
 
     @staticmethod
-    def __new__(cls, locals: list[torch.Tensor], placement: tuple | None = None):
+    def __new__(cls, locals: list[torch.Tensor], placement: tuple | None = None, strides: tuple | None = None):
         first = locals[0]
         out = torch.Tensor._make_wrapper_subclass(
-            cls, first.shape, strides=first.stride(), dtype=first.dtype, device=first.device, requires_grad=False
+            cls,
+            first.shape,
+            strides=strides or first.stride(),
+            dtype=first.dtype,
+            device=first.device,
+            requires_grad=False,
         )
         out.locals = locals
         out.placement = placement
@@ -228,7 +231,7 @@ class _ChunkInput(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: Ranks) -> Ranks:
         n = len(x.locals)
-        return Ranks([loc.chunk(n, dim=-1)[r].contiguous() for r, loc in enumerate(x.locals)])
+        return _as_sharded_input([loc.chunk(n, dim=-1)[r].contiguous() for r, loc in enumerate(x.locals)])
 
     @staticmethod
     def backward(ctx, g):
@@ -256,15 +259,16 @@ class _FromLocal(torch.autograd.Function):
     """A local tensor taken as a DTensor (`DTensor.from_local`) where no collective follows:
     identity both ways, yet one autograd node, as DTensor's is. It groups the gradient sum: the
     module's own uses of its input (an RMSNorm reads `x.float()` twice) add up inside it before
-    they meet the uses outside (the residual stream), as on the ranks."""
+    they meet the uses outside (the residual stream), as on the ranks. `rowwise`: a rowwise
+    linear's input, carrying the DTensor's strides (`_as_sharded_input`)."""
 
     @staticmethod
-    def forward(ctx, x: Ranks) -> Ranks:
-        return Ranks(list(x.locals))
+    def forward(ctx, x: Ranks, rowwise: bool = False) -> Ranks:
+        return _as_sharded_input(list(x.locals)) if rowwise else Ranks(list(x.locals))
 
     @staticmethod
     def backward(ctx, g):
-        return g
+        return g, None
 
 
 class _Enter(torch.autograd.Function):
@@ -328,6 +332,26 @@ class _Partition(torch.autograd.Function):
 
 def _n(g) -> int:
     return len(g.locals) if isinstance(g, Ranks) else 1
+
+
+def _as_sharded_input(locals: list[torch.Tensor]) -> Ranks:
+    """A rowwise linear's input, Shard(-1) on every rank, with the strides autograd sees there.
+
+    On the ranks autograd records the DTensor, whose strides are the global tensor's (torch's
+    `compute_global_tensor_info`: a stride at or above the sharded dim's grows n-fold), and
+    `mm_mat1_backward` picks its kernel by them: "column-major" (stride 1 first, then the rows)
+    takes `(W^T g^T)^T`, anything else `g W`. A local input of one row and one feature is
+    column-major by its own strides, never by the global ones, and the two kernels add the input
+    gradient's dot product in different orders: 5 ulp in the layer below, 0.56x its bound and
+    1.17x in Adam's squared average (fresh-seed sweep 20271101, case 468356afd158: the MLP,
+    widths 1,2,27,6 at tp 2, one sample). So the wrapper carries the global strides; the local
+    tensors, which the kernels run on, keep their own, as on the ranks."""
+    first = locals[0]
+    if first.dim() != 2:
+        return Ranks(locals)
+    n = len(locals)
+    rows, cols = first.stride()
+    return Ranks(locals, strides=(rows * n if rows >= cols else rows, cols))
 
 
 # ---- the plan's styles on the reference model -----------------------------------------------------
@@ -466,7 +490,7 @@ class TensorParallel:
             if layout[0] == "replicate":
                 x = _ChunkInput.apply(x)
             elif x.placement is None:
-                x = _FromLocal.apply(x)
+                x = _FromLocal.apply(x, True)
             return (x, *args[1:])
 
         return before
