@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
@@ -232,6 +233,27 @@ def test_fsdp2_summing_sequence_parallel_norm_gradients_in_bf16_is_caught(fsdp_c
     assert not verdict.ok and (first.step, first.phase) == (1, "grads"), verdict.summary()
     parted = {f.name for f in verdict.findings if f.phase == "grads" and f.max_abs != 0}
     assert parted and all(n.endswith("norm.weight") for n in parted), parted
+    assert "pytorch/pytorch#190626" in verdict.hint and first.name in verdict.hint, verdict.hint
+
+
+@pytest.mark.parametrize(
+    "changes, name",
+    [
+        ({"precision": PrecisionSpec()}, "layers.0.attention_norm.weight"),  # fp32: no ingredient
+        ({"precision": PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")}, "layers.0.attention_norm.weight"),
+        ({"sequence_parallel": False}, "layers.0.attention_norm.weight"),  # no sum over tp
+        ({}, "layers.0.attention.wq.weight"),  # a colwise weight: not the gradient the bug sums
+    ],
+    ids=["fp32", "bf16-reduction", "no-sp", "not-a-norm"],
+)
+def test_the_190626_hint_needs_every_ingredient_and_the_norm_parting_first(changes, name):
+    from fsdp_verify.compare.finding import Finding
+    from fsdp_verify.engines.tensor_parallel import reduce_dtype_hint
+
+    base = {"sequence_parallel": True, "precision": PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")}
+    first = Finding(1, "grads", name, False, "deviation", "GradsComparator")
+    assert reduce_dtype_hint(tp_case(**{**base, **changes}), first) == ""
+    assert "#190626" in reduce_dtype_hint(tp_case(**base), replace(first, name="layers.0.attention_norm.weight"))
 
 
 def test_sequence_parallel_training_a_frozen_norm_is_caught(fsdp_check):

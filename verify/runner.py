@@ -13,6 +13,7 @@ from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
+from fsdp_verify.engines.tensor_parallel import reduce_dtype_hint
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
 from fsdp_verify.reference.trainer import RankShare
@@ -107,6 +108,7 @@ def judge(
     }
     verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
     verdict.hint = verdict.hint or compiler_hint(case, verdict.first_divergence)
+    verdict.hint = verdict.hint or reduce_dtype_hint(case, verdict.first_divergence)
     if case.loss_scaling is not None:
         verdict.loss_scales = _loss_scales(ref, got)
     return verdict

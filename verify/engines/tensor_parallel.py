@@ -252,6 +252,46 @@ def _split_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_para
     return tuple(out)
 
 
+@functools.lru_cache(maxsize=64)
+def _sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset:
+    import torch
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    from fsdp_verify.models import _construct
+
+    with torch.device("meta"):
+        model = _construct(spec)
+    plan = plan_for(_PlanOf(spec, tp, tp_plan, sequence_parallel, loss_parallel), model)
+    return frozenset(fqn for fqn, style in plan.items() if isinstance(style, SequenceParallel))
+
+
+# pytorch/pytorch#190626 (open): FSDP2 sums a SequenceParallel module's partial weight gradients
+# over the tp ranks in param_dtype, not reduce_dtype. Measured on torch 2.13.0 and 2.14.1 (the
+# repro xfails on both; `check --tp 2 --sequence-parallel --param-dtype bf16 --reduce-dtype fp32
+# --vocab-size 64` parts there at 1.5e3x). Left out of the draw (properties/strategies.py `tp_styles`).
+REDUCE_DTYPE_REPRO = "tests/upstream/test_fsdp2_tp_reduce_dtype.py"
+
+
+def reduce_dtype_hint(case, first) -> str:
+    """Where the first record to part is the gradient of a SequenceParallel module's parameter
+    (the one gradient summed over the tp ranks) and the case has every ingredient of #190626 (a
+    param_dtype below reduce_dtype): that bug, named; else nothing."""
+    if first is None or first.ok or first.phase != "grads" or case.tp == 1 or not case.sequence_parallel:
+        return ""
+    p = case.precision
+    if p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype):
+        return ""
+    spec = (case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel)
+    if first.name.rpartition(".")[0] not in _sequence_parallel_modules(*spec):
+        return ""
+    return (
+        f"the first gradient to part, {first.name}, is a sequence-parallel module's, the one gradient summed over"
+        f" the tp ranks; with param_dtype {p.param_dtype} and reduce_dtype {p.reduce_dtype} this case has every"
+        " ingredient of a known PyTorch bug: FSDP2 runs that sum in param_dtype (pytorch/pytorch#190626, open;"
+        f" torch 2.13.0 and 2.14.1). Repro: {REDUCE_DTYPE_REPRO}"
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class _PlanOf:
     """The fields of a case its plan follows from (`plan_for` reads these)."""
