@@ -1129,7 +1129,10 @@ class _RngByGlobalRank(Checkpointer):
     saving run, data-parallel rank 0's): its dropout masks repeat another rank's."""
 
     def after_load(self, optimizer, trainer):
-        return {k: v for k, v in trainer.items() if k != "tp"}
+        rank = dist.get_rank()
+        if rank < trainer["rng"].shape[0]:
+            torch.set_rng_state(trainer["rng"][rank].clone())
+        return {k: v for k, v in trainer.items() if k != "rng"}  # restored here, not by the loop
 
 
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
