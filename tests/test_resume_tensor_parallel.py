@@ -124,18 +124,19 @@ def test_a_correct_resume_across_a_tp_change_is_bit_exact(fsdp_check, case):
 
 
 @pytest.mark.parametrize(
-    "mutant, case, name",
+    "mutant, case, name, words",
     [
-        ("tp_shards_on_the_wrong_rank_on_resume", UP, "params."),
-        ("rng_by_global_rank_on_resume", UP, "rng"),
-        ("rng_by_global_rank_on_resume", DOWN, "rng"),
+        ("tp_shards_on_the_wrong_rank_on_resume", UP, "params.", "2 chunks along dim 0 moved round by 1"),
+        ("rng_by_global_rank_on_resume", UP, "rng", "restored onto the wrong ranks"),
+        ("rng_by_global_rank_on_resume", DOWN, "rng", "restored onto the wrong ranks"),
     ],
+    ids=["shards-moved-1to2", "rng-1to2", "rng-2to1"],
 )
-def test_a_load_that_breaks_the_tp_reshard_is_caught_at_the_load(fsdp_check, mutant, case, name):
+def test_a_load_that_breaks_the_tp_reshard_is_caught_at_the_load_and_named(fsdp_check, mutant, case, name, words):
     verdict = fsdp_check(case.with_(engine=MUTANTS + mutant), calibrate=False)
     first = verdict.first_divergence
     assert not verdict.ok and (first.step, first.phase) == (1, "resumed"), verdict.table()
-    assert first.name.startswith(name), first
+    assert first.name.startswith(name) and words in verdict.hint, (first, verdict.hint)
 
 
 def test_a_global_rank_generator_is_right_while_the_degree_stays(fsdp_check):
