@@ -14,6 +14,9 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, CaseError, DataSpec, PrecisionSpec
+from fsdp_verify.commands.case_flags import case_to_flags
+from fsdp_verify.commands.cli import build_parser
+from fsdp_verify.commands.options import case_from_args
 from fsdp_verify.engines import refuse_untakeable
 from fsdp_verify.properties.strategies import PinError, cases
 from fsdp_verify.reference import train_reference
@@ -43,6 +46,9 @@ def test_the_resumed_run_takes_the_new_degree_and_keeps_the_world():
     assert "resume_tp" not in resumed().to_dict()  # absent when unset: a case's hash stays
     again = Case.from_json(hsdp.to_json())
     assert again == hsdp and again.hash == hsdp.hash
+    for case in (hsdp, resumed(sequence_parallel=True, resume_tp=1)):  # one spelling: `check --resume-tp`
+        flags = case_to_flags(case)
+        assert "--resume-tp" in flags and case_from_args(build_parser().parse_args(["check", *flags])) == case
 
 
 @pytest.mark.parametrize(
