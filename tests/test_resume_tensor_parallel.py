@@ -6,16 +6,13 @@ declares nothing), correct runs bit-exact, and the zoo's two loads that break it
 
 from __future__ import annotations
 
-import subprocess
-import sys
-
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, CaseError, DataSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
-from fsdp_verify.commands.cli import build_parser
+from fsdp_verify.commands.cli import build_parser, main
 from fsdp_verify.commands.options import case_from_args
 from fsdp_verify.engines import refuse_untakeable
 from fsdp_verify.properties.strategies import PinError, cases
@@ -68,13 +65,11 @@ def test_a_bad_resumed_degree_names_its_field(changes, field, expected):
     assert info.value.field_path == field
 
 
-def test_a_plugin_that_declares_nothing_resumed_at_tp_2_exits_2_naming_resume_tp():
+def test_a_plugin_that_declares_nothing_resumed_at_tp_2_exits_2_naming_resume_tp(capsys):
     flags = ["--engine", PLAIN, "--steps", "2", "--resume-after", "1", "--resume-tp", "2", "--vocab-size", "64"]
-    run = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", *flags], capture_output=True, text=True, timeout=120
-    )
-    assert run.returncode == 2, run.stderr
-    assert "resume_tp: expected 1" in run.stderr and "for the resumed run" in run.stderr
+    assert main(["check", *flags]) == 2
+    err = capsys.readouterr().err
+    assert "resume_tp: expected 1" in err and "for the resumed run" in err, err
 
 
 # ---- the draw ---------------------------------------------------------------------------------------
@@ -145,6 +140,7 @@ def test_a_load_that_breaks_the_tp_reshard_is_caught_at_the_load_and_named(fsdp_
     assert first.name.startswith(name) and words in verdict.hint, (first, verdict.hint)
 
 
+@pytest.mark.slow
 def test_a_global_rank_generator_is_right_while_the_degree_stays(fsdp_check):
     """The mutant's slip shows only across a change: at one degree a tp group's ranks hold one
     stream, so rank r's own is its data-parallel rank's (nothing to catch, nothing cried)."""
