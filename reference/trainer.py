@@ -255,11 +255,13 @@ class _Run:
         optimizer.load_state_dict(self.optimizer.state_dict())
         if scheduler is not None:
             scheduler.load_state_dict(self.scheduler.state_dict())
+        # One generator a data-parallel rank (its tp ranks share it): data-parallel rank d resumes
+        # with the one d saved, whatever the tp degree on either side (verify/training/resume.py).
         fresh = dropout_states(after)
-        rng_states = [self.rng_states[r] if r < len(self.rng_states) else fresh[r] for r in range(after.world_size)]
+        rng_states = [self.rng_states[d] if d < len(self.rng_states) else fresh[d] for d in range(after.dp_size)]
         jolt = None
         if self.jolt is not None:  # the same moves, for the new number of ranks
-            jolt = Perturbation(0, after.world_size)
+            jolt = Perturbation(0, after.dp_size)
             jolt.generator, jolt.moved = self.jolt.generator, self.jolt.moved
         flat = self.order == "flat" or (self.order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if self.order == "ring" else Arithmetic(layout="flat")
@@ -275,7 +277,7 @@ class _Run:
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
-            divide=_divide_factors(after, arithmetic, self.reduce_dtype, after.world_size),
+            divide=_divide_factors(after, arithmetic, self.reduce_dtype, after.dp_size),
             jolt=jolt,
             scaler=self.scaler,
             share=None,
@@ -283,13 +285,17 @@ class _Run:
             trace=self.trace,
             views=_FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
             fusion=_fusion(after, model, self.fusion),
+            # The resumed run's own tp degree and plan on the new model (the optimizer state and
+            # parameters carried over are full tensors: a tp degree is how they are computed on,
+            # not what they hold).
+            tp=TensorParallel(after, model) if after.tp > 1 else None,
         )
 
     def record_resumed(self, step: int) -> None:
         """The state a correct load gives, under phase "resumed" at the step saved after (the
         sharded side records what it loaded: verify/sharded/loop.py `_resume`)."""
         add = self.trace.add
-        record_resumed(self.trace, step, self.params, self.optimizer, self.rng_states)
+        record_resumed(self.trace, step, self.params, self.optimizer, self.rng_states, self.case.tp)
         if self.scheduler is not None:
             for key, value in schedule_state(self.scheduler).items():
                 add(step, "resumed", key, value)
@@ -1087,9 +1093,11 @@ def record_resumed(
     params: dict[str, nn.Parameter],
     optimizer: torch.optim.Optimizer,
     rng_states: list[torch.Tensor],
+    tp: int = 1,
 ) -> None:
     """What every loop's load gives (phase "resumed", at the step saved after): parameters,
-    optimizer state, the param groups' hyperparameters, every rank's generator and the data
+    optimizer state, the param groups' hyperparameters, every rank's generator (one a
+    data-parallel rank in `rng_states`, the same on each of its `tp` ranks) and the data
     position (a global batch per step)."""
     for n, p in params.items():
         trace.add(step, "resumed", f"params.{n}", p)
@@ -1097,7 +1105,8 @@ def record_resumed(
         trace.add(step, "resumed", f"optim.{key}", value)
     for key, value in param_groups_state(optimizer).items():
         trace.add(step, "resumed", key, value)
-    trace.add(step, "resumed", "rng", torch.tensor([rng_fingerprint(s) for s in rng_states], dtype=torch.int64))
+    prints = [rng_fingerprint(s) for s in rng_states for _ in range(tp)]
+    trace.add(step, "resumed", "rng", torch.tensor(prints, dtype=torch.int64))
     trace.add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
 
 

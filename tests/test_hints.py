@@ -111,6 +111,38 @@ def test_a_parameter_at_its_initial_value_is_a_key_not_loaded_and_another_value_
     assert "initial" in said and "it is none of" in said and "not loaded" not in said
 
 
+def _generators(expected: list[int], loaded: list[int]) -> str:
+    """The hint for the generators right after a load at step K: the saving run's two ranks ended
+    step K's last micro-batch (1) on streams 10 and 20 (its micro-batch 0 on 5 and 6)."""
+    ref, got = _traces({"rng": torch.tensor(expected)}, {"rng": torch.tensor(loaded)})
+    for side in (ref, got):  # the saving run's own records, alike on both sides
+        side.records[(K, "rng", "after_backward.0")] = torch.tensor([5, 6])
+        side.records[(K, "rng", "after_backward.1")] = torch.tensor([10, 20])
+    return _hint(ref, got)
+
+
+def test_generators_of_the_saving_runs_other_ranks_are_named_restored_onto_the_wrong_ranks():
+    # Resumed at tp 2 (one data-parallel rank: both ranks on saved rank 0's stream); rank 1 took
+    # saved rank 1's, as a loop restoring by global rank does.
+    said = _generators([10, 10], [10, 20])
+    assert "rank(s) [1]" in said and "saving run's rank(s) [1]" in said and "wrong ranks" in said, said
+    # Near misses: a stream the saving run's ranks ended on only before the last micro-batch, or
+    # a fresh one, is no saving rank's generator: not restored, no rank named.
+    for loaded in ([10, 6], [10, 99]):
+        said = _generators([10, 10], loaded)
+        assert "not restored" in said and "wrong ranks" not in said, said
+
+
+def test_a_state_whose_chunks_moved_round_is_named_shards_on_other_ranks_and_near_it_is_described():
+    saved = torch.arange(12.0).reshape(6, 2)
+    said = _hint(*_traces({"params.w": saved}, {"params.w": torch.cat([saved[2:], saved[:2]])}))
+    assert "3 chunks along dim 0 moved round by 1" in said and "other ranks" in said, said
+    near = torch.cat([saved[2:], saved[:2]])
+    near[0, 0] += 1  # one element off: no rotation
+    said = _hint(*_traces({"params.w": saved}, {"params.w": near}))
+    assert "other ranks" not in said and "it is none of" in said, said
+
+
 def _by_rank(saved_w, loaded_w, init_w, ranks=(0, 1)):
     rows = {f"{K}/resumed/params.w": _rows(len(saved_w), *ranks)}
     return _traces({"params.w": saved_w}, {"params.w": loaded_w}, init={"w": init_w}, meta={RANK_ROWS: rows})

@@ -113,6 +113,12 @@ def test_the_draw_gives_tensor_parallel_cases_fsdp2_takes(case):
         assert p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype)
 
 
+@settings(max_examples=30, database=None, deadline=None, suppress_health_check=list(HealthCheck))
+@given(case=cases(world_sizes=(2,), tp=2, model_kinds=("transformer",), precisions=("bf16",), sequence_parallel=True))
+def test_a_pinned_sequence_parallelism_draws_no_wider_reduce_unless_pinned_too(case):
+    assert case.sequence_parallel and case.precision.reduce_dtype == "bf16"  # pytorch/pytorch#190626 not drawn
+
+
 def test_tensor_parallel_degrees_are_drawn_only_where_asked():
     asked = cases(world_sizes=(2, 4), tp=[1, 2], hsdp=True, model_kinds=("transformer",), precisions=("fp32",))
     drawn = find(asked, lambda c: c.tp == 2 and c.sequence_parallel)

@@ -67,9 +67,7 @@ NOT_MODELLED_BESIDE: dict[tuple[str, Any], tuple[NotModelled, ...]] = {
             False,
             "tied embeddings (the embedding is split by rows, the head by columns: one tensor cannot be both)",
         ),
-        # Drawn apart: a resume only where `resumes` is asked, loss scaling only with fp16 (both
-        # refused beside tp by the strategies' `_tp_draws`).
-        NotModelled("resume_after", None, "a resume (not modelled yet)", drawn=False),
+        # Drawn apart: loss scaling only with fp16 (refused beside tp by the strategies' `_tp_draws`).
         NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
         NotModelled("zoom", None, "zoom's per-module probes", drawn=False),
         # The other compositions (verify/engines/compositions.py, `NOT_WITH_COMPILE`): not tried together.
@@ -346,12 +344,13 @@ class Case:
 
     # A checkpoint and resume (docs/resume.md): the sharded run saves after step `resume_after`
     # (torch.distributed.checkpoint), stops, and a new run resumes from it on `resume_world_size`
-    # ranks (mesh `resume_mesh_shape`) with `resume_engine`; None: as before. The reference is the
-    # same run never stopped. None: no resume.
+    # ranks (mesh `resume_mesh_shape`) with `resume_engine` and the tp degree `resume_tp`; None: as
+    # before. The reference is the same run never stopped. None: no resume.
     resume_after: int | None = None
     resume_world_size: int | None = None
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
+    resume_tp: int | None = None
 
     # Expert parallelism (docs/expert-parallel.md): the grouped experts (`model.top_k`) sharded
     # over an `ep` mesh dim of this many ranks, carved out of the shard dim, tokens moved by
@@ -411,6 +410,7 @@ class Case:
         "resume_world_size",
         "resume_mesh_shape",
         "resume_engine",
+        "resume_tp",
         "ep",
         "pp",
         "pp_schedule",
@@ -736,9 +736,9 @@ class Case:
 
     def _validate_resume(self) -> None:
         """A resume needs a step to save after and a step after it; what it resumes on must be a
-        valid case of its own (the batch divisible by its ranks)."""
+        valid case of its own (the batch divisible by its ranks, the model by its tp degree)."""
         if self.resume_after is None:
-            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine"):
+            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine", "resume_tp"):
                 check(getattr(self, name) is None, name, "null without resume_after", getattr(self, name))
             return
         check(
@@ -755,33 +755,52 @@ class Case:
             "null, 'fsdp2', 'fsdp1', 'pkg.module:NAME' or 'file.py:NAME'",
             self.resume_engine,
         )
+        rtp = self.resume_tp
+        check(rtp is None or (is_int(rtp) and rtp >= 1), "resume_tp", "null or a positive integer (1: no tp)", rtp)
+        if rtp is not None and rtp != self.tp:
+            # Pipeline stages beside tp are refused by the case (NOT_MODELLED_BESIDE); a user's step
+            # is not modelled beside tp on either side of the resume.
+            check(self.step is None, "resume_tp", "null with a user's step (not modelled beside tp)", rtp)
+            world = rws if rws is not None else self.world_size
+            if self.resume_mesh_shape is None or rws is not None:
+                check(
+                    world % rtp == 0,
+                    "resume_tp",
+                    f"a divisor of the resumed world size {world} (every rank: data-parallel ranks times tp)",
+                    rtp,
+                )
         try:
             self.after_resume()
         except CaseError as e:
-            field_name = {"world_size": "resume_world_size", "mesh_shape": "resume_mesh_shape"}.get(
-                e.field_path, e.field_path
-            )
-            raise CaseError(field_name, f"{e.expected} (for the resumed run)", e.got) from None
+            raise for_the_resumed_run(e) from None
 
     def before_resume(self) -> Case:
         """The run up to the save: the first `resume_after` steps, as the case says."""
         return replace(self, steps=self.resume_after, **_NO_RESUME)
 
     def after_resume(self) -> Case:
-        """The run that resumes: the same case on the resumed world size, mesh and engine (it
-        trains steps resume_after + 1 to steps; the loop learns where it is from the checkpoint)."""
+        """The run that resumes: the same case on the resumed world size, mesh, engine and tp
+        degree (it trains steps resume_after + 1 to steps; the loop learns where it is from the
+        checkpoint). A new tp degree keeps the world size unless `resume_world_size` says otherwise
+        (the data-parallel ranks change), and the data-parallel mesh unless it still fits; resumed
+        at tp 1 the run has no plan, so none of the plan's styles (sequence and loss parallelism,
+        a plan of the user's) either."""
+        tp = self.resume_tp if self.resume_tp is not None else self.tp
         world = self.resume_world_size if self.resume_world_size is not None else self.world_size
         if self.resume_mesh_shape is not None:
             mesh = tuple(self.resume_mesh_shape)
             if self.resume_world_size is None:
-                world = _product(mesh)
+                world = _product(mesh) * tp
         else:
-            mesh = None if self.resume_world_size is not None else self.mesh_shape
+            mesh = None if self.resume_world_size is not None or tp != self.tp else self.mesh_shape
+        styles = {"tp_plan": None, "sequence_parallel": False, "loss_parallel": False} if tp == 1 else {}
         return replace(
             self,
             world_size=world,
             mesh_shape=mesh,
             engine=self.resume_engine or self.engine,
+            tp=tp,
+            **styles,
             **_NO_RESUME,
         )
 
@@ -1087,7 +1106,28 @@ class Case:
         return replace(self, **flat)
 
 
-_NO_RESUME = {"resume_after": None, "resume_world_size": None, "resume_mesh_shape": None, "resume_engine": None}
+# The fields of the run that resumes, as the case spells them (`for_the_resumed_run`).
+_RESUMED_FIELDS = {
+    "world_size": "resume_world_size",
+    "mesh_shape": "resume_mesh_shape",
+    "tp": "resume_tp",
+    "engine": "resume_engine",
+}
+
+
+def for_the_resumed_run(e: CaseError) -> CaseError:
+    """`e`, raised by the resumed run's case (`Case.after_resume`), naming the case's field that
+    set what it refused (`resume_tp` for its `tp`, ...)."""
+    return CaseError(_RESUMED_FIELDS.get(e.field_path, e.field_path), f"{e.expected} (for the resumed run)", e.got)
+
+
+_NO_RESUME = {
+    "resume_after": None,
+    "resume_world_size": None,
+    "resume_mesh_shape": None,
+    "resume_engine": None,
+    "resume_tp": None,
+}
 
 _SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
 

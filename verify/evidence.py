@@ -42,6 +42,48 @@ def equal_records(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> l
     ]
 
 
+def chunks_rotated(saved: torch.Tensor, got: torch.Tensor, most: int = 8) -> tuple[int, int, int] | None:
+    """(dim, n, k) where `got` is `saved` cut into n equal chunks along dim with chunk i holding
+    saved chunk (i + k) % n, k in 1..n-1, exactly, for the fewest chunks up to `most`: shards that
+    landed on other ranks in a ring (a tp degree's shards by position). None where none is, or
+    where `got` is `saved` itself."""
+    if got.shape != saved.shape or got.dtype != saved.dtype or torch.equal(saved, got):
+        return None
+    for n in range(2, most + 1):
+        for dim in range(saved.dim()):
+            if saved.shape[dim] % n:
+                continue
+            chunks = saved.chunk(n, dim)
+            for k in range(1, n):
+                if torch.equal(torch.cat(chunks[k:] + chunks[:k], dim), got):
+                    return dim, n, k
+    return None
+
+
+def generators_taken_from(ref: Trace, got: Trace, step: int) -> dict[int, int] | None:
+    """Right after a resume's load at `step`: for each rank whose generator (the `resumed rng`
+    fingerprints) is not the run that never stopped has there, the rank of the saving run whose
+    generator it is (the fingerprint that rank's last backward of the step ended with, its `rng`
+    record `after_backward.<last micro-batch>`: nothing draws after it before the save). None
+    where the records do not show it: no such records, or a differing rank whose generator is
+    no saving rank's (a fresh seed: not restored)."""
+    key = (step, "resumed", "rng")
+    if key not in ref.records or key not in got.records:
+        return None
+    expected, loaded = ref.records[key].tolist(), got.records[key].tolist()
+    last = sorted((k for k in got.records if k[:2] == (step, "rng") and k[2].startswith("after_backward.")), key=str)
+    if len(expected) != len(loaded) or not last:
+        return None
+    ended = got.records[max(last, key=lambda k: int(k[2].rsplit(".", 1)[1]))].tolist()
+    taken = {}
+    for rank, (want, have) in enumerate(zip(expected, loaded)):
+        if want != have:
+            if have not in ended:
+                return None
+            taken[rank] = ended.index(have)
+    return taken or None
+
+
 def rank_deviations(ref: torch.Tensor, got: torch.Tensor, spans: list[list[int]]) -> dict[int, float]:
     """Per rank holding rows of the record: the largest change of its rows relative to the whole
     reference's largest element (the comparators' normwise measure, restricted to its rows)."""

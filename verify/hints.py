@@ -58,6 +58,14 @@ def resume_hint(first: Finding, ref: Trace, got: Trace) -> str:
     if name.startswith("loss_scale."):
         return f"the loss scaler's {name.split('.', 1)[1]} is not the saved one {where}{values}: the scaler was reset"
     if name == "rng":
+        taken = evidence.generators_taken_from(ref, got, first.step)
+        if taken:
+            return (
+                f"the generators of rank(s) {list(taken)} are not the ones they should resume with {where}, but those"
+                f" the saving run's rank(s) {list(taken.values())} ended with: restored onto the wrong ranks (under"
+                " tensor parallelism a rank resumes with its data-parallel rank's stream, rank // tp, which a change"
+                " of the tp degree moves: not its own rank's)"
+            )
         return f"the ranks' generators are not the saved ones {where}: the RNG state was not restored (dropout masks)"
     if name.startswith("schedule."):
         return (
@@ -157,6 +165,14 @@ def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> st
         return (
             f"parameter {label} holds its initial values {where}, on every rank: its key was not loaded"
             " (a key the load did not match, e.g. a wrapper's prefix, dropped by a non-strict load?)"
+        )
+    rotated = evidence.chunks_rotated(saved, loaded)
+    if rotated is not None:
+        dim, n, k = rotated
+        return (
+            f"the loaded {label} is the saved value with its {n} chunks along dim {dim} moved round by {k} (chunk i"
+            f" holds the saved chunk i + {k}) {where}: its shards landed on other ranks (a load that maps shards to"
+            " ranks by their position in the tp group, not by their global offsets as DCP's reshard does?)"
         )
     moved = int((saved != loaded).sum())
     tested = "another record's saved value, the saved value rounded to bf16 or fp16, " + (

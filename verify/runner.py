@@ -7,7 +7,7 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from fsdp_verify.case import Case
+from fsdp_verify.case import Case, for_the_resumed_run
 from fsdp_verify.checks import run_checks
 from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces
@@ -188,7 +188,10 @@ def check_resumed_case(
     precision, RNG, contracts) run on each run against its own case and steps."""
     before, after = case.before_resume(), case.after_resume()
     refuse_untakeable(before)
-    refuse_untakeable(after)
+    try:
+        refuse_untakeable(after)
+    except CaseError as e:
+        raise for_the_resumed_run(e) from None
     t0 = time.perf_counter()
 
     def reference() -> tuple[Trace, float]:

@@ -211,4 +211,5 @@ def _resume_text(case: Case) -> str:
     after = case.after_resume()
     mesh = f" mesh {after.mesh_shape}" if after.mesh_shape is not None else ""
     engine = f" with {after.engine}" if after.engine != case.engine else ""
-    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{engine},"
+    tp = f" tp {after.tp}" if after.tp != case.tp else ""
+    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{tp}{engine},"

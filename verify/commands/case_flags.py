@@ -707,6 +707,15 @@ FLAGS: tuple[Flag, ...] = (
         draw=None,
     ),
     Flag(
+        "--resume-tp",
+        "resume_tp",
+        RESUME,
+        "the tp degree the run resumes with (--resume-world-size still counts every rank; default: as before)",
+        or_none(integer),
+        "N",
+        draw=None,
+    ),
+    Flag(
         "--compile",
         "compile",
         COMPILE,

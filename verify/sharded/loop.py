@@ -231,7 +231,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         export_safetensors(view.module, ctx.resume["export"])
     if ctx.resume is not None and "save" in ctx.resume:
         ctx.phase(f"step {case.steps} save checkpoint")
-        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler)
+        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler, case.tp)
         view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
     return dtypes, items
 
@@ -302,7 +302,7 @@ def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple
     records.meta(FRESH_PARAM_GROUPS, {k: v.tolist() for k, v in param_groups_state(optimizer).items()})
     ctx.phase("load checkpoint")
     trainer = view.checkpointer().load(path, optimizer)
-    restore_trainer(trainer, scaler, ctx.rank, scheduler)
+    restore_trainer(trainer, scaler, ctx.rank, scheduler, case.tp)
     saved = int(trainer["step"][0])
     position = int(trainer["data_position"][0])
     ctx.phase(f"step {saved} record the loaded state")

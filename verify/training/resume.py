@@ -198,12 +198,14 @@ def saved_template(path: str) -> dict[str, dict]:
 
 
 def trainer_state(
-    step: int, data_position: int, scaler, device: torch.device, scheduler=None
+    step: int, data_position: int, scaler, device: torch.device, scheduler=None, tp: int = 1
 ) -> dict[str, torch.Tensor]:
     """What this run saves beside model and optimizer (a collective: the ranks' generators are
     all-gathered, every rank saves the same tensors). A schedule saves its position
     (`last_epoch`, `_step_count`): the rate itself is in the optimizer's param groups, but a
-    fresh scheduler would compute the next one from step 0 (LinearLR's warmup restarts)."""
+    fresh scheduler would compute the next one from step 0 (LinearLR's warmup restarts). Under
+    tensor parallelism the tp degree too (`tp`, absent at 1): the generators are one a
+    data-parallel rank, and a run resumed on another degree finds rank d's at d * tp."""
     mine = torch.get_rng_state()
     states = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(states, mine)  # gloo and the CPU generator: CPU tensors
@@ -212,6 +214,8 @@ def trainer_state(
         "data_position": torch.tensor([data_position], dtype=torch.int64),
         "rng": torch.stack(states),
     }
+    if tp > 1:
+        out["tp"] = torch.tensor([tp], dtype=torch.int64)
     if scaler is not None:
         out["loss_scale.scale"] = torch.tensor([float(scaler.get_scale())], dtype=torch.float32)
         out["loss_scale.growth_tracker"] = torch.tensor([scaler._get_growth_tracker()], dtype=torch.int64)
@@ -220,12 +224,17 @@ def trainer_state(
     return out
 
 
-def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int, scheduler=None) -> None:
-    """This rank's generator (if the saving run had the rank; else its fresh seed stays), the
-    loss scaler's state and the schedule's position (after the optimizer's load: its last rate
-    is the loaded param groups' `lr`)."""
-    if "rng" in trainer and rank < trainer["rng"].shape[0]:
-        torch.set_rng_state(trainer["rng"][rank].clone())
+def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int, scheduler=None, tp: int = 1) -> None:
+    """This rank's generator (its data-parallel rank's, if the saving run had that one; else its
+    fresh seed stays), the loss scaler's state and the schedule's position (after the optimizer's
+    load: its last rate is the loaded param groups' `lr`). Under tensor parallelism the ranks of a
+    tp group draw from one stream (verify/sharded/loop.py): data-parallel rank d = rank // `tp`
+    takes the stream the saving run's data-parallel rank d had, at its rank d * (saved tp), so a
+    change of the tp degree keeps every replicated activation's mask one across its tp group."""
+    saved_tp = int(trainer["tp"][0]) if "tp" in trainer else 1
+    source = rank // tp * saved_tp
+    if "rng" in trainer and source < trainer["rng"].shape[0]:
+        torch.set_rng_state(trainer["rng"][source].clone())
     if scaler is not None and "loss_scale.scale" in trainer:
         scaler.load_state_dict(
             {

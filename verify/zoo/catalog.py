@@ -752,6 +752,26 @@ ZOO += [
         model_kinds=("transformer",),
         pins=dict(_TP),
     ),
+    # A resume beside tp (docs/resume.md), its degree drawn among 1 and 2 on either side.
+    ZooBug(
+        "tp_shards_on_the_wrong_rank_on_resume",
+        _mutant("tp_shards_on_the_wrong_rank_on_resume"),
+        "one tensor-parallel parameter's tp shards loaded onto the wrong tp ranks (rank t holds rank t + 1's)",
+        "issue 39: a loader that maps shards to ranks by position in the tp group, not by DCP's global offsets",
+        ("resumed",),
+        world_sizes=_TP_WORLDS,
+        pins={**_RESUME, "tp": st.sampled_from((1, 2))},
+    ),
+    ZooBug(
+        "rng_by_global_rank_on_resume",
+        _mutant("rng_by_global_rank_on_resume"),
+        "each rank takes back its own global rank's generator across a change of the tp degree",
+        "issue 39: a resume written for data parallelism alone (rank r's stream is rank r's)",
+        ("resumed",),
+        world_sizes=_TP_WORLDS,
+        model_kinds=("transformer",),
+        pins={**_RESUME, "tp": st.sampled_from((1, 2)), "model.dropout": 0.1},
+    ),
 ]
 
 BY_NAME = {bug.name: bug for bug in ZOO}

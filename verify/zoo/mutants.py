@@ -1098,6 +1098,43 @@ class _WeightDecayFromTheCode(Checkpointer):
         return trainer
 
 
+class _TpShardsOnTheWrongRank(Checkpointer):
+    """Loads everything, but one tensor-parallel parameter's tp shards land on the wrong tp ranks
+    (rank t holds what rank t + 1 should): a loader that maps the checkpoint's shards to ranks by
+    its own position in the tp group, where DCP's reshard reads them by their global offsets (a
+    resume that copies `to_local()` pieces by rank index, right only where the tp layout and rank
+    order never change). Only the parameter moves; its optimizer state stays where it belongs."""
+
+    def after_load(self, optimizer, trainer):
+        for _, p in self.module.named_parameters():
+            mesh = getattr(p, "device_mesh", None)
+            if mesh is None or "tp" not in (mesh.mesh_dim_names or ()):
+                continue
+            tp = mesh.mesh_dim_names.index("tp")
+            if not p.placements[tp].is_shard() or mesh.size(tp) == 1:
+                continue
+            local = _local(p)
+            pieces = [torch.empty_like(local) for _ in range(mesh.size(tp))]
+            dist.all_gather(pieces, local.detach().contiguous(), group=mesh.get_group("tp"))
+            with torch.no_grad():
+                local.copy_(pieces[(mesh.get_local_rank("tp") + 1) % len(pieces)])
+            break
+        return trainer
+
+
+class _RngByGlobalRank(Checkpointer):
+    """Loads everything, and each rank takes back the generator of its own global rank, as a
+    loop without tensor parallelism does: right while the tp degree stays, wrong across a change
+    of it (from tp 2 to 1, rank 1 is data-parallel rank 1 but takes the stream of rank 1 of the
+    saving run, data-parallel rank 0's): its dropout masks repeat another rank's."""
+
+    def after_load(self, optimizer, trainer):
+        rank = dist.get_rank()
+        if rank < trainer["rng"].shape[0]:
+            torch.set_rng_state(trainer["rng"][rank].clone())
+        return {k: v for k, v in trainer.items() if k != "rng"}  # restored here, not by the loop
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
@@ -1109,6 +1146,8 @@ optimizer_state_swapped_on_resume = _resuming(_OptimStateSwapped)
 optimizer_state_in_bf16_on_resume = _resuming(_OptimStateInBf16)
 weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
 weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
+tp_shards_on_the_wrong_rank_on_resume = _resuming(_TpShardsOnTheWrongRank)
+rng_by_global_rank_on_resume = _resuming(_RngByGlobalRank)
 
 
 # ---- torch.compile (issue 41, docs/compile.md) ----------------------------------------------------
