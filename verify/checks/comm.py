@@ -326,7 +326,8 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     else:
         backward_group = int(rsf)
     tp = getattr(case, "tp", 1) > 1
-    on = {d: (d if tp else "") for d in ("shard", "replicate", "tp")}  # the groups' mesh dims, in a tp case
+    # the groups' mesh dims, in a tp case (a group of one rank is named by none: verify/probes/comm.py)
+    on = {d: (d if tp and size > 1 else "") for d, size in (("shard", shard), ("replicate", replicas))}
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
     recomputed = regathered_in_recompute(case, units, got)

@@ -26,7 +26,8 @@ them and are not measured. Each rank measures its own; `finish` gathers them to 
 `[step, microbatch, phase, kind, dtype, group_size, bytes]` (bytes: the unsharded side: an
 all-gather's output, a reduce-scatter's input, an all-reduce's tensor). Under tensor parallelism
 the tp group and the shard group are often the same size, so a record also names the mesh dim its
-group spans (`over`: "tp", "shard", "replicate", or "" for a group that is no one dim's), an eighth
+group spans (`over`: "tp", "shard", "replicate", or "" for a group that is no one dim's, or of one
+rank: on a (1, 1, tp) mesh that is the shard and the replicate group alike), an eighth
 field, present only in a tp case's records.
 """
 
@@ -100,8 +101,8 @@ class CommLog:
         step, microbatch, phase = self.where
         dtype = name_of(tensors[0].dtype)
         record = [step, microbatch, phase, kind, dtype, group_size, _nbytes(tensors)]
-        if self.mesh is not None:
-            record.append(over if isinstance(over, str) else mesh_dim_of(over(), *self.mesh))
+        if self.mesh is not None:  # a group of one rank is every size-1 dim's: named by none
+            record.append("" if group_size == 1 else over if isinstance(over, str) else mesh_dim_of(over(), *self.mesh))
         self.records.append(record)
 
 
