@@ -565,6 +565,13 @@ def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     ranks = measured_collectives(got)
     if ranks is None:
         return None
-    n = len(expected_collectives(case, got))
+    from fsdp_verify.checks import tp_comm
+
+    expected = expected_collectives(case, got)
     total = sum(c.bytes for c in ranks[0])
-    return f"{n} collectives per rank as FSDP2's model implies, {total:,} B on rank 0 (kind, dtype, group, bytes)"
+    summary = f"{len(expected)} collectives per rank as FSDP2's model implies"
+    if getattr(case, "tp", 1) > 1:
+        why = tp_comm.underivable(case)
+        tp = sum(c.over == "tp" for c in expected)
+        summary += f" ({tp} of them the tp plan's, per layer)" if not why else f" (over tp: n/a, {why})"
+    return f"{summary}, {total:,} B on rank 0 (kind, dtype, group, bytes)"

@@ -118,8 +118,9 @@ def report(case, got) -> tuple[list[str], list]:
         lines.append(f"CONTRACT BROKEN: {len(findings)} finding(s)")
         lines += [f"  step {f.step}: {f.message}" for f in findings]
     elif contracts.comm:
-        model = "FSDP2's model" if getattr(case, "tp", 1) == 1 or underivable(case) else "FSDP2's and the tp plan's"
-        lines.append(f"contract holds: {len(expected)} collectives per rank, each as {model} implies")
+        tp = getattr(case, "tp", 1) > 1 and not underivable(case)
+        model = "FSDP2's model and the tp plan imply" if tp else "FSDP2's model implies"
+        lines.append(f"contract holds: {len(expected)} collectives per rank, each as {model}")
     return lines, findings
 
 
