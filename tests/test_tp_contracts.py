@@ -1,8 +1,9 @@
-"""Issue 39: the communication contract beside tensor parallelism (docs/contracts.md,
+"""Issue 39: the communication and memory contracts beside tensor parallelism (docs/contracts.md,
 verify/checks/tp_comm.py). A correct FSDP2+TP run issues exactly the collectives its plan
-implies over the tp group, each layer's, beside FSDP2's over the data-parallel dims; a collective
-in the wrong dtype, a missing one and an extra one are named with the layer. The memory contract
-stays n/a beside tp, and a user's plan leaves the tp part of the comm contract n/a."""
+implies over the tp group, each layer's, beside FSDP2's over the data-parallel dims, and holds
+exactly a tp rank's shares sharded over dp; a collective in the wrong dtype, a missing one and an
+extra one are named with the layer, a kept replica with the boundary. A user's plan leaves the
+tp part of the comm contract n/a."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import pytest
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.checks.comm import check_comm, expected_collectives, measured_collectives
+from fsdp_verify.checks.memory import check_memory
 from fsdp_verify.engines.contracts import case_contracts
 from fsdp_verify.probes.comm import mesh_dim_of
 from fsdp_verify.sharded.pool import get_pool
@@ -87,8 +89,8 @@ def test_the_correct_engine_meets_the_comm_contract_beside_tp(world, styles):
             "layers.0.attention_norm.weight",
             "layers.0.ffn_norm.weight",
         }
-    assert case_contracts(case).comm and not case_contracts(case).memory
-    assert "2-D shards" in case_contracts(case).why
+    assert case_contracts(case).comm and case_contracts(case).memory
+    assert check_memory(case, None, got) == []
 
 
 @pytest.mark.parametrize(
@@ -111,6 +113,7 @@ def test_the_contract_follows_what_needs_a_gradient_and_when_it_syncs(case):
     got, findings = run(case)
     assert findings == [], [f.message for f in findings]
     assert over_tp(expected_collectives(case, got))
+    assert check_memory(case, None, got) == []  # n/a under checkpointing (as without tp)
 
 
 # ---- what the contract catches ---------------------------------------------------------------------
@@ -170,6 +173,26 @@ def test_an_extra_gather_per_linear_is_named_with_the_layers_it_could_belong_to(
     assert all("one more than the model says" in f.message and "'layers.0.feed_forward'" in f.message for f in findings)
 
 
+def test_a_replica_kept_beside_tp_is_caught_by_the_memory_contract():
+    """The zoo's `retains_full_params` on a (2, 2) mesh: the original parameters, kept in a list
+    before the plan and the sharding, are whole (global shapes) on every rank."""
+    case = tp_case(4, steps=1, engine=f"{MUTANTS}:retains_full_params")
+    got = get_pool(case.world_size).run(case, 300)
+    findings = check_memory(case, None, got)
+    assert findings and all(f.name == "unsharded:before forward" for f in findings)
+    assert "17,088 B of unsharded parameters alive" in findings[0].message  # the whole fp32 model
+
+
+def test_unsharded_tp_shares_are_counted_while_a_unit_computes():
+    """reshard_after_forward=False on (2, 2): after each forward both units' tp-local parameters
+    are unsharded DTensors, counted (8,640 B: 4,480 + 4,160, tp-local shapes padded over dp)."""
+    case = tp_case(4, reshard_after_forward=False)
+    got = get_pool(case.world_size).run(case, 300)
+    assert check_memory(case, None, got) == []
+    after = [b for b in got.meta["memory"]["ranks"][0]["boundaries"] if b[2].startswith("after forward")]
+    assert after and all(b[3] == 8640 for b in after)
+
+
 # ---- what is not derived --------------------------------------------------------------------------
 def test_a_users_plan_leaves_only_the_tp_part_na(capsys):
     """A user's plan may bring styles of its own: its collectives over tp are measured, not held;
@@ -205,6 +228,7 @@ def test_the_comm_contract_on_every_mesh(world, mesh, tp, precision, styles):
     got, findings = run(case)
     assert findings == [], [f.message for f in findings]
     assert over_tp(expected_collectives(case, got))
+    assert check_memory(case, None, got) == []
 
 
 @pytest.mark.slow

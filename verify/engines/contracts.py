@@ -79,12 +79,6 @@ def _held_to(case) -> Contracts:
             "expert parallelism's all-to-all dispatch and the experts' shards over the ep mesh are not in the contracts"
         )
         return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
-    if getattr(case, "tp", 1) > 1 and declared.memory:
-        # The communication model derives tensor parallelism's collectives per layer from the
-        # plan beside FSDP2's over the data-parallel dims (verify/checks/tp_comm.py; a user's plan
-        # leaves its tp part n/a there). What a rank holds of 2-D shards is not modelled yet.
-        why = "tensor parallelism's 2-D shards are not in the memory model"
-        return Contracts(comm=declared.comm, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "prefetch", None) is not None and (declared.comm or declared.memory):
         # Explicit prefetching is modelled on the built-in models' run order and knobs measured
         # with it; the closing sweeps (seeds 20263951-3) had 16 contract false alarms outside that:
