@@ -1,7 +1,7 @@
 """FSDP2 engines whose numbers are right and whose traffic is not, for the communication contract's
 rules on degenerate meshes and on units no backward runs through (verify/checks/comm.py)."""
 
-from torch.distributed.fsdp import FSDPModule, fully_shard
+from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
 
@@ -30,20 +30,15 @@ def gathers_the_sequence_per_linear(model, mesh, spec):
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
-    from fsdp_verify.engines.spec import data_parallel_mesh
-    from fsdp_verify.engines.tensor_parallel import apply_plan, plan_for
+    from fsdp_verify.engines.tensor_parallel import plan_for
+    from fsdp_verify.zoo.mutants import _parallel_then_shard
 
     plan = plan_for(spec.case, model, mesh["tp"])
     for fqn in [k for k, v in plan.items() if isinstance(v, PrepareModuleInput) and k.endswith("feed_forward")]:
         del plan[fqn]
         for w in ("w1", "w3"):
             plan[f"{fqn}.{w}"] = ColwiseParallel(input_layouts=Shard(1))
-    apply_plan(model, mesh["tp"], plan)
-    kwargs = spec.fully_shard_kwargs(model, data_parallel_mesh(mesh))
-    for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
-    spec.after_sharding(model)
-    return model
+    return _parallel_then_shard(model, mesh, spec, plan)
 
 
 gathers_the_sequence_per_linear.capabilities = fully_shard_engine.capabilities
