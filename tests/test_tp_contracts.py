@@ -103,8 +103,17 @@ def test_the_correct_engine_meets_the_comm_contract_beside_tp(world, styles):
         # a (1, 1) data-parallel mesh: FSDP2's all-reduce over one replica, its group of one rank
         # every size-1 dim's (a fresh-seed sweep's false alarm, seed 20271501, add92a7702c9)
         tp_case(2, mesh_shape=(1, 1)),
+        # unfrozen at step 2: the embedding's output needs a gradient from then on (its backward
+        # all-gather under SP, "unexpected" when the layers were traced frozen at every step)
+        tp_case(
+            2,
+            model=TINY.__class__(**{**TINY.__dict__, "frozen": ("tok_embeddings",)}),
+            sequence_parallel=True,
+            unfreeze_step=2,
+            steps=2,
+        ),
     ],
-    ids=["frozen-embedding-sp", "no-sync-sp", "checkpointed-sp-lp", "mlp-clip", "mesh-1x1"],
+    ids=["frozen-embedding-sp", "no-sync-sp", "checkpointed-sp-lp", "mlp-clip", "mesh-1x1", "unfrozen-at-2-sp"],
 )
 def test_the_contract_follows_what_needs_a_gradient_and_when_it_syncs(case):
     """A frozen embedding under SP: its output needs no gradient, so no backward all-gather; the

@@ -52,6 +52,7 @@ its tp part of the contract is n/a (`underivable`): the FSDP2 part is still held
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import torch
@@ -94,7 +95,7 @@ def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], coll
     reduce_dtype = case.precision.reduce_dtype or act
     a = _size(act)
     out = []
-    layers = _layers(case)
+    layers = _layers(case, step)
     for m in range(case.microbatches):
         last = m == case.microbatches - 1
         synced = case.sync_every_microbatch or last
@@ -152,11 +153,15 @@ def _own_params(spec) -> dict[str, tuple[tuple[str, int], ...]]:
     }
 
 
-def _layers(case) -> list[tuple[str, str, list[tuple[str, str, int]]]]:
-    """(module, kind, [(phase, collective, elements)]) for every module of the plan, in plan order."""
-    return _layers_of(
-        case.model, case.tp, case.sequence_parallel, case.loss_parallel, case.local_batch // case.microbatches
-    )
+def _layers(case, step: int) -> list[tuple[str, str, list[tuple[str, str, int]]]]:
+    """(module, kind, [(phase, collective, elements)]) for every module of the plan, in plan order,
+    at `step`: from `unfreeze_step` on nothing is frozen, so more needs a gradient (a frozen
+    embedding's output under SP, all-gathered in backward once it trains)."""
+    from fsdp_verify.checks.comm import unfrozen_at
+
+    spec = dataclasses.replace(case.model, frozen=()) if unfrozen_at(case, step) else case.model
+    rows = case.local_batch // case.microbatches
+    return _layers_of(spec, case.tp, case.sequence_parallel, case.loss_parallel, rows)
 
 
 @functools.lru_cache(maxsize=64)
