@@ -88,6 +88,12 @@ re-issues the list is not modelled; so that all-gather is allowed, not required 
 correct engine passes either way, and no bug of the zoo shows only there. Under `reshard_after_backward_last` a non-last micro-batch leaves
 the target unsharded: nothing gathered.
 
+Beside tensor parallelism (issue 39) the units' parameters are a tp rank's shares
+(`params_by_unit`), each collective names the mesh dim its group spans (`over`: the tp group and
+the shard group are often the same size), and the plan's own collectives over "tp" are expected
+per layer (verify/checks/tp_comm.py: `tp_collectives`); where the plan cannot be derived (a
+user's) the measured ones over tp are left out of the comparison (`comparable`), FSDP2's held.
+
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
 What stays unmatched is a finding naming the unit and the collective: an all-reduce where a
