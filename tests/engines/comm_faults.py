@@ -21,3 +21,24 @@ def shards_over_the_replicas(model, mesh, spec):
     rank instead of replicated over the first dimension; the same average over the same ranks,
     all-gathers where FSDP2's HSDP all-reduces."""
     return fully_shard_engine(model, mesh._flatten() if mesh.ndim == 2 else mesh, spec)
+
+
+def gathers_the_sequence_per_linear(model, mesh, spec):
+    """Sequence parallelism whose feed-forward gathers the sequence once per colwise linear (w1 and
+    w3 each `ColwiseParallel(input_layouts=Shard(1))`, the block's PrepareModuleInput dropped):
+    the same activations, gathered twice forward and reduce-scattered twice backward."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
+
+    from fsdp_verify.engines.tensor_parallel import plan_for
+    from fsdp_verify.zoo.mutants import _parallel_then_shard
+
+    plan = plan_for(spec.case, model, mesh["tp"])
+    for fqn in [k for k, v in plan.items() if isinstance(v, PrepareModuleInput) and k.endswith("feed_forward")]:
+        del plan[fqn]
+        for w in ("w1", "w3"):
+            plan[f"{fqn}.{w}"] = ColwiseParallel(input_layouts=Shard(1))
+    return _parallel_then_shard(model, mesh, spec, plan)
+
+
+gathers_the_sequence_per_linear.capabilities = fully_shard_engine.capabilities

@@ -88,6 +88,12 @@ re-issues the list is not modelled; so that all-gather is allowed, not required 
 correct engine passes either way, and no bug of the zoo shows only there. Under `reshard_after_backward_last` a non-last micro-batch leaves
 the target unsharded: nothing gathered.
 
+Beside tensor parallelism (issue 39) the units' parameters are a tp rank's shares
+(`params_by_unit`), each collective names the mesh dim its group spans (`over`: the tp group and
+the shard group are often the same size), and the plan's own collectives over "tp" are expected
+per layer (verify/checks/tp_comm.py: `tp_collectives`); where the plan cannot be derived (a
+user's) the measured ones over tp are left out of the comparison (`comparable`), FSDP2's held.
+
 Collectives of one kind, dtype and group in one window carry no unit name, so each measured one
 is attributed to the unit whose expected bytes it equals (identical units are interchangeable).
 What stays unmatched is a finding naming the unit and the collective: an all-reduce where a
@@ -124,18 +130,22 @@ class Collective:
     # Allowed, not required: matched only by an equal measured collective, never missed
     # (a checkpointed recompute's re-issued prefetch, `regathered_in_recompute`).
     optional: bool = False
+    # The mesh dim the group spans ("tp", "shard", "replicate"), in a tp case only: the tp group
+    # and the shard group are often the same size (verify/probes/comm.py).
+    over: str = ""
 
     @property
     def traffic(self) -> tuple:
         """Everything but the unit: what a measured collective (which names none) must equal."""
-        return (self.step, self.microbatch, self.phase, self.kind, self.dtype, self.group, self.bytes)
+        return (self.step, self.microbatch, self.phase, self.kind, self.dtype, self.group, self.bytes, self.over)
 
     @property
     def window(self) -> tuple[int, int, int]:
         return (self.step, self.microbatch, PHASE_ORDER.get(self.phase, 9))
 
     def describe(self) -> str:
-        return f"{self.kind} {self.dtype} of {self.bytes:,} B over {self.group} ranks"
+        over = f" ({self.over})" if self.over else ""
+        return f"{self.kind} {self.dtype} of {self.bytes:,} B over {self.group} ranks{over}"
 
 
 def _size(dtype: str) -> int:
@@ -145,13 +155,28 @@ def _size(dtype: str) -> int:
 
 
 def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int]]]]:
-    """Unit -> (parameter, full shape) in model order, from the model as rank 0 built it; the
-    `ignored` parameters left out (FSDP2 manages none of them: `ignored_params`)."""
+    """Unit -> (parameter, shape FSDP2 shards) in model order, from the model as rank 0 built it;
+    the `ignored` parameters left out (FSDP2 manages none of them: `ignored_params`). Under tensor
+    parallelism the shape is a tp rank's (the plan's split dim divided by tp: FSDP2 shards the
+    local tensor, `_StridedShard`)."""
+    from fsdp_verify.checks.tp_comm import local_shape
+
+    split = tp_split(case)
+    tp = getattr(case, "tp", 1)
     units: dict[str, list[tuple[str, list[int]]]] = {u: [] for u in case.wrap_plan}
     for name, shape, *_ in got.meta.get("build", [[]])[0]:
         if not is_ignored(getattr(case, "ignored", ()), name):
-            units[owning_unit(case.wrap_plan, name)].append((name, list(shape)))
+            units[owning_unit(case.wrap_plan, name)].append((name, local_shape(shape, split.get(name), tp)))
     return units
+
+
+def tp_split(case: Case) -> dict[str, int]:
+    """The parameters the tp plan splits, with their dim (none without tp)."""
+    if getattr(case, "tp", 1) <= 1:
+        return {}
+    from fsdp_verify.engines.tensor_parallel import split_parameters
+
+    return split_parameters(case)
 
 
 def ignored_params(case: Case, got: Trace) -> list[tuple[str, list[int]]]:
@@ -306,6 +331,9 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
         backward_group = None
     else:
         backward_group = int(rsf)
+    tp = getattr(case, "tp", 1) > 1
+    # the groups' mesh dims, in a tp case (a group of one rank is named by none: verify/probes/comm.py)
+    on = {d: (d if tp and size > 1 else "") for d, size in (("shard", shard), ("replicate", replicas))}
     units = params_by_unit(case, got)
     dims = placement_dims(case, units)
     recomputed = regathered_in_recompute(case, units, got)
@@ -336,11 +364,11 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                     if unit not in held:
                         # a unit left in its post-forward shards (int k) is gathered over k
                         group = backward_group if kept and backward_group else shard
-                        out.append(Collective(step, m, "forward", "all_gather", param_dtype, group, gathered, name))
+                        fwd = Collective(step, m, "forward", "all_gather", param_dtype, group, gathered, name)
+                        out.append(replace(fwd, over=on["shard"]))
                     if backward_group is not None and unit in reached:
-                        out.append(
-                            Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
-                        )
+                        bwd = Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
+                        out.append(replace(bwd, over=on["shard"]))
                     # prefetch under checkpointing: gathered again, from its full shards, unless
                     # this backward keeps it unsharded (reshard_after_backward_last)
                     keeps = not last and getattr(case, "reshard_after_backward_last", False)
@@ -348,13 +376,15 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                         # a recompute's re-issued forward list only allows it (`regathered_in_recompute`)
                         optional = unit in recomputed and unit not in out_of_order
                         again = Collective(step, m, "backward", "all_gather", param_dtype, shard, gathered, name)
-                        out.append(replace(again, optional=optional))
+                        out.append(replace(again, optional=optional, over=on["shard"]))
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
-                    out.append(Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name))
+                    rsc = Collective(step, m, "backward", "reduce_scatter", reduce_dtype, shard, rs, name)
+                    out.append(replace(rsc, over=on["shard"]))
                 if replicas_synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
-                    out.append(Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name))
+                    arc = Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name)
+                    out.append(replace(arc, over=on["replicate"]))
         out += _routing_counts(case, step)
         if case.world_size > 1:  # the loop's all-reduce of each ignored gradient, after the last backward
             for n, shape in ignored_params(case, got):
@@ -363,8 +393,55 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                     m = case.microbatches - 1
                     out.append(Collective(step, m, "backward", "all_reduce", "fp32", case.world_size, 4 * numel, n))
         if case.clip_norm is not None and shard > 1 and with_grad:
-            out.append(Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>"))
+            clip = Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>")
+            out.append(replace(clip, over=on["shard"]))
+        out += tp_collectives(case, got, step, with_grad)
     return out
+
+
+def recomputed_units(case: Case, got: Trace, step: int) -> set[str]:
+    """Under activation checkpointing, the checkpointed units (every unit but the root) whose
+    forward runs again in backward: those backward runs through (`forward_facts`; every unit
+    without the record, or from `unfreeze_step` on)."""
+    from fsdp_verify.probes.memory import forward_facts
+
+    if not case.activation_checkpointing:
+        return set()
+    units = {u for u in case.wrap_plan if u}
+    facts = forward_facts(got)
+    if facts is None or unfrozen_at(case, step):
+        return units
+    return units - facts[1]
+
+
+def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> list[Collective]:
+    """Tensor parallelism's own collectives of `step` over the tp group, per layer
+    (verify/checks/tp_comm.py), and the clip's all-reduce over tp; none without tp or where the
+    case's plan cannot be derived (`tp_comm.underivable`: the measured ones over tp are not
+    compared there, `comparable`)."""
+    from fsdp_verify.checks import tp_comm
+
+    if getattr(case, "tp", 1) <= 1 or tp_comm.underivable(case):
+        return []
+    tp = case.tp
+
+    def collective(step, m, phase, kind, dtype, size, unit, optional=False):
+        return Collective(step, m, phase, kind, dtype, tp, size, unit, optional, over="tp")
+
+    out = tp_comm.expected_tp(case, step, with_grad, recomputed_units(case, got, step), collective)
+    if case.clip_norm is not None and with_grad and tp_comm.clip_over_tp(case, with_grad):
+        out.append(collective(step, 0, "clip", "all_reduce", "fp32", 4 * len(with_grad), "<all units>"))
+    return out
+
+
+def comparable(case: Case, measured: list[Collective]) -> list[Collective]:
+    """The measured collectives the contract holds: all, but those over tp where the case's tp
+    plan cannot be derived (`tp_comm.underivable`)."""
+    from fsdp_verify.checks import tp_comm
+
+    if getattr(case, "tp", 1) > 1 and tp_comm.underivable(case):
+        return [c for c in measured if c.over != "tp"]
+    return measured
 
 
 def _routing_counts(case: Case, step: int) -> list[Collective]:
@@ -388,7 +465,7 @@ def measured_collectives(got: Trace) -> list[list[Collective]] | None:
     raw = got.meta.get("comm")
     if raw is None:
         return None
-    return [[Collective(*rec) for rec in records] for records in raw["ranks"]]
+    return [[Collective(*rec[:7], over=rec[7] if len(rec) > 7 else "") for rec in records] for records in raw["ranks"]]
 
 
 @dataclass
@@ -423,7 +500,7 @@ def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
         want, got = by_window[window]
         left = list(got)
         pending: list[Collective] = []
-        for e in want:
+        for e in sorted(want, key=lambda c: c.optional):  # the required first: an optional twin takes what is left
             twin = next((g for g in left if g.traffic == e.traffic), None)
             if twin is None:
                 pending.append(e)
@@ -450,7 +527,7 @@ def check_comm(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     findings: list[Finding] = []
     reported: set[tuple[str, str, str]] = set()
     for rank, measured in enumerate(ranks):
-        for row in match(expected, measured):
+        for row in match(expected, comparable(case, measured)):
             if row.ok:
                 continue
             e, g = row.expected, row.measured
@@ -465,10 +542,20 @@ def check_comm(case: Case, ref: Trace, got: Trace) -> list[Finding]:
             elif e is not None:
                 text += f"unit {e.unit!r}: expected {e.describe()}, none issued"
             else:
-                text += f"unexpected {g.describe()} (no unit of the plan accounts for it)"
+                text += f"unexpected {g.describe()} ({alike(expected, g)})"
             name = f"{row.unit}:{(e or g).phase}:{(e or g).kind}"
             findings.append(_finding((e or g).step, name, text))
     return findings
+
+
+def alike(expected: list[Collective], g: Collective) -> str:
+    """What the model says of a collective no unit accounts for: the units expected to issue one
+    of the same traffic in its window (a layer's collective issued more often than its style
+    says: `Collective` carries no unit name, so the candidates are named), or none."""
+    twins = sorted({e.unit for e in expected if e.traffic == g.traffic})
+    if not twins:
+        return "no unit of the plan accounts for it"
+    return f"one more than the model says; it expects one such from each of {', '.join(map(repr, twins))}"
 
 
 def _finding(step: int, name: str, message: str) -> Finding:
@@ -484,6 +571,13 @@ def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     ranks = measured_collectives(got)
     if ranks is None:
         return None
-    n = len(expected_collectives(case, got))
+    from fsdp_verify.checks import tp_comm
+
+    expected = expected_collectives(case, got)
     total = sum(c.bytes for c in ranks[0])
-    return f"{n} collectives per rank as FSDP2's model implies, {total:,} B on rank 0 (kind, dtype, group, bytes)"
+    summary = f"{len(expected)} collectives per rank as FSDP2's model implies"
+    if getattr(case, "tp", 1) > 1:
+        why = tp_comm.underivable(case)
+        tp = sum(c.over == "tp" for c in expected)
+        summary += f" ({tp} of them the tp plan's, per layer)" if not why else f" (over tp: n/a, {why})"
+    return f"{summary}, {total:,} B on rank 0 (kind, dtype, group, bytes)"

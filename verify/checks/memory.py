@@ -50,7 +50,13 @@ param_dtype. At S = 1 nothing is all-gathered (copied locally): nothing allowed.
 earlier than its lists say (a list one unit too long) is found there; the same collectives are
 issued, so the comm contract cannot see it.
 
-S is the shard group (the mesh's last dimension); the dtype of the sharded state is the model's
+Beside tensor parallelism every size is a tp rank's: a parameter the plan splits is sharded by
+FSDP2 as its tp-local tensor (`params_by_unit`'s shapes), and a unit unsharded while it computes
+holds DTensors over "tp" whose local tensors are those shares (the probe counts them as unsharded
+parameters). Measured, torch 2.13, (1, 2) and (2, 2) meshes with and without sequence and loss
+parallelism, reshard_after_forward False: every boundary exactly as the plan allows.
+
+S is the shard group (the data-parallel mesh's last dimension); the dtype of the sharded state is the model's
 (fp32 master weights). A finding names the boundary and the unit when more is held: an engine
 that keeps an unsharded copy alive after resharding, or holds full gradients. Under
 `sync_every_microbatch=False` the unsharded gradients accumulated between micro-batches are
@@ -80,6 +86,7 @@ from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "MemoryContract"
+TP_SHARES = " (of a tp rank's shares)"
 STATES = {"sgd": 1, "adam": 2, "adamw": 2, "adagrad": 1, "rmsprop": 2}
 
 
@@ -174,6 +181,7 @@ def budget(case: Case, got: Trace) -> Budget:
     shard = case.mesh[-1]
     param_size = _size(case.precision.param_dtype or "fp32")
     dtypes = {name: dtype for name, _shape, dtype, *_ in got.meta.get("build", [[]])[0]}
+    whole = {name: list(shape) for name, shape, *_ in got.meta.get("build", [[]])[0]}  # beside tp: not a tp rank's
     with_grad = {n for s, phase, n in got.records if phase == "grads"}
     sharded = grads = full = full_grads = 0
     by_unit: dict[str, int] = {}
@@ -185,8 +193,8 @@ def budget(case: Case, got: Trace) -> Budget:
             rows = padded_shard_numel(shape, shard, dims[name])
             sharded += rows * own
             grads += rows * own if name in with_grad else 0
-            full += padded_shard_numel(shape, 1) * own
-            full_grads += padded_shard_numel(shape, 1) * own if name in with_grad else 0
+            full += padded_shard_numel(whole[name], 1) * own
+            full_grads += padded_shard_numel(whole[name], 1) * own if name in with_grad else 0
             by_unit[unit] = by_unit.get(unit, 0) + rows * shard * param_size
     for name, shape in ignored_params(case, got):  # held whole on every rank, never unsharded
         own = getattr(torch, dtypes[name].removeprefix("torch.")).itemsize
@@ -376,6 +384,7 @@ def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     where = " (on the CPU: offloaded)" if getattr(case, "offload", False) else ""
     return (
         f"per rank {b.sharded:,} B params + {b.grads:,} B grads + {b.optim:,} B optimizer state{where} as sharded"
-        f" over {b.shard} ranks: {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
+        f" over {b.shard} ranks{TP_SHARES if getattr(case, 'tp', 1) > 1 else ''}:"
+        f" {b.single_device(case) / b.per_rank:.2f}x less than on one device;"
         " nothing unsharded left after resharding"
     )

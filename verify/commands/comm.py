@@ -64,6 +64,7 @@ def run_sharded(args: argparse.Namespace):
 
 def report(case, got) -> tuple[list[str], list]:
     from fsdp_verify.checks.comm import check_comm, expected_collectives, match, measured_collectives
+    from fsdp_verify.checks.tp_comm import underivable
     from fsdp_verify.engines.contracts import case_contracts
     from fsdp_verify.trace import Trace
 
@@ -76,6 +77,8 @@ def report(case, got) -> tuple[list[str], list]:
     )
     if not contracts.comm:
         lines.append(f"contract: n/a for {case.engine} ({contracts.why}); measured only")
+    elif getattr(case, "tp", 1) > 1 and underivable(case):
+        lines.append(f"contract over tp: n/a ({underivable(case)}); measured only")
     rows = [["micro-batch", "phase", "unit", "collective", "dtype", "group", "expected B", "measured B", ""]]
     for row in match([e for e in expected if e.step == 1], [g for g in ranks[0] if g.step == 1]):
         e, g = row.expected, row.measured
@@ -87,7 +90,7 @@ def report(case, got) -> tuple[list[str], list]:
                 e.unit if e else "?",
                 f"{c.kind}" if g is None or e is None or g.kind == e.kind else f"{e.kind} / {g.kind}",
                 c.dtype if g is None or e is None or g.dtype == e.dtype else f"{e.dtype} / {g.dtype}",
-                str(c.group),
+                group_of(c),
                 f"{e.bytes:,}" if e else "-",
                 f"{g.bytes:,}" if g else "-",
                 "" if not contracts.comm else ("ok" if row.ok else "DIFFERS"),
@@ -97,12 +100,12 @@ def report(case, got) -> tuple[list[str], list]:
     totals = [["step", "collective", "dtype", "group", "expected B", "measured B (rank 0)"]]
     want = Counter()
     for e in expected:
-        want[(e.step, e.kind, e.dtype, e.group)] += e.bytes
+        want[(e.step, e.kind, e.dtype, group_of(e))] += e.bytes
     got_bytes = Counter()
     for g in ranks[0]:
-        got_bytes[(g.step, g.kind, g.dtype, g.group)] += g.bytes
+        got_bytes[(g.step, g.kind, g.dtype, group_of(g))] += g.bytes
     for key in sorted(set(want) | set(got_bytes)):
-        totals.append([str(key[0]), key[1], key[2], str(key[3]), f"{want[key]:,}", f"{got_bytes[key]:,}"])
+        totals.append([str(key[0]), key[1], key[2], key[3], f"{want[key]:,}", f"{got_bytes[key]:,}"])
     lines += ["", "per step:"] + table(totals)
     same = all(
         [(g.step, g.microbatch, g.phase, g.kind, g.dtype, g.group, g.bytes) for g in r]
@@ -115,8 +118,15 @@ def report(case, got) -> tuple[list[str], list]:
         lines.append(f"CONTRACT BROKEN: {len(findings)} finding(s)")
         lines += [f"  step {f.step}: {f.message}" for f in findings]
     elif contracts.comm:
-        lines.append(f"contract holds: {len(expected)} collectives per rank, each as FSDP2's model implies")
+        tp = getattr(case, "tp", 1) > 1 and not underivable(case)
+        model = "FSDP2's model and the tp plan imply" if tp else "FSDP2's model implies"
+        lines.append(f"contract holds: {len(expected)} collectives per rank, each as {model}")
     return lines, findings
+
+
+def group_of(c) -> str:
+    """A collective's group: its size, and in a tp case the mesh dim it spans."""
+    return f"{c.group} ({c.over})" if c.over else str(c.group)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -67,7 +67,8 @@ def report(case, got) -> tuple[list[str], list]:
         f"peak (sharded state + the largest unsharded total at a boundary, after each unit's reshard; activations not counted on CPU):"
         f" plan {peak_allowed:,} B, measured {', '.join(f'{p:,}' for p in peak)} B",
         f"one device would hold {b.single_device(case):,} B (params, grads, optimizer state unsharded);"
-        f" each rank {b.per_rank:,} B: {b.single_device(case) / b.per_rank:.2f}x less per rank at {b.shard} ranks",
+        f" each rank {b.per_rank:,} B: {b.single_device(case) / b.per_rank:.2f}x less per rank at"
+        f" {b.shard * getattr(case, 'tp', 1)} ranks{' (shard x tp)' if getattr(case, 'tp', 1) > 1 else ''}",
     ]
     findings = check_memory(case, Trace("reference"), got)
     if findings:

@@ -79,12 +79,6 @@ def _held_to(case) -> Contracts:
             "expert parallelism's all-to-all dispatch and the experts' shards over the ep mesh are not in the contracts"
         )
         return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
-    if getattr(case, "tp", 1) > 1 and (declared.comm or declared.memory):
-        # The models are FSDP2's, per unit over the data-parallel ranks; tensor parallelism adds
-        # its own collectives per layer (all-reduces, all-gathers, reduce-scatters over "tp", and
-        # DTensor's two all-gathers of a 2-D shard) and holds 2-D shards: not modelled (issue 39).
-        why = "tensor parallelism's collectives and 2-D shards are not in the contracts"
-        return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
     if getattr(case, "prefetch", None) is not None and (declared.comm or declared.memory):
         # Explicit prefetching is modelled on the built-in models' run order and knobs measured
         # with it; the closing sweeps (seeds 20263951-3) had 16 contract false alarms outside that:

@@ -24,7 +24,11 @@ Only the windows the loop opens count: from `before_forward` to `after_forward` 
 them and are not measured. Each rank measures its own; `finish` gathers them to rank 0 as
 `trace.meta["comm"] = {"ranks": [[record, ...] per rank]}`, a record being
 `[step, microbatch, phase, kind, dtype, group_size, bytes]` (bytes: the unsharded side: an
-all-gather's output, a reduce-scatter's input, an all-reduce's tensor).
+all-gather's output, a reduce-scatter's input, an all-reduce's tensor). Under tensor parallelism
+the tp group and the shard group are often the same size, so a record also names the mesh dim its
+group spans (`over`: "tp", "shard", "replicate", or "" for a group that is no one dim's, or of one
+rank: on a (1, 1, tp) mesh that is the shard and the replicate group alike), an eighth
+field, present only in a tp case's records.
 """
 
 from __future__ import annotations
@@ -87,12 +91,31 @@ class CommLog:
         self.where: tuple[int, int, str] | None = None  # (step, micro-batch, phase) while open
         self.depth = 0  # > 0 inside a wrapped call: nested collectives are part of it
 
-    def seen(self, kind: str, tensors: list[torch.Tensor], group_size: int) -> None:
+        self.mesh: tuple[tuple[int, ...], tuple[str, ...]] | None = None  # a tp case's (shape, dim names)
+
+    def seen(self, kind: str, tensors: list[torch.Tensor], group_size: int, over=None) -> None:
+        """`over`: the mesh dim's name, or a callable giving the group's global ranks (asked only
+        in a tp case)."""
         if self.where is None or not tensors:
             return
         step, microbatch, phase = self.where
         dtype = name_of(tensors[0].dtype)
-        self.records.append([step, microbatch, phase, kind, dtype, group_size, _nbytes(tensors)])
+        record = [step, microbatch, phase, kind, dtype, group_size, _nbytes(tensors)]
+        if self.mesh is not None:  # a group of one rank is every size-1 dim's: named by none
+            record.append("" if group_size == 1 else over if isinstance(over, str) else mesh_dim_of(over(), *self.mesh))
+        self.records.append(record)
+
+
+def mesh_dim_of(ranks: list[int], shape: tuple[int, ...], names: tuple[str, ...]) -> str:
+    """The name of the mesh dim whose group is `ranks` (rank-major layout, the last dim fastest:
+    rank (d, t) = d * tp + t), or "" when the group is no single dim's."""
+    ranks = sorted(ranks)
+    stride = 1
+    for size, name in reversed(list(zip(shape, names))):
+        if len(ranks) == size and all(b - a == stride for a, b in zip(ranks, ranks[1:])):
+            return name
+        stride *= size
+    return ""
 
 
 _log: CommLog | None = None
@@ -111,7 +134,8 @@ def _install_wrappers() -> None:
                 return _original(*args, **kwargs)
             big = kwargs.get(_kw, args[_index] if len(args) > _index else None)
             group = kwargs.get("group")
-            log.seen(_kind, _tensors(big), dist.get_world_size(group))
+            ranks = lambda: dist.get_process_group_ranks(group or dist.group.WORLD)  # noqa: E731
+            log.seen(_kind, _tensors(big), dist.get_world_size(group), ranks)
             log.depth += 1
             try:
                 return _original(*args, **kwargs)
@@ -120,6 +144,23 @@ def _install_wrappers() -> None:
 
         wrapped._verify_comm = True  # type: ignore[attr-defined]
         setattr(dist, fn_name, wrapped)
+
+
+def _group_dim(group: Any) -> Any:
+    """A functional collective's group as `CommLog.seen`'s `over`: the mesh dim's name where DTensor
+    names it ((mesh, dim)), else its global ranks, on demand."""
+    if isinstance(group, tuple):
+        mesh, dim = group
+        if isinstance(dim, str):
+            return dim
+        return mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else ""
+    if isinstance(group, DeviceMesh) and group.ndim == 1 and group.mesh_dim_names:
+        return group.mesh_dim_names[0]
+    if isinstance(group, list):
+        return lambda: group
+    if isinstance(group, str):
+        group = dist.distributed_c10d._resolve_process_group(group)
+    return lambda: dist.get_process_group_ranks(group or dist.group.WORLD)
 
 
 def _group_size(group: Any) -> int:
@@ -153,7 +194,7 @@ def _install_functional_wrappers() -> None:
             tensors = _tensors(args[0] if args else kwargs.get("self"))
             if _kind == "all_gather":  # counted by its output, as dist.all_gather_single is
                 tensors = [t.new_empty((t.numel() * size,)) for t in tensors]
-            log.seen(_kind, tensors, size)
+            log.seen(_kind, tensors, size, _group_dim(group))
             log.depth += 1
             try:
                 return _original(*args, **kwargs)
@@ -170,6 +211,9 @@ class CommProbe(Probe):
         global _log
         _log = None  # a case that crashed may have left its log behind
         self.log = CommLog()
+        if getattr(self.case, "tp", 1) > 1:
+            names = ("shard",) if len(self.case.mesh) == 1 else ("replicate", "shard")
+            self.log.mesh = (self.case.device_mesh_shape, (*names, "tp"))
         _install_wrappers()
         _install_functional_wrappers()
 

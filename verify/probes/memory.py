@@ -7,7 +7,8 @@ so the probe counts storage instead: every tensor the engine's module can reach 
 its FSDP state, the closures of its hooks; not the toolkit's probes or trace), each storage once,
 classified as the sharded parameters (the tensors the optimizer steps), their gradients, buffers,
 *unsharded*: an `nn.Parameter` with the full shape of one of the model's parameters that is
-none of those (FSDP2's unsharded parameters are Parameters; activations are not), and *other*
+none of those (FSDP2's unsharded parameters are Parameters; activations are not; beside tensor
+parallelism a DTensor Parameter whose local tensor is a tp rank's whole share), and *other*
 floating-point storage (a flat copy, a detached clone, a gather buffer). Storage resized to zero
 (FSDP2's freed all-gather outputs) counts zero. Activations that only autograd's C++ graph
 holds are not reachable and not counted.
@@ -178,6 +179,7 @@ class MemoryProbe(Probe):
         self.view: EngineView | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self.full_shapes: set[tuple[int, ...]] = set()
+        self.tp_shapes: set[tuple[int, ...]] = set()  # a tp rank's whole share of each parameter
         # The tensors the optimizer steps, as sharding left them: FSDP2 registers the unsharded
         # parameters on the module while a unit computes, so `view.parameters()` then names those.
         self.sharded_params: list[torch.Tensor] = []
@@ -210,7 +212,17 @@ class MemoryProbe(Probe):
         other: dict[int, int] = {}
         shapes: list[list[int]] = []
         for t in held_tensors(self.model, skip=(Probe, Trace, EngineView, torch.optim.Optimizer)):
-            if getattr(t, "_local_tensor", None) is not None or not t.is_floating_point():
+            local = getattr(t, "_local_tensor", None)
+            if local is not None and isinstance(t, nn.Parameter) and tuple(local.shape) in self.tp_shapes:
+                # an unsharded parameter beside tp: a DTensor over "tp" whose local tensor is a tp
+                # rank's whole share (FSDP2 registers these while a unit computes)
+                ptr, n = _storage(local)
+                if n and ptr not in known and ptr not in params and ptr not in self.baseline:
+                    params[ptr] = n
+                    other.pop(ptr, None)
+                    shapes.append(list(local.shape))
+                continue
+            if local is not None or not t.is_floating_point():
                 continue  # a DTensor is counted by its shard; a mesh's rank tensor is no parameter
             ptr, n = _storage(t)
             if n == 0 or ptr in known or ptr in params or ptr in self.baseline:
@@ -240,6 +252,7 @@ class MemoryProbe(Probe):
     # ---- hooks of the loop ----------------------------------------------------------------------
     def after_build(self, model: nn.Module) -> None:
         self.full_shapes = {tuple(p.shape) for p in model.parameters()}
+        self.tp_shapes = tp_local_shapes(self.case, model)
         # A model's own constant tensors kept as plain attributes (a mask, a table) are the
         # user's, not the engine's: what the model held as built, beyond its parameters and
         # buffers, is never counted as "other".
@@ -334,3 +347,15 @@ def forward_facts(trace: Trace) -> tuple[list[str], set[str]] | None:
             if unit not in order:
                 order.append(unit)
     return order, set(record.get("no_backward", []))
+
+
+def tp_local_shapes(case, model: nn.Module) -> set[tuple[int, ...]]:
+    """Each parameter's shape on one tp rank (the plan's split dim divided by tp), in a tp case:
+    what FSDP2 all-gathers a unit's parameters back to beside tensor parallelism."""
+    if getattr(case, "tp", 1) <= 1:
+        return set()
+    from fsdp_verify.checks.tp_comm import local_shape
+    from fsdp_verify.engines.tensor_parallel import split_parameters
+
+    split = split_parameters(case)
+    return {tuple(local_shape(list(p.shape), split.get(n), case.tp)) for n, p in model.named_parameters()}

@@ -1,0 +1,282 @@
+"""Tensor parallelism's collectives per layer, as the communication contract expects them
+(verify/checks/comm.py holds FSDP2's over the data-parallel dims beside them).
+
+Each style of the case's plan issues its collectives over the mesh's "tp" dim where its layouts
+change (torch 2.13's ParallelStyles and DTensor redistributions; measured on CPU/gloo with the
+probe, verify/probes/comm.py). Bytes are the full side of the activation (an all-gather's output,
+a reduce-scatter's input, an all-reduce's tensor): tokens x features of one micro-batch of one
+data-parallel rank, in the compute dtype (param_dtype: FSDP2 casts the parameters and the root's
+float inputs):
+
+| style (module)                 | forward                                  | backward (where the input / output needs a gradient) |
+|--------------------------------|------------------------------------------|-------------------------------------------|
+| Colwise (Linear), input local  | input Shard(1): all_gather of the input   | input Replicate: all_reduce of its grad;   |
+|                                |                                          | Shard(1): reduce_scatter of its grad       |
+| Colwise, output Replicate      | all_gather of the output                 | -                                          |
+| Rowwise (Linear)               | output Replicate: all_reduce; Shard(1):  | Shard(1) output: all_gather of its grad;   |
+|                                | reduce_scatter of the output             | input Replicate: all_gather of its grad    |
+| Rowwise (Embedding)            | as a rowwise Linear's output (MaskPartial) | as a rowwise Linear's output               |
+| PrepareModuleInput             | Shard(1) -> Replicate: all_gather        | reduce_scatter of the grad                 |
+| SequenceParallel (norm)        | -                                        | the weight's partial gradient all-reduced  |
+|                                |                                          | (FSDP2's post-backward, where it reduces)  |
+| loss parallelism               | -                                        | 3 all_reduces fp32, 4 B a token: the max,  |
+|                                |                                          | the sum of exponentials, the target's      |
+|                                |                                          | log-probability (the loss runs after the   |
+|                                |                                          | forward window closes)                     |
+
+A colwise linear whose input comes from a PrepareModuleInput (a DTensor already, Replicate)
+issues nothing for it: the gradients of the modules sharing that input add up as one Partial
+DTensor, reduce-scattered once by the PrepareModuleInput's backward. A rowwise bias is added as
+each rank's share (Replicate -> Partial, no collective). The norm's gradient sum is FSDP2's, on
+the unsharded gradient before its reduce-scatter: the model says `reduce_dtype` (torch 2.13 sums
+in param_dtype: pytorch/pytorch#190626, not drawn), once per synced micro-batch (a no-sync
+micro-batch accumulates the Partial gradient), at every shard group size. Under activation
+checkpointing a checkpointed unit that backward runs through runs its forward again there, and
+its layers' forward collectives with it (in the backward window), up to where torch's
+non-reentrant checkpoint stops the recompute early (once every tensor backward saved is back:
+measured, a block's last rowwise all-reduce or reduce-scatter feeds only the residual add and is
+not issued again, an MLP's gathered output neither), so those are allowed, not required
+(`optional`, as comm.py's re-issued prefetch); nested checkpointed units are not modelled
+(`underivable`). The clip's stacked
+norms are all-reduced over tp (4 B a parameter with a gradient) when some gradient is split over
+tp; a norm replicated over tp needs none.
+
+Where the activations' shapes come from: one forward of the model as built on the meta device
+(a transformers model on the CPU: its masks read values),
+a micro-batch of the right shape in, hooks on the plan's modules recording their inputs' and
+outputs' shapes and whether they need a gradient (frozen parameters included). Only torch's own
+styles on Linear, Embedding and norm modules are modelled; a user's plan (`tp_plan`: a function
+or dict of the user's, whose styles may be subclasses with collectives of their own) is not, and
+its tp part of the contract is n/a (`underivable`): the FSDP2 part is still held.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import torch
+from torch import nn
+
+COLLECTIVES_OVER = "tp"
+LOSS_REDUCTIONS = 3  # loss_parallel(): the max, the sum of exponentials, the target's log-probability
+
+
+def underivable(case) -> str | None:
+    """Why this tp case's own collectives cannot be derived, or None."""
+    if case.tp_plan is not None:
+        return (
+            "a user's tp plan (tp_plan) may bring styles of its own, whose collectives are not derived;"
+            " tensor parallelism's collectives are not in the contract there"
+        )
+    if case.activation_checkpointing:
+        units = [u for u in case.wrap_plan if u]
+        if any(a != b and b.startswith(a + ".") for a in units for b in units):
+            return (
+                "nested checkpointed units recompute their layers more than once (not measured);"
+                " tensor parallelism's collectives are not in the contract there"
+            )
+    return None
+
+
+def local_shape(shape: list[int], split: int | None, tp: int) -> list[int]:
+    """A parameter's shape on one tp rank: its split dim divided by tp."""
+    if split is None:
+        return list(shape)
+    return [n // tp if d == split else n for d, n in enumerate(shape)]
+
+
+def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], collective) -> list:
+    """The tp group's collectives of `step` (all micro-batches), each named by its layer;
+    `recomputed` the checkpointed units whose forward runs again in backward (their layers'
+    forward collectives are issued again there); `collective(step, microbatch, phase, kind,
+    dtype, bytes, unit, optional=False)` builds one."""
+    act = case.precision.param_dtype or "fp32"
+    reduce_dtype = case.precision.reduce_dtype or act
+    a = _size(act)
+    out = []
+    layers = _layers(case, step)
+    for m in range(case.microbatches):
+        last = m == case.microbatches - 1
+        synced = case.sync_every_microbatch or last
+        for fqn, kind, io in layers:
+            again = any(fqn.startswith(u + ".") for u in recomputed)
+            for phase, what, numel in io:
+                out.append(collective(step, m, phase, what, act, numel * a, fqn))
+                if again and phase == "forward":
+                    out.append(collective(step, m, "backward", what, act, numel * a, fqn, optional=True))
+            if kind == "norm" and synced:
+                for name, numel in _norm_weights(case, fqn):
+                    if name in with_grad:
+                        size = numel * _size(reduce_dtype)
+                        out.append(collective(step, m, "backward", "all_reduce", reduce_dtype, size, name))
+        if case.loss_parallel:
+            tokens = _tokens(case)
+            for _ in range(LOSS_REDUCTIONS):
+                out.append(collective(step, m, "backward", "all_reduce", "fp32", 4 * tokens, "loss_parallel"))
+    return out
+
+
+def clip_over_tp(case, with_grad: set[str]) -> bool:
+    """Whether the clip's stacked norms are partial over tp: some gradient is split over tp."""
+    from fsdp_verify.engines.tensor_parallel import split_parameters
+
+    return any(n in with_grad for n in split_parameters(case))
+
+
+def _size(dtype: str) -> int:
+    from fsdp_verify.dtypes import to_torch
+
+    return torch.empty((), dtype=to_torch(dtype)).element_size()
+
+
+def _tokens(case) -> int:
+    """Rows of one micro-batch's activations on one data-parallel rank (samples x sequence)."""
+    rows = case.local_batch // case.microbatches
+    return rows if case.model.kind == "mlp" else rows * case.model.seq_len
+
+
+def _norm_weights(case, fqn: str) -> list[tuple[str, int]]:
+    """A norm's own parameters (name, elements): whole on every tp rank."""
+    return list(_own_params(case.model)[fqn])
+
+
+@functools.lru_cache(maxsize=64)
+def _own_params(spec) -> dict[str, tuple[tuple[str, int], ...]]:
+    from fsdp_verify.models import _construct
+
+    with torch.device("meta"):
+        model = _construct(spec)
+    return {
+        fqn: tuple((f"{fqn}.{n}", p.numel()) for n, p in m.named_parameters(recurse=False))
+        for fqn, m in model.named_modules()
+    }
+
+
+def _layers(case, step: int) -> list[tuple[str, str, list[tuple[str, str, int]]]]:
+    """(module, kind, [(phase, collective, elements)]) for every module of the plan, in plan order,
+    at `step`: from `unfreeze_step` on nothing is frozen, so more needs a gradient (a frozen
+    embedding's output under SP, all-gathered in backward once it trains)."""
+    from fsdp_verify.checks.comm import unfrozen_at
+
+    spec = dataclasses.replace(case.model, frozen=()) if unfrozen_at(case, step) else case.model
+    rows = case.local_batch // case.microbatches
+    return _layers_of(spec, case.tp, case.sequence_parallel, case.loss_parallel, rows)
+
+
+@functools.lru_cache(maxsize=64)
+def _layers_of(spec, tp: int, sequence_parallel: bool, loss_parallel: bool, rows: int) -> tuple:
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        PrepareModuleInput,
+        RowwiseParallel,
+        SequenceParallel,
+    )
+
+    from fsdp_verify.engines.tensor_parallel import _PlanOf
+
+    case = _PlanOf(spec, tp, None, sequence_parallel, loss_parallel)
+    model, plan, seen = _traced(case, rows)
+    prepared = {fqn for fqn, style in plan.items() if isinstance(style, PrepareModuleInput)}
+    out = []
+    for fqn, style in plan.items():
+        module = model.get_submodule(fqn)
+        if fqn not in seen:
+            raise NotModelled(f"{fqn!r} did not run in the traced forward")
+        (x, x_grad), (y, y_grad) = seen[fqn]
+        io: list[tuple[str, str, int]] = []
+        kind = "linear"
+        if type(style) is ColwiseParallel and isinstance(module, nn.Linear):
+            il, ol = style.input_layouts[0], style.output_layouts[0]
+            from_prepared = fqn.rpartition(".")[0] in prepared  # a Replicate DTensor already
+            if il == Shard(1):
+                io.append(("forward", "all_gather", x))
+                if x_grad:
+                    io.append(("backward", "reduce_scatter", x))
+            elif il == Replicate():
+                if x_grad and not from_prepared:
+                    io.append(("backward", "all_reduce", x))
+            else:
+                raise NotModelled(f"{fqn!r}: ColwiseParallel from {il}")
+            if ol == Replicate():
+                io.append(("forward", "all_gather", y))
+            elif not isinstance(ol, Shard):
+                raise NotModelled(f"{fqn!r}: ColwiseParallel to {ol}")
+        elif type(style) is RowwiseParallel and isinstance(module, (nn.Linear, nn.Embedding)):
+            il, ol = style.input_layouts[0], style.output_layouts[0]
+            if isinstance(module, nn.Linear) and il == Replicate() and x_grad:
+                io.append(("backward", "all_gather", x))
+            if ol == Replicate():
+                io.append(("forward", "all_reduce", y))
+            elif ol == Shard(1):
+                io.append(("forward", "reduce_scatter", y))
+                if y_grad:
+                    io.append(("backward", "all_gather", y))
+            else:
+                raise NotModelled(f"{fqn!r}: RowwiseParallel to {ol}")
+        elif type(style) is PrepareModuleInput:
+            kind = "prepare"
+            for layout, desired in zip(style.input_layouts, style.desired_input_layouts):
+                if layout is None or layout == desired:
+                    continue
+                if (layout, desired) != (Shard(1), Replicate()):
+                    raise NotModelled(f"{fqn!r}: PrepareModuleInput from {layout} to {desired}")
+                io.append(("forward", "all_gather", x))
+                if x_grad:
+                    io.append(("backward", "reduce_scatter", x))
+        elif type(style) is SequenceParallel:
+            kind = "norm"
+        else:
+            raise NotModelled(f"{fqn!r}: {type(style).__name__} on {type(module).__name__}")
+        out.append((fqn, kind, io))
+    return tuple(out)
+
+
+class NotModelled(Exception):
+    """A style, or a layout it changes, that the model does not derive."""
+
+
+def _traced(case, rows: int):
+    """The model on the meta device, its plan, and per planned module ((input elements, input
+    needs a gradient), (output elements, output needs a gradient)) from one forward of `rows`
+    samples (frozen parameters frozen, as the ranks build them)."""
+    from fsdp_verify.engines.tensor_parallel import plan_for
+    from fsdp_verify.models import _construct, is_frozen
+
+    spec = case.model
+    # a transformers model builds its masks from the values (`.item()`): it runs on the CPU, as
+    # tiny as the case builds it; the built-in models on the meta device
+    device = "cpu" if spec.is_custom else "meta"
+    with torch.device(device):
+        model = _construct(spec)
+    for name, p in model.named_parameters():
+        p.requires_grad_(not is_frozen(spec, name))
+    plan = plan_for(case, model)
+    seen: dict = {}
+
+    def hook(fqn):
+        def record(module, args, kwargs, output):
+            x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
+            y = output[0] if isinstance(output, (tuple, list)) else output
+            if fqn not in seen and x is not None and isinstance(y, torch.Tensor):
+                seen[fqn] = ((x.numel(), x.requires_grad), (y.numel(), y.requires_grad))
+
+        return record
+
+    handles = [model.get_submodule(f).register_forward_hook(hook(f), with_kwargs=True) for f in plan]
+    try:
+        with torch.device(device):
+            model(*_inputs(spec, rows))
+    finally:
+        for h in handles:
+            h.remove()
+    return model, plan, seen
+
+
+def _inputs(spec, rows: int) -> tuple:
+    """A micro-batch's inputs by shape, on the default device (a transformers model's mask left
+    out: it changes no shape)."""
+    if spec.kind == "mlp":
+        return (torch.zeros(rows, spec.widths[0]),)
+    return (torch.zeros(rows, spec.seq_len, dtype=torch.long),)
