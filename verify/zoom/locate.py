@@ -41,6 +41,7 @@ class Zoom:
     call: int = 0
     microbatch: int = 0
     rank: int = 0
+    place: str = ""  # where that rank's value lies in a composed run: its tp rank (`place`)
     module_ratio: float | None = None
     why: str = ""  # how the module was named, or why none was
     op: str | None = None
@@ -64,7 +65,7 @@ class Zoom:
             parts.append(f"{self.phase} {self.record!r} ({_r(self.ratio)})")
         if self.module is None:
             return " -> ".join(parts) + f" -> no module parts ({self.why})"
-        where = f"rank {self.rank}, micro-batch {self.microbatch}"
+        where = f"rank {self.rank}{', ' + self.place if self.place else ''}, micro-batch {self.microbatch}"
         parts.append(f"{self.direction} of module {_fqn(self.module)} ({_r(self.module_ratio)}, {where})")
         if self.op is not None:
             extra = "" if self.op_where == "parts" else f", {self.op_where}"
@@ -275,6 +276,15 @@ def _tree_key(fqn: str) -> list[tuple[int, Any]]:
     return [(0, int(p)) if p.isdigit() else (1, p) for p in fqn.split(".")] if fqn else []
 
 
+def place(case: Case, rank: int) -> str:
+    """Where a rank's records lie beside the data-parallel ranks: under tensor parallelism a
+    module's value is compared as each tp rank holds it (verify/zoom/watch.py), so the tp rank
+    whose local value parts first is named with its data-parallel rank."""
+    if case.tp > 1:
+        return f"tp rank {rank % case.tp} of data-parallel rank {rank // case.tp}"
+    return ""
+
+
 # ---- naming the op ------------------------------------------------------------------------------
 def name_op(
     zoom: Zoom, ref: Trace, got: Trace, findings: list[Finding], sequence, out_dir: Path | None, raw: Trace
@@ -378,6 +388,7 @@ def zoom(
         return result
     for key, value in named.items():
         setattr(result, key, value)
+    result.place = place(case, result.rank)
     if result.module is None:
         return result  # the loss, outside the model: no module to look inside
     t1 = time.perf_counter()

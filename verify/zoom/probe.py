@@ -20,6 +20,10 @@ class ZoomProbe(Probe):
         if self.case.zoom is not None and self.case.step is None:
             self.watch = ModuleWatch(model, self.case.zoom)
 
+    def after_shard(self, model: nn.Module, view) -> None:
+        if self.watch is not None and self.case.tp > 1:  # after the plan's output hooks, as the reference's
+            self.watch.forward_hooks_last()
+
     def before_forward(self, step: int, microbatch: int) -> None:
         if self.watch is not None and self.watch.watching(step):
             self.watch.begin(microbatch, self.rank)
