@@ -23,8 +23,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "clip_norm": (None, "a clip (the experts' norm over two meshes is not modelled yet)"),
         "resume_after": (None, "a resume (not modelled yet)"),
         "offload": (False, "CPU offload of the experts"),
-        # zoom's per-module probes were not tried on the experts' all-to-all (pp refuses it too)
-        "zoom": (None, "zoom"),
         "compile": (None, "torch.compile (routed experts: a graph per count of routed samples)"),
     },
     "pp": {

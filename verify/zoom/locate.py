@@ -9,6 +9,7 @@ names nothing."""
 from __future__ import annotations
 
 import difflib
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,7 +42,8 @@ class Zoom:
     call: int = 0
     microbatch: int = 0
     rank: int = 0
-    place: str = ""  # where that rank's value lies in a composed run: its tp rank (`place`)
+    place: str = ""  # where that rank's value lies in a composed run: its tp rank, the expert (`place`)
+    expert: int | None = None  # the first expert whose rows part, where a grouped experts module is named
     module_ratio: float | None = None
     why: str = ""  # how the module was named, or why none was
     op: str | None = None
@@ -249,12 +251,20 @@ def name_module(findings: list[Finding], order: dict[str, list[str]]) -> dict[st
                                 rank=rank,
                                 module_ratio=worst(hit[1]),
                                 why=hit[2],
+                                expert=_expert(hit[1]) if hit[0] == fqn else None,
                             ),
                         )
                     break
         if best is not None:
             return best[1]
     return None
+
+
+def _expert(parted: list[Finding]) -> int | None:
+    """The first expert among a grouped experts module's parted chunks ("...:o0.e3":
+    verify/zoom/experts.py); None for any other module."""
+    experts = [int(f.name.rsplit(".e", 1)[1]) for f in parted if re.search(r":[a-z]+\d+\.e\d+$", f.name)]
+    return min(experts) if experts else None
 
 
 def module_table(findings: list[Finding]) -> list[dict[str, Any]]:
@@ -276,13 +286,21 @@ def _tree_key(fqn: str) -> list[tuple[int, Any]]:
     return [(0, int(p)) if p.isdigit() else (1, p) for p in fqn.split(".")] if fqn else []
 
 
-def place(case: Case, rank: int) -> str:
+def place(case: Case, rank: int, expert: int | None = None) -> str:
     """Where a rank's records lie beside the data-parallel ranks: under tensor parallelism a
     module's value is compared as each tp rank holds it (verify/zoom/watch.py), so the tp rank
-    whose local value parts first is named with its data-parallel rank."""
+    whose local value parts first is named with its data-parallel rank; a grouped experts
+    module's rows expert by expert (verify/zoom/experts.py), so the expert (and under ep the ep
+    rank holding it, which computed the rows of `rank`)."""
     if case.tp > 1:
         return f"tp rank {rank % case.tp} of data-parallel rank {rank // case.tp}"
-    return ""
+    if expert is None:
+        return ""
+    if case.ep == 1:
+        return f"expert {expert}"
+    held = case.model.experts // case.ep
+    group = rank - rank % case.ep  # the ep ranks are consecutive ranks of the shard dim
+    return f"expert {expert}, held by rank {group + expert // held} (ep rank {expert // held})"
 
 
 # ---- naming the op ------------------------------------------------------------------------------
@@ -388,9 +406,15 @@ def zoom(
         return result
     for key, value in named.items():
         setattr(result, key, value)
-    result.place = place(case, result.rank)
+    result.place = place(case, result.rank, result.expert)
     if result.module is None:
         return result  # the loss, outside the model: no module to look inside
+    if case.ep > 1 and result.expert is not None:
+        # Its ops run on other ranks' rows on the ranks, on the rank's own on the reference.
+        result.op_where = (
+            "its ops are not compared under ep (a rank computes its ep group's rows for the experts it holds)"
+        )
+        return result
     t1 = time.perf_counter()
     ops_case = case.with_(steps=step, zoom=f"{step}/{result.direction}/{result.module}")
     ref, got = _run(ops_case, pool, timeout_s)

@@ -21,7 +21,11 @@ class ZoomProbe(Probe):
             self.watch = ModuleWatch(model, self.case.zoom)
 
     def after_shard(self, model: nn.Module, view) -> None:
-        if self.watch is not None and self.case.tp > 1:  # after the plan's output hooks, as the reference's
+        if self.watch is None:
+            return
+        if self.case.ep > 1:  # the experts each rank holds, the ranks whose rows they compute
+            self.watch.experts_as_sharded(model)
+        if self.case.tp > 1 or self.case.ep > 1:  # after the plan's (the combine's) output hooks, as the reference's
             self.watch.forward_hooks_last()
 
     def before_forward(self, step: int, microbatch: int) -> None:

@@ -35,6 +35,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from fsdp_verify.trace import Trace
+from fsdp_verify.zoom.experts import ExpertRows, grouped_experts
 
 try:  # private API: feature-tested, with a public fallback that sees forward calls only
     from torch.utils._python_dispatch import TorchDispatchMode as _OpMode
@@ -109,6 +110,14 @@ class ModuleWatch:
         self._ops = 0
         self._mode: _OpMode | None = None
         self._forward_hooks: list[tuple[nn.Module, Any, Any]] = []
+        self._at = (0, 0)  # the pass's (micro-batch, rank)
+        # Grouped experts, recorded expert by expert (verify/zoom/experts.py): the counts each call
+        # routes, taken ahead of any hook an engine adds (the ep dispatch).
+        self.experts: dict[str, ExpertRows] = {}
+        if self.direction is None:
+            for fqn, module in grouped_experts(model).items():
+                self.experts[fqn] = ExpertRows()
+                module.register_forward_pre_hook(self._routed(fqn))
         for fqn, module in model.named_modules():
             if self.direction is None:
                 self._hook_forward(module, self._forward_hook(fqn))
@@ -135,11 +144,18 @@ class ModuleWatch:
             moved.append((module, hook, module.register_forward_hook(hook)))
         self._forward_hooks = moved
 
+    def experts_as_sharded(self, model: nn.Module) -> None:
+        """Each grouped experts module as the engine left it: under ep, the experts it holds and
+        the ranks whose rows it computes."""
+        for fqn in self.experts:
+            self.experts[fqn] = ExpertRows.of(model.get_submodule(fqn))
+
     # ---- the pass -------------------------------------------------------------------------------
     def watching(self, step: int) -> bool:
         return step == self.step
 
     def begin(self, microbatch: int, rank: int) -> None:
+        self._at = (microbatch, rank)
         self._passes = [pass_id(microbatch, rank * self.ranks + t) for t in range(self.ranks)]
         self._pass = self._passes[0]
         events: list[str] = []  # one time order for the ranks of one pass
@@ -181,7 +197,9 @@ class ModuleWatch:
             k = self._calls.get(fqn, 0)
             self._calls[fqn] = k + 1
             self.order[self._pass].append(f"F:{fqn}#{k}")
-            if self.direction is None:
+            if fqn in self.experts:
+                self._expert_rows(fqn, k, "", args[0], out, args[1])
+            elif self.direction is None:
                 for j, t in enumerate(_floats(out)):
                     self._put("modules", f"{fqn}#{k}:o{j}", t)
                 for j, t in enumerate(_floats(args)):  # as the module saw them, after pre-hooks
@@ -190,6 +208,28 @@ class ModuleWatch:
                 self._window = None
 
         return hook
+
+    def _routed(self, fqn: str):
+        def hook(_module, args):
+            if self._pass is not None and self._forwarding:
+                self.experts[fqn].routed(self._calls.get(fqn, 0), args[1])
+
+        return hook
+
+    def _expert_rows(self, fqn: str, call: int, kind: str, rows, out, counts=None) -> None:
+        """A grouped experts call's input rows (or their gradient) per (source rank, expert), its
+        output (or its gradient) per expert of the rank's own rows: verify/zoom/experts.py."""
+        where = self.experts[fqn]
+        if counts is not None:
+            where.dispatched(call, counts)
+        phase = "module_grads" if kind else "modules"
+        if out is not None:
+            for e, chunk in where.outputs(call, _local(out)):
+                self._put(phase, f"{fqn}#{call}:{kind}o{'ut' if kind else ''}0.e{e}", chunk)
+        if rows is not None:
+            for source, e, chunk in where.inputs(call, _local(rows), self._at[1]):
+                name = f"{pass_id(self._at[0], source)}:{fqn}#{call}:{kind}i{'n' if kind else ''}0.e{e}"
+                self.records[(phase, name)] = _keep(chunk)
 
     def _op_forward_pre(self, fqn: str):
         def hook(_module, _args):
@@ -210,7 +250,9 @@ class ModuleWatch:
                 return None
             call = self._backward_call(self._pre_calls, fqn)
             self.order[self._pass].append(f"P:{fqn}#{call}")
-            if self.direction is None:
+            if fqn in self.experts:
+                self._expert_rows(fqn, call, "g", None, grad_output[0])
+            elif self.direction is None:
                 for j, g in enumerate(grad_output):
                     if isinstance(g, torch.Tensor):
                         self._put("module_grads", f"{fqn}#{call}:gout{j}", g)
@@ -226,7 +268,9 @@ class ModuleWatch:
                 return None
             call = self._backward_call(self._backward_calls, fqn)
             self.order[self._pass].append(f"B:{fqn}#{call}")
-            if self.direction is None:
+            if fqn in self.experts:
+                self._expert_rows(fqn, call, "g", grad_input[0], None)
+            elif self.direction is None:
                 for j, g in enumerate(grad_input):
                     if isinstance(g, torch.Tensor):
                         self._put("module_grads", f"{fqn}#{call}:gin{j}", g)
