@@ -31,7 +31,13 @@ def main() -> int:
     drawn: dict[str, object] = {}
 
     @seed(args.seed)
-    @settings(max_examples=args.count * 3, database=None, derandomize=False, suppress_health_check=list(HealthCheck))
+    @settings(
+        max_examples=args.count * 3,
+        database=None,
+        derandomize=False,
+        deadline=None,
+        suppress_health_check=list(HealthCheck),
+    )
     @given(cases(world_sizes=tuple(args.world_sizes), steps=st.integers(1, 2), **pins))
     def draw(case):
         if len(drawn) < args.count:

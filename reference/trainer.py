@@ -180,7 +180,9 @@ class _Run:
         jolted = _fusion(case, model, FusionJolt(fusion) if fusion is not None else None)
         watch = None
         if case.zoom is not None:  # under tp, a pass is its tp ranks', each value one local a rank
-            watch = ModuleWatch(model, case.zoom, case.tp, tp_locals) if case.tp > 1 else ModuleWatch(model, case.zoom)
+            skip = ("",) if case.pp > 1 else ()  # a pipeline's ranks call its stages, never its root
+            tp = (case.tp, tp_locals) if case.tp > 1 else ()
+            watch = ModuleWatch(model, case.zoom, *tp, skip=skip)
         if share is not None:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once

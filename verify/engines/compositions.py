@@ -38,7 +38,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "reshard_after_backward_last": (False, "reshard_after_backward_last (the stage decides it)"),
         "grad_reduction": ("avg", "a sum reduction"),
         "unfreeze_step": (None, "unfreezing mid-run"),
-        "zoom": (None, "zoom"),
         "ep": (1, "expert parallelism"),
         "compile": (None, "torch.compile (compiled stages were not tried)"),
     },

@@ -88,10 +88,11 @@ class ModuleWatch:
     """Hooks on every module of `model` (a module pass) or on the one module an op pass looks
     inside; records only during a pass at the zoom step, between `begin` and `end`."""
 
-    def __init__(self, model: nn.Module, zoom: str, ranks: int = 1, split=one_rank):
+    def __init__(self, model: nn.Module, zoom: str, ranks: int = 1, split=one_rank, skip: tuple[str, ...] = ()):
         """`ranks`: the ranks one pass covers (the reference's pass of a data-parallel rank runs
         its tp ranks side by side: rank d's pass is ranks d * tp ... d * tp + tp - 1); `split`:
-        a value as each of them holds it."""
+        a value as each of them holds it; `skip`: modules not watched (a pipeline's root, which
+        the ranks never call: they call its stages)."""
         self.step, self.direction, self.target = parse_zoom(zoom)
         self.ranks, self.split = ranks, split
         # What the probes themselves cause: a full backward hook on a module whose inputs need no
@@ -107,7 +108,9 @@ class ModuleWatch:
         self._backward_calls: dict[str, int] = {}
         self._pre_calls: dict[str, int] = {}
         self._window: int | None = None  # the call of the target whose ops are being recorded
-        self._ops = 0
+        # per pass: its forward calls, backward calls, backward pre-calls per module, ops so far
+        self._counts: dict[str, tuple[dict, dict, dict, list[int]]] = {}
+        self._ops_of = [0]
         self._mode: _OpMode | None = None
         self._forward_hooks: list[tuple[nn.Module, Any, Any]] = []
         self._at = (0, 0)  # the pass's (micro-batch, rank)
@@ -119,6 +122,8 @@ class ModuleWatch:
                 self.experts[fqn] = ExpertRows()
                 module.register_forward_pre_hook(self._routed(fqn))
         for fqn, module in model.named_modules():
+            if fqn in skip:
+                continue
             if self.direction is None:
                 self._hook_forward(module, self._forward_hook(fqn))
                 module.register_full_backward_pre_hook(self._backward_pre_hook(fqn))
@@ -155,15 +160,23 @@ class ModuleWatch:
         return step == self.step
 
     def begin(self, microbatch: int, rank: int) -> None:
+        self.open(microbatch, rank, fresh=True)
+
+    def open(self, microbatch: int, rank: int, fresh: bool = False, forwarding: bool = True) -> None:
+        """Record into the pass of (micro-batch, rank): a new one (`fresh`), or where it was left
+        (a pipeline stage's backward of a micro-batch, after other micro-batches' forwards: each
+        pass keeps its own call counts, so a backward still meets its own forward's calls)."""
         self._at = (microbatch, rank)
         self._passes = [pass_id(microbatch, rank * self.ranks + t) for t in range(self.ranks)]
         self._pass = self._passes[0]
-        events: list[str] = []  # one time order for the ranks of one pass
-        for pid in self._passes:
-            self.order[pid] = events
-        self._forwarding = True
-        self._calls, self._backward_calls, self._pre_calls = {}, {}, {}
-        self._window, self._ops = None, 0
+        if fresh or self._pass not in self._counts:
+            events: list[str] = []  # one time order for the ranks of one pass
+            for pid in self._passes:
+                self.order[pid] = events
+            self._counts[self._pass] = ({}, {}, {}, [0])
+        self._calls, self._backward_calls, self._pre_calls, self._ops_of = self._counts[self._pass]
+        self._forwarding = forwarding
+        self._window = None
         if self.direction is not None:
             self._mode = _Recorder(self)
             self._mode.__enter__()
@@ -296,8 +309,8 @@ class ModuleWatch:
             # enable_grad; backward's own ops run without). The engine may; the reference never
             # recomputes, so they are marked as such rather than taken for an extra computation.
             name += "[recomputed]"
-        prefix = f"c{self._window}:{self._ops:05d}:{name}"
-        self._ops += 1
+        prefix = f"c{self._window}:{self._ops_of[0]:05d}:{name}"
+        self._ops_of[0] += 1
         self.order[self._pass].append(f"O:{prefix}")
         for j, t in enumerate(outs):
             self._put("ops", f"{prefix}:o{j}", t)
