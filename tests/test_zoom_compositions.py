@@ -1,6 +1,6 @@
-"""Zoom beside tensor and expert parallelism (docs/zoom.md, verify/zoom/): a correct engine zoomed
-names nothing, and a zoo mutant of each composition is zoomed to the module (and the tp rank, or
-the expert and the rank holding it) the bug is in. Pipeline parallelism still refuses a zoom."""
+"""Zoom beside tensor, expert and pipeline parallelism (docs/zoom.md, verify/zoom/): a correct
+engine zoomed names nothing, and a zoo mutant of each composition is zoomed to the module (and the
+tp rank, the expert and the rank holding it, or the stage) the bug is in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import pytest
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.runner import check_case
-from fsdp_verify.validation import CaseError
 from fsdp_verify.zoom.locate import zoom
 
 TINY = ModelSpec(vocab_size=64, dim=16, n_heads=2, ffn_hidden=24, n_layers=1, seq_len=4)
@@ -48,15 +47,8 @@ def _named(case: Case):
     "case",
     [
         tp_case(sequence_parallel=True, loss_parallel=True),
-        Case(
-            model=ModelSpec(kind="mlp", widths=(16, 32, 18, 8)),
-            world_size=2,
-            tp=2,
-            steps=2,
-            data=DataSpec(batch_size=4),
-        ),
     ],
-    ids=["transformer-sp-lp", "mlp"],
+    ids=["transformer-sp-lp"],
 )
 def test_a_correct_tensor_parallel_run_zoomed_names_nothing(case):
     """Each tp rank's local values (DTensors as `to_local`, sequence shards, colwise chunks,
@@ -71,8 +63,15 @@ def test_a_correct_tensor_parallel_run_zoomed_names_nothing(case):
         tp_case(4, sequence_parallel=True, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")),
         tp_case(4, microbatches=2, sync_every_microbatch=False, data=DataSpec(batch_size=16)),
         tp_case(sequence_parallel=True, model=ModelSpec(**{**TINY.__dict__, "dropout": 0.1})),
+        Case(
+            model=ModelSpec(kind="mlp", widths=(16, 32, 18, 8)),
+            world_size=2,
+            tp=2,
+            steps=2,
+            data=DataSpec(batch_size=4),
+        ),
     ],
-    ids=["mesh-2x2-sp-bf16", "mesh-2x2-microbatches", "sp-dropout"],
+    ids=["mesh-2x2-sp-bf16", "mesh-2x2-microbatches", "sp-dropout", "mlp"],
 )
 def test_a_correct_tensor_parallel_run_zoomed_names_nothing_on_more_meshes(case):
     _passes_and_names_nothing(case)
@@ -136,6 +135,59 @@ def test_tokens_combined_out_of_order_are_zoomed_to_the_expert_they_leave():
 
 
 # ---- pipeline parallelism ----------------------------------------------------------------------------
-def test_pipeline_parallelism_still_refuses_a_zoom():
-    with pytest.raises(CaseError, match="zoom"):
-        Case(model=ModelSpec(kind="mlp"), world_size=4, pp=2, microbatches=2, sync_every_microbatch=False, zoom="1")
+def pp_case(world: int = 4, pp: int = 2, schedule: str = "1f1b", microbatches: int = 2, **changes) -> Case:
+    changes.setdefault("model", ModelSpec(kind="mlp"))
+    data = DataSpec(batch_size=(world // pp) * microbatches * 2)
+    return Case(
+        world_size=world,
+        pp=pp,
+        pp_schedule=schedule,
+        microbatches=microbatches,
+        sync_every_microbatch=False,
+        steps=2,
+        data=data,
+        **changes,
+    )
+
+
+def test_a_correct_pipelined_run_zoomed_names_nothing():
+    """Each stage's modules, micro-batch by micro-batch (the stage's forward and backward of one
+    chunk open its pass), against the unsplit reference's."""
+    _passes_and_names_nothing(pp_case())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "case",
+    [
+        pp_case(schedule="gpipe"),
+        pp_case(schedule="interleaved1f1b", model=ModelSpec(kind="mlp", widths=(8, 16, 16, 16, 4))),
+        pp_case(
+            8,
+            4,
+            microbatches=4,
+            model=TINY.__class__(**{**TINY.__dict__, "n_layers": 4, "tie_embeddings": True}),
+            precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32"),
+        ),
+        pp_case(8, 2, mesh_shape=(2, 2)),
+    ],
+    ids=["gpipe", "interleaved", "transformer-4-stages-tied-bf16", "hsdp-in-stages"],
+)
+def test_a_correct_pipelined_run_zoomed_names_nothing_on_more_schedules(case):
+    _passes_and_names_nothing(case)
+
+
+def test_a_detached_stage_boundary_is_zoomed_to_the_boundary():
+    """Stage 1 detaches its input: the gradient stage 0 receives parts first, at the output of
+    its last module ('layers.1': the MLP's three blocks split 2 + 1)."""
+    result = _named(pp_case(engine=_mutant("pp_stage_boundary_detached")))
+    assert (result.direction, result.module, result.microbatch) == ("backward", "layers.1", 0), result.chain()
+    assert "the boundary between stages 0 and 1" in result.why
+    assert result.place == "stage 0, on rank 0 (data-parallel rank 0)"
+
+
+def test_targets_reversed_on_the_last_stage_are_zoomed_to_its_loss():
+    result = _named(pp_case(engine=_mutant("pp_microbatches_reversed_on_last_stage")))
+    assert (result.direction, result.module) == ("backward", "layers.2"), result.chain()
+    assert "the schedule's loss on the last stage (1)" in result.why
+    assert result.place == "stage 1, on rank 2 (data-parallel rank 0)"
