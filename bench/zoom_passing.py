@@ -1,8 +1,8 @@
 """Zoom on fresh-seed passing cases must name nothing (docs/zoom.md): draws FSDP2 cases from the
 property strategy, distinct ones, drawn under Hypothesis seed --seed, checks each and zooms into its last step.
 Prints one line a case and the tally (the zoom's seconds against the checks', one run); exit 1 if
-any zoom named a module on a passing case. `--tp 2` / `--ep 2` draw every case with tensor or
-expert parallelism (docs/zoom.md#beside-tensor-and-expert-parallelism)."""
+any zoom named a module on a passing case. `--tp 2` / `--ep 2` / `--pp 2` draw every case with
+tensor, expert or pipeline parallelism (docs/zoom.md#beside-tensor-expert-and-pipeline-parallelism)."""
 
 from __future__ import annotations
 
@@ -25,8 +25,9 @@ def main() -> int:
     p.add_argument("--world-sizes", type=int, nargs="+", default=[1, 2, 3])
     p.add_argument("--tp", type=int, nargs="+", help="tp degrees to draw among (every case)")
     p.add_argument("--ep", type=int, nargs="+", help="ep degrees to draw among (every case)")
+    p.add_argument("--pp", type=int, nargs="+", help="pp degrees to draw among (every case)")
     args = p.parse_args()
-    pins = {name: st.sampled_from(getattr(args, name)) for name in ("tp", "ep") if getattr(args, name)}
+    pins = {name: st.sampled_from(getattr(args, name)) for name in ("tp", "ep", "pp") if getattr(args, name)}
     tally = {"cases": 0, "passing": 0, "named": 0, "check_s": 0.0, "zoom_s": 0.0}
     drawn: dict[str, object] = {}
 
