@@ -191,3 +191,13 @@ def test_targets_reversed_on_the_last_stage_are_zoomed_to_its_loss():
     assert (result.direction, result.module) == ("backward", "layers.2"), result.chain()
     assert "the schedule's loss on the last stage (1)" in result.why
     assert result.place == "stage 1, on rank 2 (data-parallel rank 0)"
+
+
+def test_a_torch_whose_stages_cannot_be_hooked_refuses_a_zoom_beside_pp(monkeypatch):
+    from fsdp_verify.engines import pipeline_parallel
+    from fsdp_verify.validation import CaseError
+
+    pp_case(zoom="1")  # this torch's stages can
+    monkeypatch.setattr(pipeline_parallel, "stage_chunks", lambda: False)
+    with pytest.raises(CaseError, match="zoom: expected None with pp=2 on this torch"):
+        pp_case(zoom="1")

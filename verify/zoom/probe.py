@@ -45,7 +45,7 @@ class ZoomProbe(Probe):
     def _chunks(self, stage) -> None:
         """A stage's forward and backward of one micro-batch, each its pass's (see the module
         docstring): private to torch's schedules, feature-tested (Case refuses a zoom beside a
-        pipeline where they are missing: verify/engines/pipeline_parallel.py)."""
+        pipeline where they are missing: `stage_chunks`, verify/engines/pipeline_parallel.py)."""
         dp_rank = self.rank % self.case.dp_size
         for name, forwarding in (("forward_one_chunk", True), ("backward_one_chunk", False)):
             chunk = getattr(stage, name)
