@@ -193,6 +193,14 @@ def test_targets_reversed_on_the_last_stage_are_zoomed_to_its_loss():
     assert result.place == "stage 1, on rank 2 (data-parallel rank 0)"
 
 
+@pytest.mark.parametrize("mutant", ["pp_loss_not_divided_by_microbatches", "pp_stage_reduces_every_microbatch"])
+def test_a_pipeline_mutant_in_the_reduction_is_not_given_a_module(mutant):
+    """Gradients divided or reduced wrongly after the backward: every module's values agree, and
+    the zoom must not invent a module (the verdict names the gradient)."""
+    result = _named(pp_case(engine=_mutant(mutant)))
+    assert not result.named and result.phase == "grads", result.chain()
+
+
 def test_a_torch_whose_stages_cannot_be_hooked_refuses_a_zoom_beside_pp(monkeypatch):
     from fsdp_verify.engines import pipeline_parallel
     from fsdp_verify.validation import CaseError
