@@ -134,6 +134,12 @@ def _wrap(results: list):
     return first
 
 
+def tp_locals(t: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """A value as each of the n tp ranks holds it (a zoom's probe, verify/zoom/watch.py): a
+    `Ranks`' local tensors; a tensor outside the region is every rank's."""
+    return list(t.locals) if isinstance(t, Ranks) else [t] * n
+
+
 def spread(t: torch.Tensor, n: int) -> Ranks:
     """A plain tensor (no gradient) as every rank's: tokens, masks, a buffer."""
     return t if isinstance(t, Ranks) else Ranks([t] * n)

@@ -37,7 +37,7 @@ from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
 from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
-from fsdp_verify.reference.tensor_parallel import TensorParallel
+from fsdp_verify.reference.tensor_parallel import TensorParallel, tp_locals
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.casts import cast_floats
@@ -178,7 +178,11 @@ class _Run:
         records (step 0)."""
         model = reference_model(case, arithmetic, unit_input_node, compiled=fusion is None)
         jolted = _fusion(case, model, FusionJolt(fusion) if fusion is not None else None)
-        watch = ModuleWatch(model, case.zoom) if case.zoom is not None else None
+        watch = None
+        if case.zoom is not None:  # under tp, a pass is its tp ranks', each value one local a rank
+            skip = ("",) if case.pp > 1 else ()  # a pipeline's ranks call its stages, never its root
+            tp = (case.tp, tp_locals) if case.tp > 1 else ()
+            watch = ModuleWatch(model, case.zoom, *tp, skip=skip)
         if share is not None:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once

@@ -182,7 +182,6 @@ def test_a_declared_ep_the_engine_does_not_apply_is_named(fsdp_check, engine, ev
         ({"model": ModelSpec(kind="mlp", experts=4), "ep": 2}, "ep", "grouped routed experts"),
         ({"ep": 2, "wrap": ("layers.0", "")}, "wrap", "'moe.experts' as a unit of its own"),
         ({"ep": 2, "clip_norm": 1.0}, "clip_norm", "not modelled"),
-        ({"ep": 2, "zoom": "1"}, "zoom", "not modelled"),
         ({"ep": 4, "precision": PrecisionSpec(param_dtype="fp16")}, "precision.reduce_dtype", "divides the experts"),
         (
             {"grad_reduction": "sum", "model": ModelSpec(kind="mlp", experts=4, top_k=1, aux_loss=0.1)},

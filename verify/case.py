@@ -69,7 +69,6 @@ NOT_MODELLED_BESIDE: dict[tuple[str, Any], tuple[NotModelled, ...]] = {
         ),
         # Drawn apart: loss scaling only with fp16 (refused beside tp by the strategies' `_tp_draws`).
         NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
-        NotModelled("zoom", None, "zoom's per-module probes", drawn=False),
         # The other compositions (verify/engines/compositions.py, `NOT_WITH_COMPILE`): not tried together.
         NotModelled("ep", 1, "expert parallelism"),
         NotModelled("pp", 1, "pipeline parallelism"),

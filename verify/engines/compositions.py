@@ -23,8 +23,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "clip_norm": (None, "a clip (the experts' norm over two meshes is not modelled yet)"),
         "resume_after": (None, "a resume (not modelled yet)"),
         "offload": (False, "CPU offload of the experts"),
-        # zoom's per-module probes were not tried on the experts' all-to-all (pp refuses it too)
-        "zoom": (None, "zoom"),
         "compile": (None, "torch.compile (routed experts: a graph per count of routed samples)"),
     },
     "pp": {
@@ -40,7 +38,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "reshard_after_backward_last": (False, "reshard_after_backward_last (the stage decides it)"),
         "grad_reduction": ("avg", "a sum reduction"),
         "unfreeze_step": (None, "unfreezing mid-run"),
-        "zoom": (None, "zoom"),
         "ep": (1, "expert parallelism"),
         "compile": (None, "torch.compile (compiled stages were not tried)"),
     },

@@ -102,9 +102,26 @@ def check_pipeline(case) -> None:
         ("model.dropout", model.dropout, 0.0, "dropout (each stage's rank draws its own masks)"),
     ):
         check(value == off, name, f"{off!r} with pp={pp}: {why} beside pipeline parallelism is not modelled", value)
+    if case.zoom is not None:  # the zoom's passes open where a stage runs one micro-batch (verify/zoom/probe.py)
+        check(
+            stage_chunks(),
+            "zoom",
+            f"None with pp={pp} on this torch: its pipeline stages lack forward_one_chunk/backward_one_chunk",
+            case.zoom,
+        )
     from fsdp_verify.engines.compositions import check_not_beside
 
     check_not_beside(case, PP)
+
+
+def stage_chunks() -> bool:
+    """Whether torch's pipeline stages run one micro-batch a call where a zoom can hook them
+    (private methods of `_PipelineStageBase`: feature-tested)."""
+    try:
+        from torch.distributed.pipelining.stage import _PipelineStageBase
+    except ImportError:
+        return False
+    return all(hasattr(_PipelineStageBase, name) for name in ("forward_one_chunk", "backward_one_chunk"))
 
 
 # ---- the mesh -----------------------------------------------------------------------------------

@@ -9,6 +9,7 @@ names nothing."""
 from __future__ import annotations
 
 import difflib
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,9 @@ class Zoom:
     call: int = 0
     microbatch: int = 0
     rank: int = 0
+    place: str = ""  # where that rank's value lies in a composed run: its tp rank, the expert (`place`)
+    expert: int | None = None  # the first expert whose rows part, where a grouped experts module is named
+    via: str | None = None  # the module whose records part first (the named one encloses it, or is it)
     module_ratio: float | None = None
     why: str = ""  # how the module was named, or why none was
     op: str | None = None
@@ -64,7 +68,7 @@ class Zoom:
             parts.append(f"{self.phase} {self.record!r} ({_r(self.ratio)})")
         if self.module is None:
             return " -> ".join(parts) + f" -> no module parts ({self.why})"
-        where = f"rank {self.rank}, micro-batch {self.microbatch}"
+        where = f"rank {self.rank}{', ' + self.place if self.place else ''}, micro-batch {self.microbatch}"
         parts.append(f"{self.direction} of module {_fqn(self.module)} ({_r(self.module_ratio)}, {where})")
         if self.op is not None:
             extra = "" if self.op_where == "parts" else f", {self.op_where}"
@@ -207,6 +211,7 @@ def name_module(findings: list[Finding], order: dict[str, list[str]]) -> dict[st
             for pos, event in enumerate(events):
                 kind, call_id = event[0], event[2:]
                 fqn, k = call_id.rsplit("#", 1)
+                via = fqn  # the module whose records part (the named one encloses it when they differ)
                 prefix = f"{pid}:{call_id}"
                 hit = None
                 if direction == "forward" and kind == "F":
@@ -248,12 +253,21 @@ def name_module(findings: list[Finding], order: dict[str, list[str]]) -> dict[st
                                 rank=rank,
                                 module_ratio=worst(hit[1]),
                                 why=hit[2],
+                                expert=_expert(hit[1]) if hit[0] == fqn else None,
+                                via=via,
                             ),
                         )
                     break
         if best is not None:
             return best[1]
     return None
+
+
+def _expert(parted: list[Finding]) -> int | None:
+    """The first expert among a grouped experts module's parted chunks ("...:o0.e3":
+    verify/zoom/experts.py); None for any other module."""
+    experts = [int(f.name.rsplit(".e", 1)[1]) for f in parted if re.search(r":[a-z]+\d+\.e\d+$", f.name)]
+    return min(experts) if experts else None
 
 
 def module_table(findings: list[Finding]) -> list[dict[str, Any]]:
@@ -273,6 +287,74 @@ def module_table(findings: list[Finding]) -> list[dict[str, Any]]:
 def _tree_key(fqn: str) -> list[tuple[int, Any]]:
     """Depth-first order of the module tree: parents before children, layers.2 before layers.10."""
     return [(0, int(p)) if p.isdigit() else (1, p) for p in fqn.split(".")] if fqn else []
+
+
+def place(case: Case, rank: int, expert: int | None = None, module: str | None = None) -> str:
+    """Where a rank's records lie beside the data-parallel ranks: under tensor parallelism a
+    module's value is compared as each tp rank holds it (verify/zoom/watch.py), so the tp rank
+    whose local value parts first is named with its data-parallel rank; a grouped experts
+    module's rows expert by expert (verify/zoom/experts.py), so the expert (and under ep the ep
+    rank holding it, which computed the rows of `rank`); under pipeline parallelism the stage
+    holding the module (a pass's rank is its data-parallel index there)."""
+    if case.tp > 1:
+        return f"tp rank {rank % case.tp} of data-parallel rank {rank // case.tp}"
+    if case.pp > 1 and module is not None:
+        stage = stage_of_module(case, module)
+        if stage is None:
+            return ""
+        holder = (stage % case.pp) * case.dp_size + rank  # pp is the outer dim; a pass's rank is its dp index
+        return f"stage {stage}, on rank {holder} (data-parallel rank {rank})"
+    if expert is None:
+        return ""
+    if case.ep == 1:
+        return f"expert {expert}"
+    held = case.model.experts // case.ep
+    group = rank - rank % case.ep  # the ep ranks are consecutive ranks of the shard dim
+    return f"expert {expert}, held by rank {group + expert // held} (ep rank {expert // held})"
+
+
+def _between_stages(case: Case, zoom: Zoom) -> None:
+    """A pipeline's root encloses no code the ranks run but the schedule's: what parts first
+    outside every module is what a stage receives from the previous one (an activation), the
+    next one (a gradient), or the last stage's loss. Names the module at that boundary and the
+    stage holding it; no op pass (the parting is not inside the module)."""
+    from fsdp_verify.engines.pipeline_parallel import stages_per_rank
+
+    last = case.pp * stages_per_rank(case.pp_schedule) - 1
+    zoom.module = zoom.via
+    stage = stage_of_module(case, zoom.via)
+    zoom.place = place(case, zoom.rank, None, zoom.via)
+    if zoom.direction == "backward" and stage == last:
+        zoom.why = (
+            f"the gradient of its output parts first: computed by the schedule's loss on the last stage ({stage})"
+        )
+    elif zoom.direction == "backward":
+        zoom.why = (
+            f"the gradient of its output, which stage {stage} receives from stage {stage + 1}, parts first:"
+            f" the boundary between stages {stage} and {stage + 1}"
+        )
+    elif stage:
+        zoom.why = (
+            f"its inputs, which stage {stage} receives from stage {stage - 1}, part first:"
+            f" the boundary between stages {stage - 1} and {stage}"
+        )
+    else:
+        zoom.why = "its inputs part first: stage 0's input, outside every module (the code calling the schedule)"
+    zoom.op_where = "the parting is between the stages, not inside the module: no op pass"
+
+
+def stage_of_module(case: Case, fqn: str) -> int | None:
+    """The pipeline stage holding module `fqn`: its parameters' (or, for one without any, the
+    nearest enclosing module's); None for the root, which is no stage's."""
+    from fsdp_verify.reference.pipeline_parallel import stage_of
+
+    stages = stage_of(case)
+    while fqn:
+        mine = sorted(s for n, s in stages.items() if n.startswith(fqn + "."))
+        if mine:
+            return mine[0]
+        fqn = fqn.rpartition(".")[0]
+    return None
 
 
 # ---- naming the op ------------------------------------------------------------------------------
@@ -378,8 +460,18 @@ def zoom(
         return result
     for key, value in named.items():
         setattr(result, key, value)
+    result.place = place(case, result.rank, result.expert, result.module)
     if result.module is None:
         return result  # the loss, outside the model: no module to look inside
+    if case.pp > 1 and result.module == "":
+        _between_stages(case, result)
+        return result
+    if case.ep > 1 and result.expert is not None:
+        # Its ops run on other ranks' rows on the ranks, on the rank's own on the reference.
+        result.op_where = (
+            "its ops are not compared under ep (a rank computes its ep group's rows for the experts it holds)"
+        )
+        return result
     t1 = time.perf_counter()
     ops_case = case.with_(steps=step, zoom=f"{step}/{result.direction}/{result.module}")
     ref, got = _run(ops_case, pool, timeout_s)
