@@ -719,16 +719,20 @@ def cases(
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
     if resume:  # docs/resume.md
-        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp))
+        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, pins))
     return drawn
 
 
 @st.composite
-def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool = False) -> Case:
+def resumes(
+    draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool = False, pins: dict[str, Any] | None = None
+) -> Case:
     """`case` with a checkpoint and resume (docs/resume.md): saved after a drawn step (two steps
     at least), resumed on a drawn world size and mesh, and from FSDP1 on FSDP2 or FSDP1. The
     global batch becomes a multiple of both world sizes (times the micro-batches) where the drawn
-    one is not: one batch the same for both runs. A user's step takes no resume: not drawn."""
+    one is not: one batch the same for both runs. A user's step takes no resume: not drawn.
+    Where expert parallelism was asked (`pins`: `--ep`, `resume_ep`), grouped experts resume on a
+    drawn ep degree (`_resumed_ep`)."""
     from fsdp_verify.engines import refuse_untakeable
 
     assume(case.step is None)
@@ -747,6 +751,7 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
+            resume_ep=draw(_resumed_ep(case, pins or {}, mesh[-1] if mesh else world)),
             **{"data.batch_size": batch},
         )
     except CaseError:
@@ -760,6 +765,18 @@ def resumes(draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool
     except CaseError:
         assume(False)
     return resumed
+
+
+def _resumed_ep(case: Case, pins: dict[str, Any], shard: int) -> SearchStrategy[int | None]:
+    """The ep degree a resume of grouped experts takes on the resumed shard dimension `shard`:
+    only where ep was asked (a pin of `ep` or `resume_ep`; an engine that does not take `ep` has it
+    pinned to 1 by `_knob_pins`, so a plain plug-in is never drawn one), any degree that divides
+    the experts and `shard` (1 too: every expert on every rank), or the pin; None (as before)
+    elsewhere. The Case refuses a pinned one the resumed run cannot take: not this draw."""
+    if case.model.grouped_experts is None or not _asked(pins, {"ep": 1, "resume_ep": None}):
+        return st.none()
+    degrees = [1] + _ep_degrees(case, case.model, shard)
+    return _pinned(pins, "resume_ep", st.sampled_from(degrees))
 
 
 _MODEL_EXPECTED = (
@@ -894,10 +911,11 @@ def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         raise
 
 
-def _ep_degrees(case: Case, model: ModelSpec) -> list[int]:
-    """Every degree above 1 that divides the experts and the shard dim; not the whole shard dim
-    under an fp16 reduction (Case refuses it: FSDP2 divides twice over a group of one)."""
-    shard = case.mesh[-1]
+def _ep_degrees(case: Case, model: ModelSpec, shard: int | None = None) -> list[int]:
+    """Every degree above 1 that divides the experts and the shard dim (the case's, or `shard`);
+    not the whole shard dim under an fp16 reduction (Case refuses it: FSDP2 divides twice over a
+    group of one)."""
+    shard = shard or case.mesh[-1]
     fp16 = (case.precision.reduce_dtype or case.precision.param_dtype) == "fp16"
     return [d for d in range(2, shard + 1) if shard % d == 0 and model.experts % d == 0 and not (fp16 and d == shard)]
 

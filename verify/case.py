@@ -346,12 +346,15 @@ class Case:
 
     # A checkpoint and resume (docs/resume.md): the sharded run saves after step `resume_after`
     # (torch.distributed.checkpoint), stops, and a new run resumes from it on `resume_world_size`
-    # ranks (mesh `resume_mesh_shape`) with `resume_engine`; None: as before. The reference is the
-    # same run never stopped. None: no resume.
+    # ranks (mesh `resume_mesh_shape`) with `resume_engine`, expert-parallel degree `resume_ep`
+    # and pipeline degree `resume_pp`; None: as before. The reference is the same run never
+    # stopped. None: no resume.
     resume_after: int | None = None
     resume_world_size: int | None = None
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
+    resume_ep: int | None = None
+    resume_pp: int | None = None
 
     # Expert parallelism (docs/expert-parallel.md): the grouped experts (`model.top_k`) sharded
     # over an `ep` mesh dim of this many ranks, carved out of the shard dim, tokens moved by
@@ -411,6 +414,8 @@ class Case:
         "resume_world_size",
         "resume_mesh_shape",
         "resume_engine",
+        "resume_ep",
+        "resume_pp",
         "ep",
         "pp",
         "pp_schedule",
@@ -738,7 +743,7 @@ class Case:
         """A resume needs a step to save after and a step after it; what it resumes on must be a
         valid case of its own (the batch divisible by its ranks)."""
         if self.resume_after is None:
-            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine"):
+            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine", "resume_ep", "resume_pp"):
                 check(getattr(self, name) is None, name, "null without resume_after", getattr(self, name))
             return
         check(
@@ -755,12 +760,19 @@ class Case:
             "null, 'fsdp2', 'fsdp1', 'pkg.module:NAME' or 'file.py:NAME'",
             self.resume_engine,
         )
+        for name in ("resume_ep", "resume_pp"):
+            value = getattr(self, name)
+            check(value is None or (is_int(value) and value >= 1), name, "null or a positive integer", value)
+        from fsdp_verify.engines.compositions import check_resumed_degrees
+
+        check_resumed_degrees(self)
+        # What the resumed run's own validation names, as the field of this case that set it.
+        renamed = {"world_size": "resume_world_size", "mesh_shape": "resume_mesh_shape"}
+        renamed.update({name: f"resume_{name}" for name in ("ep", "pp") if getattr(self, f"resume_{name}") is not None})
         try:
             self.after_resume()
         except CaseError as e:
-            field_name = {"world_size": "resume_world_size", "mesh_shape": "resume_mesh_shape"}.get(
-                e.field_path, e.field_path
-            )
+            field_name = renamed.get(e.field_path, e.field_path)
             raise CaseError(field_name, f"{e.expected} (for the resumed run)", e.got) from None
 
     def before_resume(self) -> Case:
@@ -782,6 +794,8 @@ class Case:
             world_size=world,
             mesh_shape=mesh,
             engine=self.resume_engine or self.engine,
+            ep=self.resume_ep if self.resume_ep is not None else self.ep,
+            pp=self.resume_pp if self.resume_pp is not None else self.pp,
             **_NO_RESUME,
         )
 
@@ -1087,7 +1101,14 @@ class Case:
         return replace(self, **flat)
 
 
-_NO_RESUME = {"resume_after": None, "resume_world_size": None, "resume_mesh_shape": None, "resume_engine": None}
+_NO_RESUME = {
+    "resume_after": None,
+    "resume_world_size": None,
+    "resume_mesh_shape": None,
+    "resume_engine": None,
+    "resume_ep": None,
+    "resume_pp": None,
+}
 
 _SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
 

@@ -211,4 +211,7 @@ def _resume_text(case: Case) -> str:
     after = case.after_resume()
     mesh = f" mesh {after.mesh_shape}" if after.mesh_shape is not None else ""
     engine = f" with {after.engine}" if after.engine != case.engine else ""
-    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{engine},"
+    degrees = "".join(
+        f" {name} {getattr(after, name)}" for name in ("ep", "pp") if getattr(after, name) != getattr(case, name)
+    )
+    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{engine}{degrees},"

@@ -801,6 +801,15 @@ ZOO += [
         ("logits", "grads"),
         pins={**_GROUPED, "model.capacity_factor": 0.5},
     ),
+    ZooBug(
+        "ep_experts_loaded_into_another_ep_rank",
+        _mutant("ep_experts_loaded_into_another_ep_rank"),
+        "after a resume each ep rank holds the experts (and their optimizer state) of the next ep rank",
+        "local experts saved under their local index and read back on another ep layout (issue 40)",
+        ("resumed",),
+        world_sizes=(2, 4),
+        pins={**_GROUPED, "resume": True, "ep": 2, "resume_ep": st.sampled_from((2, 4))},
+    ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}
 

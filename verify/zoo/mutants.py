@@ -1098,6 +1098,33 @@ class _WeightDecayFromTheCode(Checkpointer):
         return trainer
 
 
+class _ExpertsInAnotherEpRanksSlots(Checkpointer):
+    """Loads everything, then each ep rank's experts (their weights and optimizer state) are the
+    ones the next ep rank holds: a loop that saved each rank's local experts under their local
+    index (expert 0 of every ep rank one key, no global offset) and reads them back on another
+    layout. Same shapes, so nothing complains; every rank computes with another rank's experts."""
+
+    def after_load(self, optimizer, trainer):
+        from fsdp_verify.engines.expert_parallel import EP, grouped_experts
+
+        for _, experts in grouped_experts(self.module):
+            for p in experts.parameters():
+                if not isinstance(p, DTensor) or EP not in (p.device_mesh.mesh_dim_names or ()):
+                    continue  # ep 1: every rank holds every expert, no other ep rank's slots
+                group = p.device_mesh.get_group(EP)
+                for t in [p, *(v for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))]:
+                    _rotate(_local(t), group)
+        return trainer
+
+
+@torch.no_grad()
+def _rotate(local: torch.Tensor, group) -> None:
+    """`local` replaced by the next rank's of `group` (a collective)."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    local.copy_(pieces[(dist.get_rank(group) + 1) % len(pieces)])
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
@@ -1109,6 +1136,7 @@ optimizer_state_swapped_on_resume = _resuming(_OptimStateSwapped)
 optimizer_state_in_bf16_on_resume = _resuming(_OptimStateInBf16)
 weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
 weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
+ep_experts_loaded_into_another_ep_rank = _resuming(_ExpertsInAnotherEpRanksSlots)
 
 
 # ---- torch.compile (issue 41, docs/compile.md) ----------------------------------------------------
