@@ -717,7 +717,7 @@ def cases(
         if tps != (1,):
             drawn = drawn.map(_sequence_parallel_norms_trainable)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
-    drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
+    drawn = drawn.flatmap(lambda case: pipelines(case, pins))
     if resume:  # docs/resume.md
         return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, pins))
     return drawn
@@ -739,7 +739,9 @@ def resumes(
     steps = max(case.steps, 2)
     after = draw(st.integers(1, steps - 1))
     world = draw(st.sampled_from(world_sizes))
-    mesh = draw(hsdp_meshes(world)) if hsdp else None
+    pp = draw(_resumed_pp(case, pins or {}, world))
+    stage_ranks = world // (case.pp if pp is None else pp)  # the data-parallel part of the mesh
+    mesh = draw(hsdp_meshes(stage_ranks)) if hsdp else None
     engine = draw(st.sampled_from((None, "fsdp2"))) if case.engine == "fsdp1" else None
     batch = case.data.batch_size
     if batch % (world * case.microbatches):
@@ -751,7 +753,8 @@ def resumes(
             resume_world_size=world,
             resume_mesh_shape=mesh,
             resume_engine=engine,
-            resume_ep=draw(_resumed_ep(case, pins or {}, mesh[-1] if mesh else world)),
+            resume_ep=draw(_resumed_ep(case, pins or {}, mesh[-1] if mesh else stage_ranks)),
+            resume_pp=pp,
             **{"data.batch_size": batch},
         )
     except CaseError:
@@ -777,6 +780,23 @@ def _resumed_ep(case: Case, pins: dict[str, Any], shard: int) -> SearchStrategy[
         return st.none()
     degrees = [1] + _ep_degrees(case, case.model, shard)
     return _pinned(pins, "resume_ep", st.sampled_from(degrees))
+
+
+def _resumed_pp(case: Case, pins: dict[str, Any], world: int) -> SearchStrategy[int | None]:
+    """The pipeline degree a pipelined case resumes with on `world` ranks: where a pipeline was
+    drawn (so asked, for an engine that takes `pp`), any degree that divides `world` and that the
+    schedule, the blocks and the micro-batches fit (1 too: no stages), or the pin; None (as
+    before) elsewhere. A resume into stages from a case without them is `check --resume-pp`'s."""
+    if case.pp == 1 or case.model.is_custom:  # a user's split: asked for its own stage count only
+        assume(pins.get("resume_pp") in (None, 1, case.pp))
+        return st.none()
+    blocks = case.model.n_blocks
+    degrees = [1] + [
+        d
+        for d in range(2, world + 1)
+        if world % d == 0 and _schedule_fits(case.pp_schedule, d, blocks, case.microbatches)
+    ]
+    return _pinned(pins, "resume_pp", st.sampled_from(degrees))
 
 
 _MODEL_EXPECTED = (
@@ -921,7 +941,7 @@ def _ep_degrees(case: Case, model: ModelSpec, shard: int | None = None) -> list[
 
 
 @st.composite
-def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = False) -> Case:
+def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case` cut into pipeline stages (docs/pipeline-parallel.md), drawn after everything else
     and only where asked (`ASKS_PIPELINE`: `--pp`, ...), so that a seed's draws stay what they
     were: a third of the draws where a degree
@@ -930,7 +950,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     stage has; what the reference does not model beside a pipeline is drawn off (Case refuses
     it: verify/engines/pipeline_parallel.py), unless a pin asked for it, and the stages reduce
     once a step (sync on the last micro-batch only)."""
-    from fsdp_verify.engines.pipeline_parallel import SCHEDULES, stages_per_rank
+    from fsdp_verify.engines.pipeline_parallel import SCHEDULES
 
     if not _asked(pins, ASKS_PIPELINE):
         return case
@@ -939,7 +959,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
     # A case drawn expert-parallel stays so (verify/engines/compositions.py).
-    if resume or pinned_on or "mesh_shape" in pins or beside_another("pp", case):
+    if pinned_on or "mesh_shape" in pins or beside_another("pp", case):
         degrees = []
     pp = draw(
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
@@ -948,14 +968,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
         assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
         return case
     assume(case.world_size % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
-    m = case.microbatches
-    fitting = [
-        name
-        for name in SCHEDULES
-        if blocks >= pp * stages_per_rank(name)
-        and (name == "gpipe" or m >= pp)
-        and (name != "interleaved1f1b" or m % max(1, m // pp) == 0)
-    ]
+    fitting = [name for name in SCHEDULES if _schedule_fits(name, pp, blocks, case.microbatches)]
     assume(fitting)
     schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
     dp = case.world_size // pp
@@ -997,6 +1010,19 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     except CaseError:
         assume(False)
         raise
+
+
+def _schedule_fits(schedule: str, pp: int, blocks: int, microbatches: int) -> bool:
+    """Whether `schedule` over `pp` stages a rank's worth fits the model's blocks and the
+    micro-batches (the Case refuses it otherwise: verify/engines/pipeline_parallel.py)."""
+    from fsdp_verify.engines.pipeline_parallel import stages_per_rank
+
+    m = microbatches
+    return (
+        blocks >= pp * stages_per_rank(schedule)
+        and (schedule == "gpipe" or m >= pp)
+        and (schedule != "interleaved1f1b" or m % max(1, m // pp) == 0)
+    )
 
 
 # ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------

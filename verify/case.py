@@ -795,9 +795,17 @@ class Case:
             mesh_shape=mesh,
             engine=self.resume_engine or self.engine,
             ep=self.resume_ep if self.resume_ep is not None else self.ep,
-            pp=self.resume_pp if self.resume_pp is not None else self.pp,
+            **self._resumed_pipeline(),
             **_NO_RESUME,
         )
+
+    def _resumed_pipeline(self) -> dict[str, Any]:
+        """The resumed run's pipeline: `resume_pp` stages with the case's schedule and split, or
+        none (then no schedule nor split: a case without stages has none)."""
+        pp = self.resume_pp if self.resume_pp is not None else self.pp
+        if pp == 1:
+            return {"pp": 1, "pp_schedule": "1f1b", "pp_split": None}
+        return {"pp": pp}
 
     def _validate_custom(self) -> None:
         if self.step is not None:

@@ -857,5 +857,14 @@ ZOO += [
         ("grads",),
         pins=dict(_PIPELINE),
     ),
+    ZooBug(
+        "pp_stage_loads_another_stages_state",
+        _mutant("pp_stage_loads_another_stages_state"),
+        "after a resume the last stage's blocks hold the first stage's saved weights",
+        "each stage's blocks saved under their index within the stage and loaded from another stage's (issue 40)",
+        ("resumed",),
+        model_kinds=("transformer",),  # every block of one shape: the other stage's loads without complaint
+        pins={**_PIPELINE, "resume": True, "resume_pp": 2},
+    ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}

@@ -31,7 +31,7 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.training.checkpointing import checkpoint_units
-from fsdp_verify.training.resume import Checkpointer, trainer_template
+from fsdp_verify.training.resume import Checkpointer, saved_template, trainer_template
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -948,13 +948,12 @@ def _resuming(checkpointer: type) -> callable:
     """An FSDP2 engine whose checkpoints load through `checkpointer` (a Checkpointer with one
     step mutated): the save and the training are FSDP2's own."""
 
-    class _View(EngineView):
-        def checkpointer(self):
-            return checkpointer(self.module)
-
     def engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
         fully_shard_engine(model, mesh, spec)
-        model.verify_view = lambda: _View(model)
+        # the view the engine made (a pipeline's: verify/engines/pipeline_engine.py) or the plain one
+        base = type(model.verify_view()) if hasattr(model, "verify_view") else EngineView
+        view = type("_View", (base,), {"checkpointer": lambda self: checkpointer(self.module)})
+        model.verify_view = lambda: view(model)
         return model
 
     engine.__doc__ = checkpointer.__doc__
@@ -1117,6 +1116,38 @@ class _ExpertsInAnotherEpRanksSlots(Checkpointer):
         return trainer
 
 
+class _StageLoadsAnotherStage(Checkpointer):
+    """Loads everything, but the last stage's blocks take the first stage's saved weights (its
+    optimizer state its own): a loop that saved each stage's blocks under their index within the
+    stage (`layers.0` the first block of every stage) and loads each stage from the first
+    stage's file. Where a block of the other stage has another shape it loads its own."""
+
+    def load(self, path, optimizer):
+        self.saved = {k: tuple(v.shape) for k, v in saved_template(path)["model"].items()}
+        return super().load(path, optimizer)
+
+    def rename(self, model_sd):
+        self.original = model_sd
+        pipe = getattr(self.module, "pipeline", None)
+        if pipe is None or not pipe.last or pipe.first:
+            return model_sd
+        blocks = sorted({int(k.split(".")[1]) for k in model_sd if k.startswith("layers.")})
+        shift = blocks[0] if blocks else 0
+
+        def other(key: str) -> str:
+            head, _, rest = key.partition(".")
+            if head != "layers":
+                return key
+            index, _, tail = rest.partition(".")
+            moved = f"layers.{int(index) - shift}.{tail}"
+            return moved if self.saved.get(moved) == tuple(model_sd[key].shape) else key
+
+        return {other(k): v for k, v in model_sd.items()}
+
+    def set(self, optimizer, model_sd, optim_sd, strict=True):
+        super().set(optimizer, self.original, optim_sd, strict)  # the same tensors, read in place
+
+
 @torch.no_grad()
 def _rotate(local: torch.Tensor, group) -> None:
     """`local` replaced by the next rank's of `group` (a collective)."""
@@ -1137,6 +1168,7 @@ optimizer_state_in_bf16_on_resume = _resuming(_OptimStateInBf16)
 weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
 weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
 ep_experts_loaded_into_another_ep_rank = _resuming(_ExpertsInAnotherEpRanksSlots)
+pp_stage_loads_another_stages_state = _resuming(_StageLoadsAnotherStage)
 
 
 # ---- torch.compile (issue 41, docs/compile.md) ----------------------------------------------------
