@@ -1138,6 +1138,9 @@ def check_field_value(name: str, value: Any) -> None:
     if name == "ep":  # wrong beside a model without grouped experts or a mesh it does not divide
         check(is_int(value) and value >= 1, "ep", "a positive integer (1: no expert parallelism)", value)
         return
+    if name in ("resume_ep", "resume_pp"):  # wrong only beside no resume or a resumed mesh it does not fit
+        check(value is None or (is_int(value) and value >= 1), name, "null or a positive integer", value)
+        return
     head, _, tail = name.partition(".")
     try:
         if tail and head in _SPECS:
