@@ -74,8 +74,9 @@ def _passes_exactly(verdict, case: Case) -> None:
     assert not inexact, inexact  # bit-exact, as without a resume (docs/expert-parallel.md, pipeline-parallel.md)
 
 
-# ---- correct resumes: bit-exact ------------------------------------------------------------------------
-CI_EP = [
+# ---- correct resumes: bit-exact (the nightly's matrix behind `slow`) -----------------------------------
+SLOW = pytest.mark.slow
+RESUMES = [
     pytest.param(moe_resume(2, 2, 4, 4), id="ep2-w2-to-ep4-w4"),
     pytest.param(
         moe_resume(
@@ -83,51 +84,32 @@ CI_EP = [
         ),
         id="ep4-w4-to-ep1-w2-bf16-capacity-aux-bias",
     ),
-]
-NIGHTLY_EP = [
-    pytest.param(moe_resume(2, 2, 1, 1), id="ep2-w2-to-one-device"),
-    pytest.param(moe_resume(4, 2, 4, 4, mesh=(2, 2)), id="ep2-hsdp22-to-ep4-w4"),
-    pytest.param(moe_resume(4, 4, 4, 2, to_mesh=(2, 2), precision=BF16), id="ep4-w4-to-ep2-hsdp22-bf16"),
-    pytest.param(moe_resume(2, 1, 4, 2, microbatches=2), id="ep1-w2-to-ep2-w4-microbatches"),
-    pytest.param(
-        moe_resume(4, 2, 2, 2, model=replace(MOE, top_k=1, router_bias=0.05)), id="ep2-w4-to-ep2-w2-top1-bias"
-    ),
-]
-
-
-@pytest.mark.parametrize("case", CI_EP)
-def test_a_resume_across_an_ep_change_is_bit_exact(fsdp_check, case):
-    _passes_exactly(fsdp_check(case), case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", NIGHTLY_EP)
-def test_a_resume_across_an_ep_change_is_bit_exact_everywhere(fsdp_check, case):
-    _passes_exactly(fsdp_check(case), case)
-
-
-CI_PP = [
     pytest.param(pp_resume(4, 2, 2, None), id="pp2-dp2-to-pp2-dp1"),
     pytest.param(pp_resume(2, 2, 1, 1, model=TIED), id="pp2-tied-lm-to-one-device"),
+    pytest.param(moe_resume(2, 2, 1, 1), id="ep2-w2-to-one-device", marks=SLOW),
+    pytest.param(moe_resume(4, 2, 4, 4, mesh=(2, 2)), id="ep2-hsdp22-to-ep4-w4", marks=SLOW),
+    pytest.param(moe_resume(4, 4, 4, 2, to_mesh=(2, 2), precision=BF16), id="ep4-w4-to-ep2-hsdp22-bf16", marks=SLOW),
+    pytest.param(moe_resume(2, 1, 4, 2, microbatches=2), id="ep1-w2-to-ep2-w4-microbatches", marks=SLOW),
+    pytest.param(
+        moe_resume(4, 2, 2, 2, model=replace(MOE, top_k=1, router_bias=0.05)),
+        id="ep2-w4-to-ep2-w2-top1-bias",
+        marks=SLOW,
+    ),
+    pytest.param(pp_resume(2, 2, 4, 4), id="pp2-to-pp4", marks=SLOW),
+    pytest.param(pp_resume(4, 4, 4, 2, pp_schedule="gpipe"), id="pp4-to-pp2-dp2-gpipe", marks=SLOW),
+    pytest.param(
+        pp_resume(4, 2, 2, 2, model=LM4, pp_schedule="interleaved1f1b", precision=BF16),
+        id="pp2-interleaved-lm-bf16-dp2-to-dp1",
+        marks=SLOW,
+    ),
+    pytest.param(pp_resume(2, 2, 4, 4, model=TIED), id="pp2-to-pp4-tied-lm", marks=SLOW),
+    pytest.param(pp_resume(4, 2, 2, 1, mesh_shape=(1, 2)), id="pp2-hsdp12-to-two-ranks", marks=SLOW),
+    pytest.param(pp_resume(2, 1, 4, 2), id="no-stages-to-pp2-dp2", marks=SLOW),
 ]
-NIGHTLY_PP = [
-    pytest.param(pp_resume(2, 2, 4, 4), id="pp2-to-pp4"),
-    pytest.param(pp_resume(4, 4, 4, 2, pp_schedule="gpipe"), id="pp4-to-pp2-dp2-gpipe"),
-    pytest.param(pp_resume(4, 2, 2, 2, model=LM4, pp_schedule="interleaved1f1b", precision=BF16), id="interleaved-lm"),
-    pytest.param(pp_resume(2, 2, 4, 4, model=TIED), id="pp2-to-pp4-tied-lm"),
-    pytest.param(pp_resume(4, 2, 2, 1, mesh_shape=(1, 2)), id="pp2-hsdp12-to-two-ranks"),
-    pytest.param(pp_resume(2, 1, 4, 2), id="no-stages-to-pp2-dp2"),
-]
 
 
-@pytest.mark.parametrize("case", CI_PP)
-def test_a_resume_across_a_pp_change_is_bit_exact(fsdp_check, case):
-    _passes_exactly(fsdp_check(case), case)
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("case", NIGHTLY_PP)
-def test_a_resume_across_a_pp_change_is_bit_exact_everywhere(fsdp_check, case):
+@pytest.mark.parametrize("case", RESUMES)
+def test_a_resume_across_an_ep_or_pp_change_is_bit_exact(fsdp_check, case):
     _passes_exactly(fsdp_check(case), case)
 
 
