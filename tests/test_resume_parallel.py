@@ -136,8 +136,18 @@ def test_the_reference_through_a_resume_with_ep_or_pp_is_the_run_never_stopped(c
 @pytest.mark.parametrize(
     ("mutant", "case", "where", "hint"),
     [
-        ("ep_experts_loaded_into_another_ep_rank", moe_resume(2, 2, 4, 4), "moe.experts.", ""),
-        ("ep_experts_loaded_into_another_ep_rank", moe_resume(4, 4, 2, 2), "moe.experts.", ""),
+        (
+            "ep_experts_loaded_into_another_ep_rank",
+            moe_resume(2, 2, 4, 4),
+            "moe.experts.",
+            "saved rows in another order",
+        ),
+        (
+            "ep_experts_loaded_into_another_ep_rank",
+            moe_resume(4, 4, 2, 2),
+            "moe.experts.",
+            "saved rows in another order",
+        ),
         (
             "pp_stage_loads_another_stages_state",
             pp_resume(4, 2, 2, None, model=EVEN),
