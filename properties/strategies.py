@@ -718,15 +718,20 @@ def cases(
         if tps != (1,):
             drawn = drawn.map(_sequence_parallel_norms_trainable)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
-    drawn = drawn.flatmap(lambda case: pipelines(case, pins, resume))
+    drawn = drawn.flatmap(lambda case: pipelines(case, pins))
     if resume:  # docs/resume.md
-        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, tps))
+        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, tps, pins))
     return drawn
 
 
 @st.composite
 def resumes(
-    draw: Callable, case: Case, world_sizes: tuple[int, ...], hsdp: bool = False, tps: tuple[int, ...] = (1,)
+    draw: Callable,
+    case: Case,
+    world_sizes: tuple[int, ...],
+    hsdp: bool = False,
+    tps: tuple[int, ...] = (1,),
+    pins: dict[str, Any] | None = None,
 ) -> Case:
     """`case` with a checkpoint and resume (docs/resume.md): saved after a drawn step (two steps
     at least), resumed on a drawn world size and mesh, and from FSDP1 on FSDP2 or FSDP1. The
@@ -734,7 +739,9 @@ def resumes(
     where the drawn one is not: one batch the same for both runs. Where tp is asked (`tps`, the
     degrees drawn among), the tp degree the run resumes with too, among those dividing the drawn
     world size (the model splits over each: `_cases`); a clip the resumed plan cannot take
-    (parameters off its tp mesh) is dropped. A user's step takes no resume: not drawn."""
+    (parameters off its tp mesh) is dropped. Where expert parallelism was asked (`pins`: `--ep`,
+    `resume_ep`), grouped experts resume on a drawn ep degree (`_resumed_ep`); a drawn pipeline
+    on a drawn pipeline degree (`_resumed_pp`). A user's step takes no resume: not drawn."""
     from fsdp_verify.engines import refuse_untakeable
 
     assume(case.step is None)
@@ -743,11 +750,14 @@ def resumes(
     world = draw(st.sampled_from(world_sizes))
     # Drawn only where tp is asked, so a seed's draws without it stay what they were.
     tp = draw(st.sampled_from([t for t in tps if world % t == 0])) if tps != (1,) else 1
-    mesh = draw(hsdp_meshes(world // tp)) if hsdp else None
+    pp = draw(_resumed_pp(case, pins or {}, world))
+    stage_ranks = world // tp // (case.pp if pp is None else pp)  # the data-parallel part of the mesh
+    mesh = draw(hsdp_meshes(stage_ranks)) if hsdp else None
     engine = draw(st.sampled_from((None, "fsdp2"))) if case.engine == "fsdp1" else None
     batch = case.data.batch_size
-    if batch % (world // tp * case.microbatches):
-        batch = math.lcm(case.dp_size, world // tp) * case.microbatches
+    ranks = world // tp  # the resumed run's data-parallel ranks times its stages (a pipeline's batch is whole)
+    if batch % (ranks * case.microbatches):
+        batch = math.lcm(case.world_size // case.tp, ranks) * case.microbatches
     changes = dict(
         steps=steps,
         resume_after=after,
@@ -755,6 +765,8 @@ def resumes(
         resume_mesh_shape=mesh,
         resume_engine=engine,
         resume_tp=tp if tp != case.tp else None,
+        resume_ep=draw(_resumed_ep(case, pins or {}, mesh[-1] if mesh else stage_ranks)),
+        resume_pp=pp,
         **{"data.batch_size": batch},
     )
     try:
@@ -775,6 +787,43 @@ def resumes(
     except CaseError:
         assume(False)
     return resumed
+
+
+def _resumed_ep(case: Case, pins: dict[str, Any], shard: int) -> SearchStrategy[int | None]:
+    """The ep degree a resume of grouped experts takes on the resumed shard dimension `shard`:
+    only where ep was asked (a pin of `ep` or `resume_ep`; an engine that does not take `ep` has it
+    pinned to 1 by `_knob_pins`, so a plain plug-in is never drawn one), any degree that divides
+    the experts and `shard` (or 1: every expert on every rank), or the pin; None (as before)
+    elsewhere. The Case refuses a pinned one the resumed run cannot take: not this draw."""
+    if case.model.grouped_experts is None or not _asked(pins, {"ep": 1, "resume_ep": None}):
+        return st.none()
+    return _pinned(pins, "resume_ep", _one_or_more(_ep_degrees(case, case.model, shard)))
+
+
+def _resumed_pp(case: Case, pins: dict[str, Any], world: int) -> SearchStrategy[int | None]:
+    """The pipeline degree a pipelined case resumes with on `world` ranks: where a pipeline was
+    drawn (so asked, for an engine that takes `pp`), any degree that divides `world` and that the
+    schedule, the blocks and the micro-batches fit (or 1: no stages), or the pin; None (as
+    before) elsewhere. A resume into stages from a case without them is `check --resume-pp`'s."""
+    if case.pp == 1 or case.model.is_custom:  # a user's split: asked for its own stage count only
+        assume(pins.get("resume_pp") in (None, 1, case.pp))
+        return st.none()
+    blocks = case.model.n_blocks
+    degrees = [
+        d
+        for d in range(2, world + 1)
+        if world % d == 0 and _schedule_fits(case.pp_schedule, d, blocks, case.microbatches)
+    ]
+    return _pinned(pins, "resume_pp", _one_or_more(degrees))
+
+
+def _one_or_more(degrees: list[int]) -> SearchStrategy[int]:
+    """A resumed degree: 1 half the time, one of `degrees` (above 1) the other half, where any
+    fits (the resumed world sizes 1 and 3 take none above 1: without this, 1 drew most resumes)."""
+    if not degrees:
+        return st.just(1)
+    # a coin, not `one_of`: one_of's branch drew 1 in all but 6 of a 60-case seed's resumes
+    return st.booleans().flatmap(lambda above: st.sampled_from(degrees) if above else st.just(1))
 
 
 _MODEL_EXPECTED = (
@@ -909,16 +958,17 @@ def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         raise
 
 
-def _ep_degrees(case: Case, model: ModelSpec) -> list[int]:
-    """Every degree above 1 that divides the experts and the shard dim; not the whole shard dim
-    under an fp16 reduction (Case refuses it: FSDP2 divides twice over a group of one)."""
-    shard = case.mesh[-1]
+def _ep_degrees(case: Case, model: ModelSpec, shard: int | None = None) -> list[int]:
+    """Every degree above 1 that divides the experts and the shard dim (the case's, or `shard`);
+    not the whole shard dim under an fp16 reduction (Case refuses it: FSDP2 divides twice over a
+    group of one)."""
+    shard = shard or case.mesh[-1]
     fp16 = (case.precision.reduce_dtype or case.precision.param_dtype) == "fp16"
     return [d for d in range(2, shard + 1) if shard % d == 0 and model.experts % d == 0 and not (fp16 and d == shard)]
 
 
 @st.composite
-def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = False) -> Case:
+def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case` cut into pipeline stages (docs/pipeline-parallel.md), drawn after everything else
     and only where asked (`ASKS_PIPELINE`: `--pp`, ...), so that a seed's draws stay what they
     were: a third of the draws where a degree
@@ -927,7 +977,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     stage has; what the reference does not model beside a pipeline is drawn off (Case refuses
     it: verify/engines/pipeline_parallel.py), unless a pin asked for it, and the stages reduce
     once a step (sync on the last micro-batch only)."""
-    from fsdp_verify.engines.pipeline_parallel import SCHEDULES, stages_per_rank
+    from fsdp_verify.engines.pipeline_parallel import SCHEDULES
 
     if not _asked(pins, ASKS_PIPELINE):
         return case
@@ -936,7 +986,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
     # A case drawn expert-parallel stays so (verify/engines/compositions.py).
-    if resume or pinned_on or "mesh_shape" in pins or beside_another("pp", case):
+    if pinned_on or "mesh_shape" in pins or beside_another("pp", case):
         degrees = []
     pp = draw(
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
@@ -945,14 +995,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
         assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
         return case
     assume(case.world_size % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
-    m = case.microbatches
-    fitting = [
-        name
-        for name in SCHEDULES
-        if blocks >= pp * stages_per_rank(name)
-        and (name == "gpipe" or m >= pp)
-        and (name != "interleaved1f1b" or m % max(1, m // pp) == 0)
-    ]
+    fitting = [name for name in SCHEDULES if _schedule_fits(name, pp, blocks, case.microbatches)]
     assume(fitting)
     schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
     dp = case.world_size // pp
@@ -994,6 +1037,19 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any], resume: bool = F
     except CaseError:
         assume(False)
         raise
+
+
+def _schedule_fits(schedule: str, pp: int, blocks: int, microbatches: int) -> bool:
+    """Whether `schedule` over `pp` stages a rank's worth fits the model's blocks and the
+    micro-batches (the Case refuses it otherwise: verify/engines/pipeline_parallel.py)."""
+    from fsdp_verify.engines.pipeline_parallel import stages_per_rank
+
+    m = microbatches
+    return (
+        blocks >= pp * stages_per_rank(schedule)
+        and (schedule == "gpipe" or m >= pp)
+        and (schedule != "interleaved1f1b" or m % max(1, m // pp) == 0)
+    )
 
 
 # ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------

@@ -52,7 +52,7 @@ from fsdp_verify.training.optim import (
     schedule_state,
     step_scheduler,
 )
-from fsdp_verify.training.rng import dropout_states, rng_fingerprint
+from fsdp_verify.training.rng import dropout_states, rank_streams, rng_fingerprint
 from fsdp_verify.zoom.watch import ModuleWatch
 
 
@@ -259,10 +259,12 @@ class _Run:
         optimizer.load_state_dict(self.optimizer.state_dict())
         if scheduler is not None:
             scheduler.load_state_dict(self.scheduler.state_dict())
-        # One generator a data-parallel rank (its tp ranks share it): data-parallel rank d resumes
-        # with the one d saved, whatever the tp degree on either side (verify/training/resume.py).
-        fresh = dropout_states(after)
-        rng_states = [self.rng_states[d] if d < len(self.rng_states) else fresh[d] for d in range(after.dp_size)]
+        # Rank r takes the state rank r saved, a pipeline's later stages too (`rank_streams`); the
+        # run replays the data-parallel ranks' (the first stage's: pp is outermost). Beside tp, one
+        # generator a data-parallel rank (its tp ranks share it): data-parallel rank d resumes with
+        # the one d saved, whatever the tp degree on either side (verify/training/resume.py).
+        every, fresh = rank_streams(self.case, self.rng_states), rank_streams(after, dropout_states(after))
+        rng_states = [every[r] if r < len(every) else fresh[r] for r in range(after.dp_size)]
         jolt = None
         if self.jolt is not None:  # the same moves, for the new number of ranks
             jolt = Perturbation(0, after.dp_size)
@@ -299,7 +301,9 @@ class _Run:
         """The state a correct load gives, under phase "resumed" at the step saved after (the
         sharded side records what it loaded: verify/sharded/loop.py `_resume`)."""
         add = self.trace.add
-        record_resumed(self.trace, step, self.params, self.optimizer, self.rng_states, self.case.tp)
+        record_resumed(
+            self.trace, step, self.params, self.optimizer, rank_streams(self.case, self.rng_states), self.case.tp
+        )
         if self.scheduler is not None:
             for key, value in schedule_state(self.scheduler).items():
                 add(step, "resumed", key, value)

@@ -79,8 +79,22 @@ def test_a_state_at_bf16_rounding_is_named_with_its_dtype_and_near_it_is_only_de
     said = _hint(*_traces(saved, {"optim.a.exp_avg": moved}))
     assert (
         "it was stored or passed in" not in said
-        and "it is none of: another record's saved value, the saved value rounded to bf16 or fp16" in said
+        and "it is none of: another record's saved value, its rows in another order, the saved value rounded to"
+        " bf16 or fp16"
+        in said
     )
+
+
+def test_rows_in_another_order_are_named_and_one_ulp_off_them_only_described():
+    """Experts loaded into another ep rank's slots: each loaded row is a saved row, moved."""
+    experts = torch.arange(12.0).reshape(4, 3) / 7
+    moved = experts[[2, 3, 0, 1]]
+    said = _hint(*_traces({"params.moe.w": experts}, {"params.moe.w": moved}))
+    assert "holds the saved rows in another order" in said and "[2, 3, 0, 1][i]" in said, said
+    near = moved.clone()
+    near[0, 0] = torch.nextafter(near[0, 0], torch.tensor(9.0))
+    said = _hint(*_traces({"params.moe.w": experts}, {"params.moe.w": near}))
+    assert "holds the saved rows" not in said and "it is none of" in said, said
 
 
 def test_zeros_where_state_was_saved_are_a_fresh_optimizers_and_no_state_at_all_too():

@@ -343,13 +343,16 @@ class Case:
 
     # A checkpoint and resume (docs/resume.md): the sharded run saves after step `resume_after`
     # (torch.distributed.checkpoint), stops, and a new run resumes from it on `resume_world_size`
-    # ranks (mesh `resume_mesh_shape`) with `resume_engine` and the tp degree `resume_tp`; None: as
-    # before. The reference is the same run never stopped. None: no resume.
+    # ranks (mesh `resume_mesh_shape`) with `resume_engine`, the tp degree `resume_tp`, the
+    # expert-parallel degree `resume_ep` and the pipeline degree `resume_pp`; None: as before. The
+    # reference is the same run never stopped. None: no resume.
     resume_after: int | None = None
     resume_world_size: int | None = None
     resume_mesh_shape: tuple[int, ...] | None = None
     resume_engine: str | None = None
     resume_tp: int | None = None
+    resume_ep: int | None = None
+    resume_pp: int | None = None
 
     # Expert parallelism (docs/expert-parallel.md): the grouped experts (`model.top_k`) sharded
     # over an `ep` mesh dim of this many ranks, carved out of the shard dim, tokens moved by
@@ -410,6 +413,8 @@ class Case:
         "resume_mesh_shape",
         "resume_engine",
         "resume_tp",
+        "resume_ep",
+        "resume_pp",
         "ep",
         "pp",
         "pp_schedule",
@@ -737,7 +742,14 @@ class Case:
         """A resume needs a step to save after and a step after it; what it resumes on must be a
         valid case of its own (the batch divisible by its ranks, the model by its tp degree)."""
         if self.resume_after is None:
-            for name in ("resume_world_size", "resume_mesh_shape", "resume_engine", "resume_tp"):
+            for name in (
+                "resume_world_size",
+                "resume_mesh_shape",
+                "resume_engine",
+                "resume_tp",
+                "resume_ep",
+                "resume_pp",
+            ):
                 check(getattr(self, name) is None, name, "null without resume_after", getattr(self, name))
             return
         check(
@@ -768,10 +780,16 @@ class Case:
                     f"a divisor of the resumed world size {world} (every rank: data-parallel ranks times tp)",
                     rtp,
                 )
+        for name in ("resume_ep", "resume_pp"):
+            value = getattr(self, name)
+            check(value is None or (is_int(value) and value >= 1), name, "null or a positive integer", value)
+        from fsdp_verify.engines.compositions import check_resumed_degrees
+
+        check_resumed_degrees(self)
         try:
             self.after_resume()
         except CaseError as e:
-            raise for_the_resumed_run(e) from None
+            raise for_the_resumed_run(e, self) from None
 
     def before_resume(self) -> Case:
         """The run up to the save: the first `resume_after` steps, as the case says."""
@@ -800,8 +818,18 @@ class Case:
             engine=self.resume_engine or self.engine,
             tp=tp,
             **styles,
+            ep=self.resume_ep if self.resume_ep is not None else self.ep,
+            **self._resumed_pipeline(),
             **_NO_RESUME,
         )
+
+    def _resumed_pipeline(self) -> dict[str, Any]:
+        """The resumed run's pipeline: `resume_pp` stages with the case's schedule and split, or
+        none (then no schedule nor split: a case without stages has none)."""
+        pp = self.resume_pp if self.resume_pp is not None else self.pp
+        if pp == 1:
+            return {"pp": 1, "pp_schedule": "1f1b", "pp_split": None}
+        return {"pp": pp}
 
     def _validate_custom(self) -> None:
         if self.step is not None:
@@ -1105,7 +1133,9 @@ class Case:
         return replace(self, **flat)
 
 
-# The fields of the run that resumes, as the case spells them (`for_the_resumed_run`).
+# The fields of the run that resumes, as the case spells them (`for_the_resumed_run`); ep and pp
+# only where the case sets them (otherwise the resumed run's degree is the case's own, and what it
+# refuses follows from the resumed world size or mesh).
 _RESUMED_FIELDS = {
     "world_size": "resume_world_size",
     "mesh_shape": "resume_mesh_shape",
@@ -1114,10 +1144,13 @@ _RESUMED_FIELDS = {
 }
 
 
-def for_the_resumed_run(e: CaseError) -> CaseError:
+def for_the_resumed_run(e: CaseError, case: Case | None = None) -> CaseError:
     """`e`, raised by the resumed run's case (`Case.after_resume`), naming the case's field that
-    set what it refused (`resume_tp` for its `tp`, ...)."""
-    return CaseError(_RESUMED_FIELDS.get(e.field_path, e.field_path), f"{e.expected} (for the resumed run)", e.got)
+    set what it refused (`resume_tp` for its `tp`, `resume_ep` for its `ep` where set, ...)."""
+    fields = dict(_RESUMED_FIELDS)
+    if case is not None:
+        fields.update({name: f"resume_{name}" for name in ("ep", "pp") if getattr(case, f"resume_{name}") is not None})
+    return CaseError(fields.get(e.field_path, e.field_path), f"{e.expected} (for the resumed run)", e.got)
 
 
 _NO_RESUME = {
@@ -1126,6 +1159,8 @@ _NO_RESUME = {
     "resume_mesh_shape": None,
     "resume_engine": None,
     "resume_tp": None,
+    "resume_ep": None,
+    "resume_pp": None,
 }
 
 _SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
@@ -1147,6 +1182,9 @@ def check_field_value(name: str, value: Any) -> None:
         return
     if name == "ep":  # wrong beside a model without grouped experts or a mesh it does not divide
         check(is_int(value) and value >= 1, "ep", "a positive integer (1: no expert parallelism)", value)
+        return
+    if name in ("resume_ep", "resume_pp"):  # wrong only beside no resume or a resumed mesh it does not fit
+        check(value is None or (is_int(value) and value >= 1), name, "null or a positive integer", value)
         return
     head, _, tail = name.partition(".")
     try:

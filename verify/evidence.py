@@ -1,5 +1,6 @@
 """What the records show about a divergence, tested before a hint names a cause (verify/hints.py):
-a value that is another record's, a value at a lower precision's rounding, the ranks whose
+a value that is another record's, or its rows in another order, a value at a lower precision's
+rounding, the ranks whose
 pieces differ, one factor across a step's records. Each answers from the two Traces alone (the
 sharded one's `rank_rows` say which rows each rank held); None or empty: the records do not show
 it, and the hint describes instead of naming a cause."""
@@ -33,6 +34,23 @@ def rounded_through(saved: torch.Tensor, got: torch.Tensor) -> str | None:
         ):
             return name
     return None
+
+
+def rows_moved(saved: torch.Tensor, got: torch.Tensor) -> list[int] | None:
+    """Where `got` holds `saved`'s rows (its first dim: experts, a shard's rows) exactly but in
+    another order, the saved row each loaded row is (`[j for each row i]`); None where any loaded
+    row is no saved row, or nothing moved."""
+    if got.shape != saved.shape or got.dtype != saved.dtype or got.dim() == 0 or len(got) < 2:
+        return None
+    unused = list(range(len(saved)))
+    order = []
+    for row in got:
+        j = next((j for j in unused if torch.equal(saved[j], row)), None)
+        if j is None:
+            return None
+        unused.remove(j)
+        order.append(j)
+    return None if order == sorted(order) else order
 
 
 def equal_records(value: torch.Tensor, candidates: dict[str, torch.Tensor]) -> list[str]:

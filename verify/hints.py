@@ -104,7 +104,7 @@ def _param_group_hint(first: Finding, ref: Trace, got: Trace, where: str) -> str
 def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> str:
     """A loaded parameter or optimizer state record that is not the saved one, tested in turn
     against: some ranks' shards right and others not; another record's saved value (swapped or
-    mis-keyed); the saved value at a lower precision's rounding; a fresh optimizer's (no state,
+    mis-keyed); the saved rows in another order; the saved value at a lower precision's rounding; a fresh optimizer's (no state,
     zeros, a step count of 0); the parameter's initial value (its key not loaded). A cause is
     named only where one fits; otherwise the hint says what the value is not."""
     step, name = first.step, first.name
@@ -148,6 +148,13 @@ def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> st
             f"the loaded {label} is the saved {other.split('.', 1)[1]} {where}: loaded under another"
             " parameter's name (mis-keyed state)"
         )
+    order = evidence.rows_moved(saved, loaded)
+    if order is not None:
+        return (
+            f"the loaded {label} holds the saved rows in another order {where} (row i holds saved row"
+            f" {order}[i]): rows loaded into other rows' places, as when blocks of rows (experts, a rank's"
+            " shard) saved under their local index are read back into another rank's slots"
+        )
     dtype = evidence.rounded_through(saved, loaded)
     if dtype is not None:
         alike = sum(1 for k in differing if evidence.rounded_through(ref.records[k], got.records[k]) == dtype)
@@ -175,7 +182,7 @@ def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> st
             " ranks by their position in the tp group, not by their global offsets as DCP's reshard does?)"
         )
     moved = int((saved != loaded).sum())
-    tested = "another record's saved value, the saved value rounded to bf16 or fp16, " + (
+    tested = "another record's saved value, its rows in another order, the saved value rounded to bf16 or fp16, " + (
         "zeros" if optim else "its initial value"
     )
     return (

@@ -191,7 +191,7 @@ def check_resumed_case(
     try:
         refuse_untakeable(after)
     except CaseError as e:
-        raise for_the_resumed_run(e) from None
+        raise for_the_resumed_run(e, case) from None
     t0 = time.perf_counter()
 
     def reference() -> tuple[Trace, float]:

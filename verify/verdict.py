@@ -212,4 +212,7 @@ def _resume_text(case: Case) -> str:
     mesh = f" mesh {after.mesh_shape}" if after.mesh_shape is not None else ""
     engine = f" with {after.engine}" if after.engine != case.engine else ""
     tp = f" tp {after.tp}" if after.tp != case.tp else ""
-    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{tp}{engine},"
+    degrees = "".join(
+        f" {name} {getattr(after, name)}" for name in ("ep", "pp") if getattr(after, name) != getattr(case, name)
+    )
+    return f" resumed after step {case.resume_after} on {after.world_size} ranks{mesh}{tp}{engine}{degrees},"

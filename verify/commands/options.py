@@ -312,7 +312,7 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
         "--resume",
         action="store_true",
         help="draw a checkpoint and resume in every case: the step it saves after, the world size, mesh"
-        " and engine it resumes on, and with --tp its tp degree among those asked (docs/resume.md)",
+        " and engine it resumes on, and its tp, ep or pp degree where --tp, --ep or --pp asks (docs/resume.md)",
     )
     p.add_argument(
         "--compile-rate",

@@ -21,7 +21,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "step": (None, "a user's step (its own collectives are not modelled)"),
         "shard_placement": ("dim0", "Shard(1) placements of the experts"),
         "clip_norm": (None, "a clip (the experts' norm over two meshes is not modelled yet)"),
-        "resume_after": (None, "a resume (not modelled yet)"),
         "offload": (False, "CPU offload of the experts"),
         "compile": (None, "torch.compile (routed experts: a graph per count of routed samples)"),
     },
@@ -29,7 +28,6 @@ NOT_BESIDE: dict[str, dict[str, tuple[Any, str]]] = {
         "step": (None, "a user's step (the schedule runs forward and backward)"),
         "clip_norm": (None, "a clip (the norm over the stages is not modelled yet)"),
         "loss_scaling": (None, "fp16 loss scaling"),
-        "resume_after": (None, "a resume (not modelled yet)"),
         "ignored": ((), "ignored parameters"),
         "offload": (False, "CPU offload"),
         "shard_placement": ("dim0", "Shard(1) placements"),
@@ -77,3 +75,26 @@ def beside_another(composition: str, case) -> bool:
     (a row's field that is itself a composition, on): the earlier draw stands, this one is not
     drawn (turning the other off would draw it less often than its own draw means to)."""
     return any(name in NOT_BESIDE and getattr(case, name) != off for name, (off, _) in NOT_BESIDE[composition].items())
+
+
+def check_resumed_degrees(case) -> None:
+    """A resume's change of ep or pp degree (`resume_ep`, `resume_pp`, docs/resume.md). DCP
+    reshards what changes: the experts are DTensors over the ep dim, and a pipeline rank's copy of
+    the model keeps the model's own names, so its stages' keys are the unsplit model's whatever
+    the split. The resumed run's own case validates the rest (naming the `resume_` field). One
+    thing no load can do: a pipeline's tied embedding is two copies (`tok_embeddings.weight` on
+    the first stage, `output.weight` on the last), and without a pipeline one parameter, saved
+    (with its optimizer state) under its first name only; a resume into stages has no key for
+    the last stage's copy (DCP: "Missing key in checkpoint state_dict"). Out of stages it loads
+    either copy, the same values."""
+    pp = case.resume_pp
+    if pp is None or pp == 1 or case.pp > 1:
+        return
+    model = case.model
+    check(
+        not (model.kind == "transformer" and model.tie_embeddings),
+        "resume_pp",
+        "1 (or null) after pp=1 with tied embeddings: the checkpoint holds the tied weight once"
+        " ('tok_embeddings.weight'), and the last stage's copy ('output.weight') has no key to load",
+        pp,
+    )

@@ -229,10 +229,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     if ctx.resume is not None and "export" in ctx.resume:
         ctx.phase(f"step {case.steps} export the full model")
         export_safetensors(view.module, ctx.resume["export"])
-    if ctx.resume is not None and "save" in ctx.resume:
-        ctx.phase(f"step {case.steps} save checkpoint")
-        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler, case.tp)
-        view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
+    _save(case, ctx, view, optimizer, position, scaler, scheduler)
     return dtypes, items
 
 
@@ -248,8 +245,12 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
     last = dist.get_global_rank(group, case.pp - 1)  # the last stage of this rank's pipeline
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
-    for step in range(1, case.steps + 1):
-        inputs, targets = global_batch(case, step)
+    first, position = 1, 0  # a resume (docs/resume.md): each rank loads its stages' parameters
+    if ctx.resume is not None and "load" in ctx.resume:
+        first, position = _resume(ctx.resume["load"], case, ctx, view, (optimizer, scheduler), params, None, records)
+    for step in range(first, case.steps + 1):
+        position += 1
+        inputs, targets = global_batch(case, position)
         counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
         items[str(step)] = counts
         scale = _global_mean(0, 0, sum(map(sum, counts)), case.dp_size)
@@ -283,7 +284,16 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         step_scheduler(scheduler)
         optimizer.zero_grad(set_to_none=True)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
+    _save(case, ctx, view, optimizer, position, None, scheduler)
     return dtypes, items
+
+
+def _save(case, ctx, view, optimizer, position, scaler, scheduler) -> None:
+    """The checkpoint after the run's last step, where the run saves (`{"save": DIR}`)."""
+    if ctx.resume is not None and "save" in ctx.resume:
+        ctx.phase(f"step {case.steps} save checkpoint")
+        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler, case.tp)
+        view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
 
 
 def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple[int, int]:
@@ -343,10 +353,7 @@ def _user_steps(case, ctx, sharded, view, optimizers, params, probes, records):
         position += 1
         _user_step(case, ctx, (step, position), step_fn, sharded, view, optimizer, probes, records, dtypes, items)
         _after_step(case, ctx, step, view, optimizer, params, probes, records)
-    if ctx.resume is not None and "save" in ctx.resume:
-        ctx.phase(f"step {case.steps} save checkpoint")
-        trainer = trainer_state(case.steps, position, None, ctx.device)
-        view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
+    _save(case, ctx, view, optimizer, position, None, None)
     return dtypes, items
 
 

@@ -131,12 +131,18 @@ FRESH_PARAM_GROUPS = "fresh_param_groups"
 
 def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
     """`stepped.<fqn>`: 1 where the optimizer holds state for the parameter on any rank (it was
-    stepped), else 0; a collective (the same tensors on every rank, as DCP keeps one copy)."""
-    names, params = zip(*module.named_parameters())
-    marks = torch.tensor([int(bool(optimizer.state.get(p))) for p in params], dtype=torch.int64)
+    stepped), else 0; a collective (the same tensors on every rank, as DCP keeps one copy). Every
+    parameter of any rank's: a pipeline's ranks hold different ones (a stage each)."""
+    mine = {n: int(bool(optimizer.state.get(p))) for n, p in module.named_parameters()}
+    every = [mine]
     if dist.is_initialized():
-        dist.all_reduce(marks, op=dist.ReduceOp.MAX)
-    return {STEPPED + n: marks[i : i + 1].clone() for i, n in enumerate(names)}
+        every = [None] * dist.get_world_size()
+        dist.all_gather_object(every, mine)
+    marks: dict[str, int] = {}
+    for part in every:
+        for n, mark in part.items():
+            marks[n] = max(marks.get(n, 0), mark)
+    return {STEPPED + n: torch.tensor([mark], dtype=torch.int64) for n, mark in marks.items()}
 
 
 def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, trainer: dict) -> None:

@@ -22,6 +22,15 @@ def dropout_states(case: Case) -> list[torch.Tensor]:
     return [torch.Generator().manual_seed(dropout_seed(case, r)).get_state() for r in range(case.dp_size)]
 
 
+def rank_streams(case: Case, states: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Every rank's generator state in rank order, from the data-parallel ranks' `states`: the
+    ranks after them (a pipeline's later stages, pp outermost) hold their fresh seeds, which
+    nothing draws from (dropout is refused beside a pipeline). What a resume carries rank by
+    rank (docs/resume.md). Without a pipeline (nor tp) every rank is a data-parallel one."""
+    more = range(len(states), case.world_size if case.tp == 1 else len(states))
+    return states + [torch.Generator().manual_seed(dropout_seed(case, r)).get_state() for r in more]
+
+
 def rng_fingerprint(state: torch.Tensor) -> int:
     """A 63-bit hash of a generator state (`torch.get_rng_state()`), for the trace: two runs
     that draw the same stream have the same fingerprints at the same points."""

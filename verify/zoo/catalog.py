@@ -821,6 +821,15 @@ ZOO += [
         ("logits", "grads"),
         pins={**_GROUPED, "model.capacity_factor": 0.5},
     ),
+    ZooBug(
+        "ep_experts_loaded_into_another_ep_rank",
+        _mutant("ep_experts_loaded_into_another_ep_rank"),
+        "after a resume each ep rank holds the experts (and their optimizer state) of the next ep rank",
+        "local experts saved under their local index and read back on another ep layout (issue 40)",
+        ("resumed",),
+        world_sizes=(2, 4),
+        pins={**_GROUPED, "resume": True, "ep": 2, "resume_ep": st.sampled_from((2, 4))},
+    ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}
 
@@ -867,6 +876,15 @@ ZOO += [
         "a stage's data loader out of step with the first stage's (issue 40)",
         ("grads",),
         pins=dict(_PIPELINE),
+    ),
+    ZooBug(
+        "pp_stage_loads_another_stages_state",
+        _mutant("pp_stage_loads_another_stages_state"),
+        "after a resume the last stage's blocks hold the first stage's saved weights",
+        "each stage's blocks saved under their index within the stage and loaded from another stage's (issue 40)",
+        ("resumed",),
+        model_kinds=("transformer",),  # every block of one shape: the other stage's loads without complaint
+        pins={**_PIPELINE, "resume": True, "resume_pp": 2},
     ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}

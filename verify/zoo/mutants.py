@@ -31,7 +31,7 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.training.checkpointing import checkpoint_units
-from fsdp_verify.training.resume import Checkpointer, trainer_template
+from fsdp_verify.training.resume import Checkpointer, saved_template, trainer_template
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -948,13 +948,12 @@ def _resuming(checkpointer: type) -> callable:
     """An FSDP2 engine whose checkpoints load through `checkpointer` (a Checkpointer with one
     step mutated): the save and the training are FSDP2's own."""
 
-    class _View(EngineView):
-        def checkpointer(self):
-            return checkpointer(self.module)
-
     def engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
         fully_shard_engine(model, mesh, spec)
-        model.verify_view = lambda: _View(model)
+        # the view the engine made (a pipeline's: verify/engines/pipeline_engine.py) or the plain one
+        base = type(model.verify_view()) if hasattr(model, "verify_view") else EngineView
+        view = type("_View", (base,), {"checkpointer": lambda self: checkpointer(self.module)})
+        model.verify_view = lambda: view(model)
         return model
 
     engine.__doc__ = checkpointer.__doc__
@@ -1135,6 +1134,65 @@ class _RngByGlobalRank(Checkpointer):
         return {k: v for k, v in trainer.items() if k != "rng"}  # restored here, not by the loop
 
 
+class _ExpertsInAnotherEpRanksSlots(Checkpointer):
+    """Loads everything, then each ep rank's experts (their weights and optimizer state) are the
+    ones the next ep rank holds: a loop that saved each rank's local experts under their local
+    index (expert 0 of every ep rank one key, no global offset) and reads them back on another
+    layout. Same shapes, so nothing complains; every rank computes with another rank's experts."""
+
+    def after_load(self, optimizer, trainer):
+        from fsdp_verify.engines.expert_parallel import EP, grouped_experts
+
+        for _, experts in grouped_experts(self.module):
+            for p in experts.parameters():
+                if not isinstance(p, DTensor) or EP not in (p.device_mesh.mesh_dim_names or ()):
+                    continue  # ep 1: every rank holds every expert, no other ep rank's slots
+                group = p.device_mesh.get_group(EP)
+                for t in [p, *(v for v in optimizer.state.get(p, {}).values() if isinstance(v, DTensor))]:
+                    _rotate(_local(t), group)
+        return trainer
+
+
+class _StageLoadsAnotherStage(Checkpointer):
+    """Loads everything, but the last stage's blocks take the first stage's saved weights (its
+    optimizer state its own): a loop that saved each stage's blocks under their index within the
+    stage (`layers.0` the first block of every stage) and loads each stage from the first
+    stage's file. Where a block of the other stage has another shape it loads its own."""
+
+    def load(self, path, optimizer):
+        self.saved = {k: tuple(v.shape) for k, v in saved_template(path)["model"].items()}
+        return super().load(path, optimizer)
+
+    def rename(self, model_sd):
+        self.original = model_sd
+        pipe = getattr(self.module, "pipeline", None)
+        if pipe is None or not pipe.last or pipe.first:
+            return model_sd
+        blocks = sorted({int(k.split(".")[1]) for k in model_sd if k.startswith("layers.")})
+        shift = blocks[0] if blocks else 0
+
+        def other(key: str) -> str:
+            head, _, rest = key.partition(".")
+            if head != "layers":
+                return key
+            index, _, tail = rest.partition(".")
+            moved = f"layers.{int(index) - shift}.{tail}"
+            return moved if self.saved.get(moved) == tuple(model_sd[key].shape) else key
+
+        return {other(k): v for k, v in model_sd.items()}
+
+    def set(self, optimizer, model_sd, optim_sd, strict=True):
+        super().set(optimizer, self.original, optim_sd, strict)  # the same tensors, read in place
+
+
+@torch.no_grad()
+def _rotate(local: torch.Tensor, group) -> None:
+    """`local` replaced by the next rank's of `group` (a collective)."""
+    pieces = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(pieces, local.contiguous(), group=group)
+    local.copy_(pieces[(dist.get_rank(group) + 1) % len(pieces)])
+
+
 fresh_optimizer_after_resume = _resuming(_FreshOptimizer)
 adam_step_reset_on_resume = _resuming(_AdamStepReset)
 prefixed_key_dropped_on_resume = _resuming(_PrefixDroppedByNonStrictLoad)
@@ -1148,6 +1206,8 @@ weights_loaded_on_rank0_only = _resuming(_LoadedOnRank0Only)
 weight_decay_from_the_code_on_resume = _resuming(_WeightDecayFromTheCode)
 tp_shards_on_the_wrong_rank_on_resume = _resuming(_TpShardsOnTheWrongRank)
 rng_by_global_rank_on_resume = _resuming(_RngByGlobalRank)
+ep_experts_loaded_into_another_ep_rank = _resuming(_ExpertsInAnotherEpRanksSlots)
+pp_stage_loads_another_stages_state = _resuming(_StageLoadsAnotherStage)
 
 
 # ---- torch.compile (issue 41, docs/compile.md) ----------------------------------------------------
