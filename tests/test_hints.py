@@ -86,11 +86,14 @@ def test_a_state_at_bf16_rounding_is_named_with_its_dtype_and_near_it_is_only_de
 
 
 def test_rows_in_another_order_are_named_and_one_ulp_off_them_only_described():
-    """Experts loaded into another ep rank's slots: each loaded row is a saved row, moved."""
+    """Experts loaded into other slots: each loaded row is a saved row, moved (not whole chunks
+    moved round, which the shard hint names: it reads first)."""
     experts = torch.arange(12.0).reshape(4, 3) / 7
-    moved = experts[[2, 3, 0, 1]]
+    moved = experts[[1, 0, 3, 2]]
     said = _hint(*_traces({"params.moe.w": experts}, {"params.moe.w": moved}))
-    assert "holds the saved rows in another order" in said and "[2, 3, 0, 1][i]" in said, said
+    assert "holds the saved rows in another order" in said and "[1, 0, 3, 2][i]" in said, said
+    rotated = _hint(*_traces({"params.moe.w": experts}, {"params.moe.w": experts[[2, 3, 0, 1]]}))
+    assert "2 chunks along dim 0 moved round by 1" in rotated and "other ranks" in rotated, rotated
     near = moved.clone()
     near[0, 0] = torch.nextafter(near[0, 0], torch.tensor(9.0))
     said = _hint(*_traces({"params.moe.w": experts}, {"params.moe.w": near}))

@@ -140,13 +140,13 @@ def test_the_reference_through_a_resume_with_ep_or_pp_is_the_run_never_stopped(c
             "ep_experts_loaded_into_another_ep_rank",
             moe_resume(2, 2, 4, 4),
             "moe.experts.",
-            "saved rows in another order",
+            "moved round by 1 (chunk i holds the saved chunk i + 1)",
         ),
         (
             "ep_experts_loaded_into_another_ep_rank",
             moe_resume(4, 4, 2, 2),
             "moe.experts.",
-            "saved rows in another order",
+            "moved round by 1 (chunk i holds the saved chunk i + 1)",
         ),
         (
             "pp_stage_loads_another_stages_state",

@@ -148,6 +148,15 @@ def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> st
             f"the loaded {label} is the saved {other.split('.', 1)[1]} {where}: loaded under another"
             " parameter's name (mis-keyed state)"
         )
+    # Chunks moved round whole (a shard a rank) first: the most specific reading of rows in another order.
+    rotated = evidence.chunks_rotated(saved, loaded)
+    if rotated is not None:
+        dim, n, k = rotated
+        return (
+            f"the loaded {label} is the saved value with its {n} chunks along dim {dim} moved round by {k} (chunk i"
+            f" holds the saved chunk i + {k}) {where}: its shards landed on other ranks (a load that maps shards or"
+            " experts to ranks by their position in a group, not by their global offsets as DCP's reshard does?)"
+        )
     order = evidence.rows_moved(saved, loaded)
     if order is not None:
         return (
@@ -172,14 +181,6 @@ def _loaded_state_hint(first: Finding, ref: Trace, got: Trace, where: str) -> st
         return (
             f"parameter {label} holds its initial values {where}, on every rank: its key was not loaded"
             " (a key the load did not match, e.g. a wrapper's prefix, dropped by a non-strict load?)"
-        )
-    rotated = evidence.chunks_rotated(saved, loaded)
-    if rotated is not None:
-        dim, n, k = rotated
-        return (
-            f"the loaded {label} is the saved value with its {n} chunks along dim {dim} moved round by {k} (chunk i"
-            f" holds the saved chunk i + {k}) {where}: its shards landed on other ranks (a load that maps shards to"
-            " ranks by their position in the tp group, not by their global offsets as DCP's reshard does?)"
         )
     moved = int((saved != loaded).sum())
     tested = "another record's saved value, its rows in another order, the saved value rounded to bf16 or fp16, " + (
