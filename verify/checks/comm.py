@@ -419,7 +419,7 @@ def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> li
     (verify/checks/tp_comm.py), and the clip's all-reduce over tp; none without tp or where the
     case's plan cannot be derived (`tp_comm.underivable`: the measured ones over tp are not
     compared there, `comparable`)."""
-    from fsdp_verify.checks import tp_comm
+    import fsdp_verify.checks.tp_comm as tp_comm
 
     if getattr(case, "tp", 1) <= 1 or tp_comm.underivable(case):
         return []
@@ -437,7 +437,7 @@ def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> li
 def comparable(case: Case, measured: list[Collective]) -> list[Collective]:
     """The measured collectives the contract holds: all, but those over tp where the case's tp
     plan cannot be derived (`tp_comm.underivable`)."""
-    from fsdp_verify.checks import tp_comm
+    import fsdp_verify.checks.tp_comm as tp_comm
 
     if getattr(case, "tp", 1) > 1 and tp_comm.underivable(case):
         return [c for c in measured if c.over != "tp"]
@@ -571,7 +571,7 @@ def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     ranks = measured_collectives(got)
     if ranks is None:
         return None
-    from fsdp_verify.checks import tp_comm
+    import fsdp_verify.checks.tp_comm as tp_comm
 
     expected = expected_collectives(case, got)
     total = sum(c.bytes for c in ranks[0])

@@ -157,9 +157,8 @@ def _layers(case, step: int) -> list[tuple[str, str, list[tuple[str, str, int]]]
     """(module, kind, [(phase, collective, elements)]) for every module of the plan, in plan order,
     at `step`: from `unfreeze_step` on nothing is frozen, so more needs a gradient (a frozen
     embedding's output under SP, all-gathered in backward once it trains)."""
-    from fsdp_verify.checks.comm import unfrozen_at
-
-    spec = dataclasses.replace(case.model, frozen=()) if unfrozen_at(case, step) else case.model
+    unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step  # as comm's `unfrozen_at`
+    spec = dataclasses.replace(case.model, frozen=()) if unfrozen else case.model
     rows = case.local_batch // case.microbatches
     return _layers_of(spec, case.tp, case.sequence_parallel, case.loss_parallel, rows)
 

@@ -697,7 +697,7 @@ ZOO += [
         _mutant("tp_grad_all_reduce_in_bf16"),
         "the norms' partial gradients summed over tp in bf16 while reduce_dtype is fp32",
         "issue 39, pytorch/pytorch#190626 (FSDP2's own, torch 2.13; here by hand)",
-        ("grads",),
+        ("grads", "comm"),  # the contract sees the all-reduce's dtype at step 0
         world_sizes=_TP_WORLDS,
         precisions=("bf16",),
         model_kinds=("transformer",),
@@ -708,7 +708,7 @@ ZOO += [
         _mutant("fsdp_over_tp_dim"),
         "the mesh's dims swapped: the plan over the data-parallel dim, fully_shard over tp",
         "issue 39: a mesh built as (dp, tp) read as (tp, dp)",
-        ("build",),
+        ("build", "comm"),  # the contract sees each collective's group on the wrong mesh dim
         world_sizes=_TP_WORLDS,
         model_kinds=("mlp", "transformer"),
         pins=dict(_TP),
