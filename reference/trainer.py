@@ -724,7 +724,13 @@ def _compile_as_sharded(model: nn.Module, case: Case) -> None:
 # its norm eagerly between them: other graphs than the ranks', and under AOTAutograd, whose
 # decompositions round otherwise than eager autograd, other gradients (fuzz seed 20270408, case
 # 2d78feb47bc4, 1.75x; regression 2d78feb47bc4). The units' classes changed the same way give the
-# same guards, so the same graphs.
+# same guards, so the same graphs. And the class's module is not `torch.nn`'s (FSDP2's are
+# torch.distributed's): Dynamo traces an inbuilt torch.nn module's `forward` as a frame of its own
+# (after its `_call_impl` is skipped) only where the module's class is from `torch.nn.` and it has
+# hooks (torch 2.13, `trace_rules.check_verbose`), so a torch.nn leaf that is a unit (a Dropout, an
+# Embedding) compiles nothing in a sharded run. The reference's, of torch.nn's class, compiled
+# theirs: a Dropout unit in bf16 under AOTAutograd (its decomposition multiplies in two roundings)
+# gave other gradients than the ranks' eager one (fuzz seed 20270407, case fffd3e314091, 1e3x).
 _UNIT_CLASSES: dict[type, type] = {}
 
 
@@ -734,7 +740,7 @@ def _as_unit_class(module: nn.Module) -> None:
     if cls in _UNIT_CLASSES.values():
         return
     if cls not in _UNIT_CLASSES:
-        _UNIT_CLASSES[cls] = type(f"Unit{cls.__name__}", (cls,), {"__module__": cls.__module__})
+        _UNIT_CLASSES[cls] = type(f"Unit{cls.__name__}", (cls,), {})  # of this module, as FSDP<class> of torch's
     module.__class__ = _UNIT_CLASSES[cls]
 
 
