@@ -622,8 +622,8 @@ def fullgraph_takes(case: Case) -> bool:
 
 
 # Compile backends drawn unless pinned (see `_with_compile`): Dynamo alone and Dynamo with
-# AOTAutograd. Inductor where asked (`--compile-backend inductor`, the nightly's compile job):
-# a case of new shapes compiles new kernels, seconds each (docs/compile.md, Cost).
+# AOTAutograd. Inductor where asked (`--compile-backend inductor`; the slow tests run it): a
+# case of new shapes compiles new kernels, seconds each (docs/compile.md, Cost).
 DRAWN_BACKENDS = ("eager", "aot_eager")
 
 

@@ -102,11 +102,12 @@ class FusionJolt(TorchDispatchMode):
             yield
 
     # A compiled backward need not read what its forward computed: AOTAutograd's partitioner
-    # (Inductor's min-cut, the default) saves some activations and recomputes others inside the
-    # backward graph, from the saved ones, fused otherwise than the forward (sweep 20270409, case
-    # 9098ae89d0e5: the compiled reference 1.04x its bound in bf16 with the forward's moves alone).
-    # It recomputes pointwise operations only (reductions and matmuls are banned from
-    # recomputation), so a value the backward reads moves from the one the forward used by one
+    # (under Inductor, min-cut rematerialisation) saves some activations and recomputes others
+    # inside the backward graph, from the saved ones, fused otherwise than the forward (fuzz seed
+    # 20270409, case 9098ae89d0e5: the compiled reference 1.04x its bound in bf16 with the
+    # forward's moves alone). It recomputes pointwise operations only (torch 2.13's
+    # functorch config: `ban_recompute_reductions`, `ban_recompute_not_in_allowlist`; a matmul is
+    # never recomputed), so a value the backward reads moves from the one the forward used by one
     # pointwise evaluation's bound: within a transcendental's 4 u |y| (the widest, above), and by
     # one rounding of its dtype where one of them kept it in fp32 and the other rounded it. So each
     # activation a compiled module saves is moved again by that, with its own random signs, when
