@@ -89,7 +89,7 @@ def test_the_draw_takes_the_same_spelling_as_check_and_fsdp_cases():
     # fuzz/sweep: --compile units model; the pytest plugin's fsdp_cases(compile=[...]): the same pins
     drawn = draw_cases(cases(engine="fsdp2", compile=["units", "model"], model_kinds=("mlp",)), 12, 1)
     assert {c.compile for c in drawn} <= {"units", "model"} and all(c.compile for c in drawn)
-    assert {c.compile_backend for c in drawn} == {"eager"}  # AOTAutograd's backends where asked (docs/compile.md)
+    assert {c.compile_backend for c in drawn} == {"eager", "aot_eager"}  # Inductor where asked (docs/compile.md)
     assert all(c.compile == "model" for c in draw_cases(cases(compile="model", model_kinds=("mlp",)), 5, 2))
 
 
