@@ -624,7 +624,10 @@ def fullgraph_takes(case: Case) -> bool:
     return fullgraph_breaks(case) is None
 
 
-DRAWN_BACKENDS = ("eager",)  # compile backends drawn unless pinned (see `_with_compile`)
+# Compile backends drawn unless pinned (see `_with_compile`): Dynamo alone and Dynamo with
+# AOTAutograd. Inductor where asked (`--compile-backend inductor`; the slow tests run it): a
+# case of new shapes compiles new kernels, seconds each (docs/compile.md, Cost).
+DRAWN_BACKENDS = ("eager", "aot_eager")
 
 
 def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float | None) -> Case:
@@ -641,9 +644,7 @@ def _with_compile(draw: Callable, case: Case, pins: dict[str, Any], rate: float 
         with_scope = case.with_(compile=scope)
         takes = fullgraph_takes(with_scope)
         fullgraph = draw(_pinned(pins, "compile_fullgraph", st.booleans() if takes else st.just(False)))
-        # Unpinned, the eager backend only: AOTAutograd's (aot_eager, inductor) have open false
-        # alarms in corners not modelled yet (docs/compile.md: fuzz seed 20270408, 2d78feb47bc4),
-        # so they are drawn where asked (`--compile-backend`). Never the ingredients of a known
+        # Unpinned, among DRAWN_BACKENDS. Never the ingredients of a known
         # PyTorch bug (verify/checks/compiler.py `redraws_dropout`): then nothing is compiled, and
         # where the scope is pinned (`--compile units`) the draw is discarded instead.
         backends = [b for b in DRAWN_BACKENDS if not redraws_dropout(with_scope.with_(compile_backend=b))]

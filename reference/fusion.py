@@ -82,6 +82,7 @@ class FusionJolt(TorchDispatchMode):
         self.generator = torch.Generator().manual_seed(seed)
         self.inside = 0  # compiled modules the forward is in now
         self.backward = False
+        self.quiet = False
 
     def attach(self, modules: list[nn.Module]) -> None:
         """Count the forward's depth in the modules the case compiles."""
@@ -97,8 +98,36 @@ class FusionJolt(TorchDispatchMode):
 
     @contextlib.contextmanager
     def forward(self) -> Iterator[None]:
-        with self:
+        with self, torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack):
             yield
+
+    # A compiled backward need not read what its forward computed: AOTAutograd's partitioner
+    # (under Inductor, min-cut rematerialisation) saves some activations and recomputes others
+    # inside the backward graph, from the saved ones, fused otherwise than the forward (fuzz seed
+    # 20270409, case 9098ae89d0e5: the compiled reference 1.04x its bound in bf16 with the
+    # forward's moves alone). It recomputes pointwise operations only (torch 2.13's
+    # functorch config: `ban_recompute_reductions`, `ban_recompute_not_in_allowlist`; a matmul is
+    # never recomputed), so a value the backward reads moves from the one the forward used by one
+    # pointwise evaluation's bound: within a transcendental's 4 u |y| (the widest, above), and by
+    # one rounding of its dtype where one of them kept it in fp32 and the other rounded it. So each
+    # activation a compiled module saves is moved again by that, with its own random signs, when
+    # the backward unpacks it; not the parameters and inputs a graph takes (they are its inputs,
+    # never recomputed), nor a value eager saves as it is (an integer, an empty tensor).
+    def _pack(self, t: torch.Tensor):
+        recomputable = self.inside and _floating(t) and t.grad_fn is not None
+        return (t, recomputable)
+
+    def _unpack(self, packed) -> torch.Tensor:
+        t, recomputable = packed
+        if not recomputable:
+            return t
+        self.quiet = True  # the move's own arithmetic is not the compiled graph's: not moved again
+        try:
+            bound = 4 * _u_acc(t) * t.double().abs() + _rounding(t)
+            signs = torch.randint(0, 2, t.shape, generator=self.generator).double() * 2 - 1
+            return (t.double() + signs * bound).to(t.dtype)
+        finally:
+            self.quiet = False
 
     @contextlib.contextmanager
     def backward_pass(self) -> Iterator[None]:
@@ -113,7 +142,7 @@ class FusionJolt(TorchDispatchMode):
         kwargs = kwargs or {}
         out = func(*args, **kwargs)
         name = func.overloadpacket.__name__
-        if not (self.backward or self.inside) or name in _EXACT or func.is_view:
+        if self.quiet or not (self.backward or self.inside) or name in _EXACT or func.is_view:
             return out
         results = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if _floating(t)]
         for i, t in enumerate(results):

@@ -720,12 +720,42 @@ def _compile_as_sharded(model: nn.Module, case: Case) -> None:
     empty = torch._dynamo.disable(_nothing, recursive=True)
     for fqn in case.wrap_plan:
         module = model.get_submodule(fqn)
+        _as_unit_class(module)
         for hooks in (module._forward_pre_hooks, module._forward_hooks):
             for key, hook in list(hooks.items()):
                 hooks[key] = torch._dynamo.disable(hook, recursive=True)
         module.register_forward_pre_hook(empty)
         module.register_forward_hook(empty)
     compile_in_place(case, model)
+
+
+# FSDP2 makes each unit an instance of a class of its own, `FSDP<class>` (one per original class,
+# fully_shard's `cls_to_fsdp_cls`), and Dynamo guards a graph on its modules' types. So a module of
+# a compiled unit's class that is not a unit (or a unit that is not) fails the guards of a graph
+# traced through the other and is compiled afresh: in a sharded run, `layers.1` (whose
+# `attention_norm` is no unit) gets a graph of its own where `layers.0.attention_norm` is one. With
+# the classes as built, the reference's `layers.1` passed the guards of `layers.0`'s graphs and ran
+# its norm eagerly between them: other graphs than the ranks', and under AOTAutograd, whose
+# decompositions round otherwise than eager autograd, other gradients (fuzz seed 20270408, case
+# 2d78feb47bc4, 1.75x; regression 2d78feb47bc4). The units' classes changed the same way give the
+# same guards, so the same graphs. And the class's module is not `torch.nn`'s (FSDP2's are
+# torch.distributed's): Dynamo traces an inbuilt torch.nn module's `forward` as a frame of its own
+# (after its `_call_impl` is skipped) only where the module's class is from `torch.nn.` and it has
+# hooks (torch 2.13, `trace_rules.check_verbose`), so a torch.nn leaf that is a unit (a Dropout, an
+# Embedding) compiles nothing in a sharded run. The reference's, of torch.nn's class, compiled
+# theirs: a Dropout unit in bf16 under AOTAutograd (its decomposition multiplies in two roundings)
+# gave other gradients than the ranks' eager one (fuzz seed 20270407, case fffd3e314091, 1e3x).
+_UNIT_CLASSES: dict[type, type] = {}
+
+
+def _as_unit_class(module: nn.Module) -> None:
+    """`module` an instance of a subclass of its class made for units, as fully_shard does."""
+    cls = type(module)
+    if cls in _UNIT_CLASSES.values():
+        return
+    if cls not in _UNIT_CLASSES:
+        _UNIT_CLASSES[cls] = type(f"Unit{cls.__name__}", (cls,), {})  # of this module, as FSDP<class> of torch's
+    module.__class__ = _UNIT_CLASSES[cls]
 
 
 def _nothing(*_args) -> None:

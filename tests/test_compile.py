@@ -48,17 +48,6 @@ EVERYTHING = "examples/engine/my_engine.py:shard_everything"
             "compile_fullgraph",
         ),
         ({"compile": "units", "zoom": "1"}, "compile"),
-        # fuzz seed 20270406 (00dda3bd90c7): not modelled under aot_eager/inductor (the eager backend is)
-        (
-            {
-                "compile": "model",
-                "compile_backend": "aot_eager",
-                "model": ModelSpec(kind="mlp", widths=(16, 33, 17, 8), frozen=("layers.0",)),
-                "unfreeze_step": 2,
-                "steps": 2,
-            },
-            "compile",
-        ),
     ],
 )
 def test_a_bad_compile_is_refused_naming_the_field(changes, field):
@@ -100,13 +89,13 @@ def test_the_draw_takes_the_same_spelling_as_check_and_fsdp_cases():
     # fuzz/sweep: --compile units model; the pytest plugin's fsdp_cases(compile=[...]): the same pins
     drawn = draw_cases(cases(engine="fsdp2", compile=["units", "model"], model_kinds=("mlp",)), 12, 1)
     assert {c.compile for c in drawn} <= {"units", "model"} and all(c.compile for c in drawn)
-    assert {c.compile_backend for c in drawn} == {"eager"}  # AOTAutograd's backends where asked (docs/compile.md)
+    assert {c.compile_backend for c in drawn} == {"eager", "aot_eager"}  # Inductor where asked (docs/compile.md)
     assert all(c.compile == "model" for c in draw_cases(cases(compile="model", model_kinds=("mlp",)), 5, 2))
 
 
 def test_compile_is_drawn_at_the_profiles_rate():
-    # every profile 0 while compile's open corners stand (docs/compile.md): drawn where asked
-    assert COMPILE_RATES["ci"] == COMPILE_RATES["dev"] == COMPILE_RATES["nightly"] == 0.0
+    # the nightly a fifth (its hunts' corners modelled, docs/compile.md); CI and a desk where asked
+    assert COMPILE_RATES["ci"] == COMPILE_RATES["dev"] == 0.0 < COMPILE_RATES["nightly"] <= 0.2
     assert profile_compile_rate("nightly") == COMPILE_RATES["nightly"]
     assert profile_compile_rate("a-profile-of-yours") == 0.0
     # rate 0: nothing is drawn, so a seed draws the cases it drew before compile existed
@@ -115,10 +104,8 @@ def test_compile_is_drawn_at_the_profiles_rate():
     assert [c.hash for c in draw_cases(cases(), 15, 7)] == before  # the default profile's rate is 0
     drawn = draw_cases(cases(compile_rate=1.0, model_kinds=("mlp",)), 30, 7)
     # all that can compile do: not routed experts, nor a pipeline (drawn after, it turns compile off)
-    # (nor checkpointed dropout: its only drawn backend, eager, redraws the masks: PyTorch's bug)
-    ckpt_dropout = [c.activation_checkpointing and c.model.dropout > 0 for c in drawn]
-    assert all((c.compile is None) == (bool(c.model.experts) or c.pp > 1 or d) for c, d in zip(drawn, ckpt_dropout))
-    assert {c.compile_backend for c in drawn if c.compile} == {"eager"}  # AOTAutograd's only where asked
+    assert all((c.compile is None) == (bool(c.model.experts) or c.pp > 1) for c in drawn)
+    assert {c.compile_backend for c in drawn if c.compile} == {"eager", "aot_eager"}  # inductor where asked
 
 
 @settings(max_examples=100, database=None, deadline=None, suppress_health_check=list(HealthCheck))
@@ -163,6 +150,26 @@ def test_the_fusion_floor_moves_each_operation_within_its_bound_and_nothing_exac
     assert ((mm.double() - exact.double()).abs() <= bound).all()
     assert (mm != exact).any()  # it moved
     assert torch.equal(viewed, a.t()) and torch.equal(picked, torch.where(a > 0, a, torch.zeros(())))
+
+
+def test_the_fusion_floor_moves_saved_activations_not_parameters():
+    """A compiled backward may recompute a saved activation (pointwise, fused otherwise): the
+    backward reads it moved within 4 u |y| and a rounding of its dtype; a graph's inputs (the
+    parameters) are read as they are, and nothing saved outside the compiled modules moves."""
+    from fsdp_verify.compare.tolerance import unit_roundoff
+    from fsdp_verify.reference.fusion import FusionJolt
+
+    jolt = FusionJolt(5)
+    weight = torch.randn(64, requires_grad=True)
+    activation = torch.tanh(weight).bfloat16()
+    jolt.inside = 1
+    moved = jolt._unpack(jolt._pack(activation))
+    bound = 4 * unit_roundoff(torch.float32) + unit_roundoff(torch.bfloat16)
+    assert (moved != activation).any()
+    assert ((moved.double() - activation.double()).abs() <= 2 * bound * activation.double().abs()).all()
+    assert jolt._unpack(jolt._pack(weight)) is weight  # an input of the graph
+    jolt.inside = 0
+    assert jolt._unpack(jolt._pack(activation)) is activation  # outside the compiled modules
 
 
 def test_the_fusion_floor_of_a_bf16_case_is_wider_than_of_fp32():
@@ -237,6 +244,56 @@ def test_the_sweeps_compiled_false_alarms_stay_fixed(fsdp_check, case_hash):
     assert verdict.ok, verdict.summary()
 
 
+# Fresh-seed hunts under aot_eager, each at world size 1: a unit nested in `layers.0` (fuzz seed
+# 20270408, 1.75x in fp32), a Dropout its own unit (20270407, 1e3x in bf16), an embedding unfrozen
+# at step 2 (20270406, 7e4x). The reference's units kept their torch classes, where FSDP2 gives
+# each an `FSDP<class>` of torch.distributed's, so Dynamo's guards and trace rules picked other
+# graphs for it than for the ranks (reference/trainer.py `_as_unit_class`). Bit for bit now.
+@pytest.mark.parametrize("case_hash", ["2d78feb47bc4", "fffd3e314091", "00dda3bd90c7"])
+def test_the_hunts_aot_eager_false_alarms_are_bit_exact(fsdp_check, case_hash):
+    verdict = fsdp_check(regression(case_hash))
+    assert verdict.ok, verdict.summary()
+    numeric = [f for f in verdict.findings if f.phase in ("logits", "grads", "params") and f.kind == "deviation"]
+    assert numeric and all(f.normwise == 0 for f in numeric)
+
+
+@pytest.mark.slow  # Inductor at world size 4: minutes on 2 cores
+def test_a_compiled_backwards_recomputation_is_within_the_fusion_floor(fsdp_check):
+    """Fuzz seed 20270409: the clip's total norm 1.04x its bound before saved activations moved."""
+    verdict = fsdp_check(regression("9098ae89d0e5"))
+    assert verdict.ok, verdict.summary()
+    assert "within the fusion bound of eager" in _compile_findings(verdict)["compiler"].message
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(
+    strict=True,
+    raises=AssertionError,
+    reason="open (docs/compile.md): under Inductor the clip's total norm in bf16 parts from eager by 4.57x the"
+    " fusion floor while every gradient is within it; found by sweep seed 20271402 with --compile-backend inductor",
+)
+def test_inductors_clip_norm_in_bf16_is_within_the_fusion_floor(fsdp_check):
+    verdict = fsdp_check(regression("1338b4b288ba"))
+    assert verdict.ok, verdict.summary()
+
+
+def test_the_references_units_get_classes_as_fully_shard_gives_them():
+    """One class per unit class, not torch.nn's (Dynamo traces a torch.nn leaf's forward only for
+    torch.nn classes), and a module of the same class that is no unit keeps its own."""
+    from fsdp_verify.engines import engine_arithmetic
+    from fsdp_verify.reference.trainer import reference_model
+
+    case = regression("2d78feb47bc4")
+    model = reference_model(case, engine_arithmetic(case.engine))
+    unit, other = model.get_submodule("layers.0.attention_norm"), model.get_submodule("layers.1.attention_norm")
+    assert type(unit) is not type(other) and isinstance(unit, type(other))
+    assert type(model.layers[0]) is type(model.layers[1])  # both units: one class, as FSDP2's
+    embedding = model.get_submodule("tok_embeddings")
+    assert isinstance(embedding, torch.nn.Embedding) and not type(embedding).__module__.startswith("torch.")
+    eager = reference_model(case, engine_arithmetic(case.engine), compiled=False)
+    assert type(eager.get_submodule("layers.0.attention_norm")) is type(other)  # eager: as built
+
+
 # Sweep seed 4187's 05692d89ad30 (an MLP, 40x) shrunk by hand: world size 1, fp32, one step, the
 # first block its own checkpointed and compiled unit, dropout 0.5, backend "eager".
 REDRAWN_DROPOUT = "0c778baba209"
@@ -291,7 +348,8 @@ def test_the_redrawn_dropouts_ingredients_are_left_out_of_the_draw():
 
     with_dropout, without = compiled(0.5), compiled(0.0)
     assert not any(redraws_dropout(c) for c in with_dropout)
-    assert any(c.compile_backend == "eager" for c in without)
+    assert any(c.compile_backend == "aot_eager" for c in with_dropout)  # drawn there instead
+    assert {c.compile_backend for c in without} == {"eager", "aot_eager"}  # DRAWN_BACKENDS; inductor where asked
     # asked for AOTAutograd's backends, checkpointed dropout is drawn under them
     pins = dict(compile="units", compile_backend=["aot_eager", "inductor"], model_kinds=("mlp",), dropout=0.5)
     asked = draw_cases(cases(activation_checkpointing=True, **pins), 20, 11)

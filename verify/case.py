@@ -1235,16 +1235,6 @@ NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
         "tensor parallelism (compiled tp plans were not tried: docs/tensor-parallel.md)",
         lambda case: getattr(case, "tp", 1) > 1,
     ),
-    # A fresh-seed hunt (fuzz seed 20270406, case 00dda3bd90c7: the Transformer at world size 1,
-    # bf16, `compile=model` under aot_eager, the embedding unfrozen at step 2): the sharded run's
-    # gradient of the unfrozen embedding parts from the compiled reference at step 2 (7e4x), which
-    # agrees with eager; the eager backend and a run without the unfreeze are bit-exact. Not
-    # analysed yet (PyTorch's or the modelling's): refused rather than cried wolf on.
-    (
-        "unfreezing mid-run under an AOTAutograd backend (aot_eager, inductor: a compiled FSDP2 run's gradients"
-        " after the unfreeze are not modelled yet; the eager backend is)",
-        lambda case: case.unfreeze_step is not None and case.compile_backend != "eager",
-    ),
 )
 
 
