@@ -265,6 +265,10 @@ class LossScaleSpec:
         )
 
 
+# What a resume resumes on (None: as before), beside `resume_after` (None: no resume).
+RESUMED_ON = ("resume_world_size", "resume_mesh_shape", "resume_engine", "resume_tp", "resume_ep", "resume_pp")
+
+
 @dataclass(frozen=True)
 class Case:
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -409,12 +413,7 @@ class Case:
         "zoom",
         "unfreeze_step",
         "resume_after",
-        "resume_world_size",
-        "resume_mesh_shape",
-        "resume_engine",
-        "resume_tp",
-        "resume_ep",
-        "resume_pp",
+        *RESUMED_ON,
         "ep",
         "pp",
         "pp_schedule",
@@ -742,14 +741,7 @@ class Case:
         """A resume needs a step to save after and a step after it; what it resumes on must be a
         valid case of its own (the batch divisible by its ranks, the model by its tp degree)."""
         if self.resume_after is None:
-            for name in (
-                "resume_world_size",
-                "resume_mesh_shape",
-                "resume_engine",
-                "resume_tp",
-                "resume_ep",
-                "resume_pp",
-            ):
+            for name in RESUMED_ON:
                 check(getattr(self, name) is None, name, "null without resume_after", getattr(self, name))
             return
         check(
@@ -1153,15 +1145,7 @@ def for_the_resumed_run(e: CaseError, case: Case | None = None) -> CaseError:
     return CaseError(fields.get(e.field_path, e.field_path), f"{e.expected} (for the resumed run)", e.got)
 
 
-_NO_RESUME = {
-    "resume_after": None,
-    "resume_world_size": None,
-    "resume_mesh_shape": None,
-    "resume_engine": None,
-    "resume_tp": None,
-    "resume_ep": None,
-    "resume_pp": None,
-}
+_NO_RESUME = {"resume_after": None, **dict.fromkeys(RESUMED_ON)}
 
 _SPECS = {"optim": OptimSpec, "precision": PrecisionSpec, "data": DataSpec, "loss_scaling": LossScaleSpec}
 
