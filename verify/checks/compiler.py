@@ -8,7 +8,8 @@ The tolerance is derived from what a compiler may change in a graph (reference/f
 eager run again with every operation of the compiled modules moved by that bound, with random
 signs, gives the floor of each step and phase; a record may part from eager by NOISE_MULTIPLE
 times it (the moves reach every record through later roundings, a sample: as the reduction floor,
-verify/compare/tolerance.py), and never by less than the fp32 bound. Dropout under Inductor is not
+verify/compare/tolerance.py), and never by less than the fp32 bound; the clip's total norm, which
+no graph computes, by what its gradients part by (`norm_tolerance`). Dropout under Inductor is not
 comparable: Inductor draws its own random numbers, not eager's masks (both compiled runs draw the
 same, so the sharded comparison stands).
 """
