@@ -74,8 +74,13 @@ class Perturbation:
         """The clip's total norm, moved by (log2 N + P + 5) u of itself, with a random sign."""
         self.moved.add(where)
         numel = sum(g.numel() for g in grads)
-        pieces = len(grads) * self.world_size
-        u = unit_roundoff(norm.dtype)
-        relative = (math.ceil(math.log2(max(numel, 2))) + pieces + 5) * u
+        relative = norm_rounding(numel, len(grads) * self.world_size, norm.dtype)
         moved = norm.double() * (1 + self._signs(norm.shape) * relative)
         return moved.to(norm.dtype)
+
+
+def norm_rounding(numel: int, pieces: int, dtype: torch.dtype) -> float:
+    """How far apart two evaluations of a clip's total norm over `numel` gradient elements held
+    in `pieces` pieces may round, relative to the norm (module docstring): (log2 N + P + 5) u,
+    u of the norm's `dtype`; each evaluation is within half that (and u) of the exact norm."""
+    return (math.ceil(math.log2(max(numel, 2))) + pieces + 5) * unit_roundoff(dtype)

@@ -25,6 +25,7 @@ from fsdp_verify.properties.draw import draw_cases
 from fsdp_verify.properties.profiles import COMPILE_RATES, profile_compile_rate
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference.fusion import FusionJolt
+from fsdp_verify.trace import Trace
 from fsdp_verify.training.compile import CACHE_ENV, use_cache_dir
 from tests.conftest import mlp_case, regression
 
@@ -265,16 +266,42 @@ def test_a_compiled_backwards_recomputation_is_within_the_fusion_floor(fsdp_chec
     assert "within the fusion bound of eager" in _compile_findings(verdict)["compiler"].message
 
 
-@pytest.mark.slow
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="open (docs/compile.md): under Inductor the clip's total norm in bf16 parts from eager by 4.57x the"
-    " fusion floor while every gradient is within it; found by sweep seed 20271402 with --compile-backend inductor",
-)
-def test_inductors_clip_norm_in_bf16_is_within_the_fusion_floor(fsdp_check):
+# Sweep seed 20271402 under Inductor: the clip's total norm at step 1 4.57x 10 times its fusion
+# floor, a floor that was one sample of the floor run's signs, cancelled across parameters (1.1e-5;
+# nine other fusion seeds gave 1.1e-4 to 6.5e-3). The norm is computed outside the compiled graphs,
+# so it is held to its gradients' distance from eager's (verify/checks/compiler.py `norm_tolerance`).
+@pytest.mark.slow  # Inductor: a transformer's kernels compile in minutes into an empty cache
+def test_inductors_clip_norm_in_bf16_follows_its_gradients(fsdp_check):
     verdict = fsdp_check(regression("1338b4b288ba"))
     assert verdict.ok, verdict.summary()
+    assert "within the fusion bound of eager" in _compile_findings(verdict)["compiler"].message
+
+
+def test_the_clip_norm_under_compile_is_held_to_its_gradients():
+    """The norm parts from eager by what its gradients do (1-Lipschitz) and its rounding: a compiled
+    run whose norm follows gradients 2e-3 apart passes; one whose gradients are eager's and norm
+    1e-4 apart is caught (10x the fusion floor would have let it through). The compiled traces are
+    eager's, edited: no compiler runs."""
+    from fsdp_verify.checks.compiler import check_compiler, eager_case
+    from fsdp_verify.engines import engine_arithmetic
+    from fsdp_verify.reference import train_reference
+
+    case = regression("1338b4b288ba")
+    eager = train_reference(eager_case(case), arithmetic=engine_arithmetic(case.engine))
+    norm = (1, "grad_norm", "total_norm")
+
+    def edited(grads: float, total: float) -> Trace:
+        trace = Trace(eager.side, dict(eager.records), dict(eager.meta))
+        for key in [k for k in trace.records if k[:2] == (1, "grads")]:
+            trace.records[key] = eager.records[key] * (1 + grads)
+        trace.records[norm] = eager.records[norm] * (1 + total)
+        return trace
+
+    followed = check_compiler(case, edited(2e-3, 1e-3))
+    assert [f.ok for f in followed] == [True], [f.message for f in followed]
+    apart = check_compiler(case, edited(0.0, 1e-4))
+    assert [(f.step, f.name, f.ok, f.mode) for f in apart] == [(1, "grad_norm.total_norm", False, "bound")]
+    assert apart[0].normwise / apart[0].tolerance > 10
 
 
 def test_the_references_units_get_classes_as_fully_shard_gives_them():
