@@ -9,7 +9,8 @@ eager run again with every operation of the compiled modules moved by that bound
 signs, gives the floor of each step and phase; a record may part from eager by NOISE_MULTIPLE
 times it (the moves reach every record through later roundings, a sample: as the reduction floor,
 verify/compare/tolerance.py), and never by less than the fp32 bound; the clip's total norm, which
-no graph computes, by what its gradients part by (`norm_tolerance`). Dropout under Inductor is not
+no graph computes, by what its gradients part by (`norm_tolerance`), and the built-in losses, which
+no graph computes either, by what their logits part by (`loss_tolerance`). Dropout under Inductor is not
 comparable: Inductor draws its own random numbers, not eager's masks (both compiled runs draw the
 same, so the sharded comparison stands).
 """
@@ -120,6 +121,8 @@ def check_compiler(case: Case, compiled: Trace) -> list[Finding]:
         tol = bound_tolerance(ref.dtype)
         if dev.normwise > tol.limit and phase == "grad_norm":
             tol = norm_tolerance(case, step, eager, compiled) or tol
+        elif dev.normwise > tol.limit and phase == "loss" and (held := loss_tolerance(case, step, eager, compiled)):
+            tol = held  # None (a user's loss): the fusion floor, below
         elif dev.normwise > tol.limit:
             floor, _ = ctx.floor(key)
             if NOISE_MULTIPLE * floor > tol.limit:
@@ -190,6 +193,77 @@ def norm_tolerance(case: Case, step: int, eager: Trace, compiled: Trace) -> Tole
         limit,
         f"the compiled gradients' distance from eager's {math.sqrt(distance):.3g} (the norm is computed outside the"
         f" compiled graphs, 1-Lipschitz in its gradients) and each run's rounding of it, {rounding:.3g} of itself",
+    )
+
+
+# The loss, like the clip's norm, is computed outside every compiled graph: the reference trainer
+# calls the model (compiled under "units" and "model" alike: `module.compile` compiles its forward,
+# which returns the logits) and then the loss (verify/training/loss.py `microbatch_loss`), by the
+# same eager code in both runs, in fp32 from the logits as recorded (bf16 logits widen exactly).
+# So a compiler changes nothing in it but the logits, which are judged themselves (phase logits),
+# and it may part from eager by what the loss's gradient along the segment from eager's logits z_e
+# to the compiled z_c allows (the mean value theorem: |L(z_c) - L(z_e)| <= max ||grad L|| ||dz||),
+# plus each run's rounding of the loss, with no multiple. Not the fusion floor: one number carries
+# one sample of the floor run's random signs, whose moves across the logits may cancel in it
+# (case 7d8e5e03e62a: an MLP, world size 1, bf16, `units`, checkpointed; the loss 3.27x 10 times its
+# floor of 2.92e-5 at step 2 while the logits were within theirs). The loss record is unscaled
+# (a loss scale multiplies what is backpropagated, not what is recorded): no unscaling to add.
+#   * An MLP's mean squared error over the step's N output elements (each micro-batch of each rank
+#     holds as many samples, Case validation, so the micro-batch means averaged are the mean):
+#     L(z) = ||z - t||^2 / N, and L(z_c) - L(z_e) = <dz, dz + 2 (z_e - t)> / N, so
+#     |dL| <= ||dz|| (||dz|| + 2 ||z_e - t||) / N. Each run: z - t and its square round each term
+#     by 3 u relatively, a sum of n <= N non-negative terms in any order by (n - 1) u, the mean's
+#     division, the micro-batches' division and their M additions, the R ranks' additions and
+#     their division one u each: (N + M + R + 5) u of the loss.
+#   * Cross-entropy, the mean over the T real target tokens (not IGNORE_INDEX) of
+#     -log softmax(z_i)[t_i]: row i's gradient is (softmax(z_i) - e_t) / T, of 2-norm at most
+#     sqrt(2) / T ((1 - p_t)^2 + sum_j p_j^2 <= 2 (1 - p_t)^2), everywhere; a padded row's is zero.
+#     So ||grad L|| <= sqrt(2 / T) and |dL| <= sqrt(2 / T) ||dz|| (dz over every row: an upper
+#     bound). Each run: a log-softmax over V classes within (2 (V - 1) + 4) u (1 + |y|) (the bound of
+#     two evaluations apart, reference/fusion.py, taken whole for one), the sum of T non-negative
+#     terms (T - 1) u, the scale's product, the M micro-batches' and R ranks' additions and the
+#     division one u each: ((2 V + 2) (1 + L) + (T + M + R + 2) L) u.
+# A user's loss (`--loss`) is a function the toolkit cannot bound: it keeps the fusion floor.
+def loss_tolerance(case: Case, step: int, eager: Trace, compiled: Trace) -> Tolerance | None:
+    """The derived tolerance of the built-in loss at `step` (above), or None where it cannot be
+    derived: a user's loss, or logits that are not comparable (missing, another shape, not
+    finite: judged as such), or targets that are not the logits' rows."""
+    from fsdp_verify.training.data import global_batch, item_count
+
+    key, logits = (step, "loss", "loss"), (step, "logits", "logits")
+    if case.loss is not None or key not in compiled.records or logits not in compiled.records:
+        return None
+    ref, got = eager.records[logits].double(), compiled.records[logits].double()
+    if ref.shape != got.shape or not (ref.isfinite().all() and got.isfinite().all()):
+        return None
+    targets = global_batch(case, step)[1]
+    dz = float((got - ref).norm())
+    loss, largest = abs(float(eager.records[key])), max(abs(float(t.records[key])) for t in (eager, compiled))
+    u = unit_roundoff(torch.float32)
+    ranks, micro = case.dp_size, case.microbatches
+    if case.model.kind == "mlp":
+        if targets.shape != ref.shape:
+            return None
+        n = ref.numel()
+        moved = dz * (dz + 2 * float((ref - targets.double()).norm())) / n
+        rounding = (n + micro + ranks + 5) * u * largest
+        how = f"its gradient along the way, 2 ||z - t|| / N over N = {n} outputs"
+    else:
+        tokens, vocab = item_count(case, targets), ref.shape[-1]
+        if targets.numel() * vocab != ref.numel():
+            return None
+        moved = math.sqrt(2 / max(tokens, 1)) * dz
+        rounding = ((2 * vocab + 2) * (1 + largest) + (tokens + micro + ranks + 2) * largest) * u
+        how = f"cross-entropy's gradient, sqrt(2 / T) over T = {tokens} tokens"
+    limit = (moved + 2 * rounding) / max(loss, torch.finfo(torch.float64).tiny)
+    floor = bound_tolerance(eager.records[key].dtype)
+    if limit <= floor.limit:
+        return floor
+    return Tolerance(
+        "bound",
+        limit,
+        f"the compiled logits' distance from eager's {dz:.3g} times {how} (the loss is computed outside the"
+        f" compiled graphs, from the logits) and each run's rounding of it, {2 * rounding:.3g}",
     )
 
 
