@@ -43,7 +43,17 @@ def test_ctrl_c_writes_the_report_of_what_ran_exits_130_and_leaves_no_rank(tmp_p
     out, stdout, stderr = tmp_path / "out", tmp_path / "stdout", tmp_path / "stderr"
     cli = [sys.executable, "-m", "fsdp_verify", *COMMANDS[command], "--out", str(out)]
     with stdout.open("w") as o, stderr.open("w") as e:
-        proc = subprocess.Popen(cli, stdout=o, stderr=e, start_new_session=True, cwd=tmp_path)
+        # As a shell starts a foreground job: SIGINT at its default. A test run started in the
+        # background (`pytest ... &` in a script) ignores SIGINT, every child inherits that, and
+        # a CLI that ignores Ctrl-C (as it must under nohup) would run to the end here.
+        proc = subprocess.Popen(
+            cli,
+            stdout=o,
+            stderr=e,
+            start_new_session=True,
+            cwd=tmp_path,
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        )
     try:
         deadline = time.monotonic() + 600  # torch and two ranks start slowly on a loaded machine
         while cases_done(command, out, stderr) < 2:

@@ -162,6 +162,10 @@ def _two_hosts(tmp_path: Path, *args: str) -> tuple[list[subprocess.CompletedPro
     for node in nodes:
         stdout, stderr = node.communicate(timeout=300)
         done.append(subprocess.CompletedProcess(cmd, node.returncode, stdout, stderr))
+    said = "\n".join(
+        f"launcher {i}: exit {n.returncode}\n{n.stdout[-1500:]}\n{n.stderr[-3000:]}" for i, n in enumerate(done)
+    )
+    assert out.exists(), f"rank 0 wrote no verdict\n{said}"  # what each launcher said, to tell why
     return done, json.loads(out.read_text())
 
 
