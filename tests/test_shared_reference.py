@@ -177,6 +177,7 @@ def test_in_place_across_two_hosts_the_reference_splits_only_over_rank_0s_host(t
     assert verdict["reference_ranks"] == [0, 1]  # rank 0's host; ranks 2 and 3 sit on the other
 
 
+@pytest.mark.slow  # CI: a mutant caught under torchrun on one host, a correct run across two
 def test_in_place_across_two_hosts_a_mutant_is_caught(tmp_path):
     nodes, verdict = _two_hosts(tmp_path, "--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
     assert [node.returncode for node in nodes] == [1, 1], [n.stderr[-2000:] for n in nodes]
