@@ -1136,12 +1136,11 @@ _RESUMED_FIELDS = {
 }
 
 
-def for_the_resumed_run(e: CaseError, case: Case | None = None) -> CaseError:
+def for_the_resumed_run(e: CaseError, case: Case) -> CaseError:
     """`e`, raised by the resumed run's case (`Case.after_resume`), naming the case's field that
     set what it refused (`resume_tp` for its `tp`, `resume_ep` for its `ep` where set, ...)."""
     fields = dict(_RESUMED_FIELDS)
-    if case is not None:
-        fields.update({name: f"resume_{name}" for name in ("ep", "pp") if getattr(case, f"resume_{name}") is not None})
+    fields.update({name: f"resume_{name}" for name in ("ep", "pp") if getattr(case, f"resume_{name}") is not None})
     return CaseError(fields.get(e.field_path, e.field_path), f"{e.expected} (for the resumed run)", e.got)
 
 

@@ -230,18 +230,13 @@ def split_parameters(case) -> dict[str, int]:
 
 @functools.lru_cache(maxsize=64)
 def _split_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> tuple:
-    import torch
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
-
-    from fsdp_verify.models import _construct
 
     if tp == 1:
         return ()
-    with torch.device("meta"):
-        model = _construct(spec)
-    case = _PlanOf(spec, tp, tp_plan, sequence_parallel, loss_parallel)
+    model, plan = _meta_plan(spec, tp, tp_plan, sequence_parallel, loss_parallel)
     out = []
-    for fqn, style in plan_for(case, model).items():
+    for fqn, style in plan.items():
         module = model.get_submodule(fqn)
         embedding = isinstance(module, nn.Embedding)
         for name, _ in module.named_parameters(recurse=False):
@@ -252,16 +247,22 @@ def _split_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_para
     return tuple(out)
 
 
-@functools.lru_cache(maxsize=64)
-def _sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset:
+def _meta_plan(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> tuple[nn.Module, dict]:
+    """The model built on the meta device and its plan, from the fields the plan follows from."""
     import torch
-    from torch.distributed.tensor.parallel import SequenceParallel
 
     from fsdp_verify.models import _construct
 
     with torch.device("meta"):
         model = _construct(spec)
-    plan = plan_for(_PlanOf(spec, tp, tp_plan, sequence_parallel, loss_parallel), model)
+    return model, plan_for(_PlanOf(spec, tp, tp_plan, sequence_parallel, loss_parallel), model)
+
+
+@functools.lru_cache(maxsize=64)
+def _sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset:
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    _, plan = _meta_plan(spec, tp, tp_plan, sequence_parallel, loss_parallel)
     return frozenset(fqn for fqn, style in plan.items() if isinstance(style, SequenceParallel))
 
 
