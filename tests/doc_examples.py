@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from fsdp_verify import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 NIGHTLY = "<!-- docs-test: nightly -->"
@@ -166,15 +167,7 @@ def execute(block: Block, cwd: Path, timeout: float = 1800) -> list[Ran]:
     env.setdefault("COLUMNS", "120")
     ran = []
     for command in block.commands:
-        proc = subprocess.run(
-            ["bash", "-c", command.line],
-            cwd=cwd,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            timeout=timeout,
-        )
+        proc = launch.run(["bash", "-c", command.line], cwd=cwd, env=env, timeout=timeout, merge_stderr=True)
         ran.append(Ran(command, proc.returncode, proc.stdout))
     return ran
 

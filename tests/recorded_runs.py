@@ -9,11 +9,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+from fsdp_verify import launch
 from fsdp_verify.commands.cli import main
 
 ROOT = Path(__file__).resolve().parent.parent
 BIN = Path(sys.executable).parent
-ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+# tests/fixtures/teardown_guard: a script that destroys its process group with a DDP module alive
+# fails at once (the precondition of torch 2.13's rare teardown deadlock, see its docstring).
+GUARD = ROOT / "tests" / "fixtures" / "teardown_guard"
+ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH": f"{GUARD}{os.pathsep}{ROOT}"}
+# A launch takes 4-30 s here (alone to loaded); one still running after this is hung, and is
+# ended with each process's Python stack (fsdp_verify.launch).
+TIMEOUT_S = 120
 
 
 # gloo's teardown at a process's exit, after the script's last line: torch 2.13 aborted a rank there
@@ -25,13 +32,13 @@ TEARDOWN_ABORT = "terminate called without an active exception"
 
 
 def run(cmd: list[str], env: dict | None = None, out: Path | None = None) -> subprocess.CompletedProcess:
-    def launch() -> subprocess.CompletedProcess:
-        return subprocess.run(cmd, capture_output=True, text=True, timeout=300, env={**ENV, **(env or {})}, cwd=ROOT)
+    def once() -> subprocess.CompletedProcess:
+        return launch.run(cmd, timeout=TIMEOUT_S, env={**ENV, **(env or {})}, cwd=ROOT)
 
-    r = launch()
+    r = once()
     if r.returncode != 0 and out is not None and TEARDOWN_ABORT in r.stderr:
         shutil.rmtree(out, ignore_errors=True)
-        r = launch()
+        r = once()
     assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
     return r
 

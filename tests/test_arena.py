@@ -4,7 +4,6 @@ read whole or piece by piece straight into place; the pages it reuses are really
 
 from __future__ import annotations
 
-import subprocess
 import sys
 import textwrap
 
@@ -12,6 +11,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_verify import launch
 from fsdp_verify.probes.memory import held_tensors
 from fsdp_verify.sharded.arena import Arena, Fill, read_fill
 from fsdp_verify.trace import Trace
@@ -100,7 +100,8 @@ def test_freed_memory_is_reused_without_faulting_pages_in_again():
     )
     out = {}
     for how in ("keep", "hand back"):
-        done = subprocess.run([sys.executable, "-c", script, how], capture_output=True, text=True, check=True)
+        done = launch.run([sys.executable, "-c", script, how], timeout=120)
+        assert done.returncode == 0, done.stderr
         kept, faults = done.stdout.split()
         out[how] = (kept == "True", int(faults))
     pages = (32 << 20) // 4096

@@ -3,11 +3,11 @@ one commit, and `git bisect run python -m fsdp_verify repro case.json --engine e
 that commit. Every bisect step is a fresh process, as it is for a user (a cold pool start each)."""
 
 import shutil
-import subprocess
 import sys
 
 import pytest
 
+from fsdp_verify import launch
 from tests.conftest import mlp_case
 
 pytestmark = pytest.mark.skipif(shutil.which("git") is None, reason="needs git")
@@ -38,7 +38,7 @@ def shard(model, mesh, spec):
 
 
 def git(repo, *args: str) -> str:
-    r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=600)
+    r = launch.run(["git", *args], cwd=repo, timeout=600)
     assert r.returncode == 0, f"git {' '.join(args)}: {r.stdout}{r.stderr}"
     return r.stdout
 
@@ -66,7 +66,7 @@ def test_git_bisect_run_names_the_commit_that_broke_the_engine(tmp_path):
     commit(repo, "engine: comment", **{"engine.py": BROKEN_ENGINE + "# TODO: overlap communication\n"})
 
     git(repo, "bisect", "start", "HEAD", good)
-    r = subprocess.run(
+    r = launch.run(
         [
             "git",
             "bisect",
@@ -80,8 +80,6 @@ def test_git_bisect_run_names_the_commit_that_broke_the_engine(tmp_path):
             "engine.py:shard",
         ],
         cwd=repo,
-        capture_output=True,
-        text=True,
         timeout=900,
     )
     log = git(repo, "bisect", "log")

@@ -5,13 +5,13 @@ as such (verify/engines/applied.py); a collective mismatch between ranks is name
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import find as hypothesis_find
 
+from fsdp_verify import launch
 from fsdp_verify.case import ModelSpec
 from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, PARALLEL_KNOBS, TAKEABLE, Capabilities
 from fsdp_verify.properties.strategies import PinError, cases
@@ -89,10 +89,8 @@ def test_routed_experts_are_refused_for_a_plain_plugin():
 
 
 def test_check_with_an_undeclared_knob_exits_2_before_any_rank_starts():
-    r = subprocess.run(
+    r = launch.run(
         [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--engine", PLAIN, "--offload"],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert r.returncode == 2, r.stdout + r.stderr

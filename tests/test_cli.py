@@ -1,14 +1,15 @@
 """The command line, as a user runs it: exit codes 0 / 1 / 2 / 3 and the JSON verdict."""
 
 import json
-import subprocess
 import sys
 
 import pytest
 
+from fsdp_verify import launch
+
 
 def fsdp_verify(*args, timeout=300):
-    return subprocess.run([sys.executable, "-m", "fsdp_verify", *args], capture_output=True, text=True, timeout=timeout)
+    return launch.run([sys.executable, "-m", "fsdp_verify", *args], timeout=timeout)
 
 
 def test_check_default_case_passes_and_writes_json(tmp_path):

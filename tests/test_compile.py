@@ -10,13 +10,14 @@ runs in the tests marked slow (the nightly)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.commands.cli import build_parser
@@ -125,10 +126,8 @@ def test_compile_rate_takes_a_profile_or_a_share(capsys):
 
 
 def test_check_compile_on_a_plain_plugin_exits_2_naming_the_declaration():
-    r = subprocess.run(
+    r = launch.run(
         [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--engine", PLAIN, "--compile", "units"],
-        capture_output=True,
-        text=True,
         timeout=180,
     )
     assert r.returncode == 2, r.stdout + r.stderr
@@ -506,16 +505,11 @@ def test_two_processes_compile_into_one_cache_and_a_third_finds_it_warm(tmp_path
     env = {**os.environ, CACHE_ENV: str(tmp_path / "inductor")}
     command = [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--widths", "6,10,3"]
     command += ["--compile", "units", "--world-size", "2", "--steps", "1"]
-    both = [
-        subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for _ in range(2)
-    ]
+    with ThreadPoolExecutor(2) as pool:  # at the same time
+        both = list(pool.map(lambda _: launch.run(command, env=env, timeout=900, merge_stderr=True), range(2)))
     for p in both:
-        out, _ = p.communicate(timeout=900)
-        assert p.returncode == 0 and "EQUIVALENT" in out, out[-2000:]
-    third = subprocess.run(
-        command + ["--json", str(tmp_path / "v.json")], env=env, capture_output=True, text=True, timeout=900
-    )
+        assert p.returncode == 0 and "EQUIVALENT" in p.stdout, p.stdout[-2000:]
+    third = launch.run(command + ["--json", str(tmp_path / "v.json")], env=env, timeout=900)
     assert third.returncode == 0, third.stdout[-2000:]
     import json
 

@@ -1,12 +1,12 @@
 """The bundled FlatParameter engine (`--engine flat`, verify/engines/flat/): equivalent to the
 reference on real gloo process groups, and its seed-004 bugs caught where they first show."""
 
-import subprocess
 import sys
 
 import pytest
 from hypothesis import example, given
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.flat.api import unmanaged_params
@@ -131,8 +131,6 @@ def test_meta_init_that_consumes_rng_is_caught_at_step_0_init(fsdp_check):
 
 
 def test_cli_check_engine_flat_exits_0():
-    r = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--engine", "flat"], capture_output=True, text=True, timeout=600
-    )
+    r = launch.run([sys.executable, "-m", "fsdp_verify", "check", "--engine", "flat"], timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: flat" in r.stdout

@@ -1,12 +1,12 @@
 """`--engine fsdp1`: PyTorch FSDP1 (`FullyShardedDataParallel`, FlatParameter, use_orig_params) on
 real gloo process groups, equivalent to the reference; read through the FlatView."""
 
-import subprocess
 import sys
 
 import pytest
 from hypothesis import example, given
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.fsdp1 import fsdp1_engine
@@ -267,9 +267,7 @@ def test_fsdp1_refuses_output_dtype_naming_the_field():
 
 
 def test_cli_check_engine_fsdp1_exits_0():
-    r = subprocess.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--engine", "fsdp1"], capture_output=True, text=True, timeout=600
-    )
+    r = launch.run([sys.executable, "-m", "fsdp_verify", "check", "--engine", "fsdp1"], timeout=600)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: fsdp1" in r.stdout
 

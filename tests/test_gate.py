@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_verify import launch
+
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = "--models mlp --world-sizes 2 --precisions fp32 --steps 1"
 
@@ -24,7 +26,7 @@ def _gate(tmp_path: Path, *pythons: str, cases: int = 1) -> subprocess.Completed
     cmd += ["--sweep-args", SWEEP, "--out", str(tmp_path / "gate")]
     for spec in pythons:
         cmd += ["--python", spec]
-    return subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    return launch.run(cmd, cwd=ROOT, timeout=900)
 
 
 def _broken_release(tmp_path: Path) -> Path:
@@ -71,11 +73,9 @@ def test_gate_between_equal_environments_finds_nothing(tmp_path):
     ],
 )
 def test_gate_refuses_bad_input_with_exit_2(tmp_path, args, message):
-    done = subprocess.run(
+    done = launch.run(
         [sys.executable, "-m", "fsdp_verify", "gate", *args, "--out", str(tmp_path / "g")],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )

@@ -13,12 +13,12 @@ planted bugs and DDP.
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fsdp_verify import launch
 from fsdp_verify.recorder.store import Run
 from tests.recorded_runs import ENV, ROOT, compare, sharded, single
 
@@ -77,7 +77,7 @@ cb = RecorderCallback(trainer, out={str(tmp_path / "run")!r})
 trainer.train()
 print(repr([float(x) for x in seen]))
 """
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=300)
+    r = launch.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     losses = eval(r.stdout.strip().splitlines()[-1])
     run = Run(tmp_path / "run", "run")

@@ -3,11 +3,11 @@ training library, and a missing one is named with the extra that brings it."""
 
 from __future__ import annotations
 
-import subprocess
 import sys
 
 import pytest
 
+from fsdp_verify import launch
 from fsdp_verify.integrations import require
 from tests.recorded_runs import ENV, ROOT
 
@@ -17,7 +17,7 @@ def test_importing_the_package_imports_no_training_library():
         "import sys, fsdp_verify, fsdp_verify.integrations, fsdp_verify.recorder, fsdp_verify.commands.cli;"
         "print(sorted(m for m in ('transformers', 'accelerate', 'lightning') if m in sys.modules))"
     )
-    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=ENV, cwd=ROOT, timeout=120)
+    r = launch.run([sys.executable, "-c", code], env=ENV, cwd=ROOT, timeout=120)
     assert r.returncode == 0 and r.stdout.strip() == "[]", r.stdout + r.stderr
 
 

@@ -6,11 +6,12 @@ from __future__ import annotations
 import ast
 import importlib
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import tomllib
+
+from fsdp_verify import launch
 
 ROOT = Path(__file__).resolve().parent.parent
 # Repository folder -> the import name it installs as (pyproject.toml's package-dir).
@@ -104,7 +105,7 @@ def test_no_generic_top_level_names():
         f"    assert s is None or not (s.origin or '').startswith({str(ROOT)!r} + '/' + n), (n, s.origin)\n"
         "print(fsdp_verify.__file__)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, timeout=60)
+    out = launch.run([sys.executable, "-c", code], cwd="/", timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == str(ROOT / "verify" / "__init__.py")
 
@@ -136,5 +137,5 @@ def test_python_m_and_console_script():
         [sys.executable, "-m", "fsdp_verify", "--help"],
         [str(Path(sys.executable).parent / "fsdp-verify"), "--help"],
     ):
-        out = subprocess.run(cmd, cwd="/", capture_output=True, text=True, timeout=60)
+        out = launch.run(cmd, cwd="/", timeout=60)
         assert out.returncode == 0 and "check" in out.stdout, out.stderr

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import warnings
 from pathlib import Path
 
@@ -19,6 +18,7 @@ import pytest
 import torch
 from torch import nn
 
+from fsdp_verify import launch
 from fsdp_verify.recorder import Recorder, rules
 from fsdp_verify.recorder.datacheck import check as data_check
 from fsdp_verify.recorder.names import strip_wrappers
@@ -389,7 +389,7 @@ def test_an_optimizer_built_before_fully_shard_is_refused_at_once(tmp_path):
     the run recorded and `compare` found only parameters that "did not move" at step 1."""
     torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", "2"]
     script = [str(EXAMPLES / "train_fsdp.py"), "--out", str(tmp_path / "run"), "--bug", "optimizer-before-shard"]
-    r = subprocess.run([*torchrun, *script], capture_output=True, text=True, timeout=300, env=ENV, cwd=ROOT)
+    r = launch.run([*torchrun, *script], timeout=300, env=ENV, cwd=ROOT)
     assert r.returncode != 0, r.stdout
     assert "optimizer: expected an optimizer over the model's parameters; 21 of its 21" in r.stderr, r.stderr[-3000:]
     assert "built before fully_shard" in r.stderr

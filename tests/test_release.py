@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import importlib.metadata
 import re
-import subprocess
 import sys
 from pathlib import Path
 
 import tomllib
 
 import fsdp_verify
+from fsdp_verify import launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -19,9 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_version_is_the_package_metadata():
     declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
     assert fsdp_verify.__version__ == importlib.metadata.version("fsdp-verify") == declared
-    out = subprocess.run(
-        [str(Path(sys.executable).parent / "fsdp-verify"), "--version"], capture_output=True, text=True, timeout=120
-    )
+    out = launch.run([str(Path(sys.executable).parent / "fsdp-verify"), "--version"], timeout=120)
     assert out.returncode == 0 and out.stdout.strip() == f"fsdp-verify {declared}", out
 
 

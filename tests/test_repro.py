@@ -3,12 +3,12 @@ cannot be run at this revision, as `git bisect run` needs."""
 
 import json
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fsdp_verify import launch
 from fsdp_verify.commands.cli import main
 from tests.conftest import mlp_case
 
@@ -86,20 +86,16 @@ def test_repro_exits_125_when_the_toolkit_itself_does_not_import(tmp_path):
     broken = copy / "commands" / "check.py"
     broken.write_text(broken.read_text() + '\nraise ImportError("broken at this revision")\n')
     path = mlp_case(2).save(tmp_path / "case.json")
-    r = subprocess.run(
+    r = launch.run(
         [sys.executable, "-m", "fsdp_verify", "repro", str(path)],
         cwd=tmp_path,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert r.returncode == 125, r.stdout + r.stderr
     assert "broken at this revision" in r.stderr and str(copy) in r.stderr  # the copy ran
-    r = subprocess.run(
+    r = launch.run(
         [sys.executable, "-m", "fsdp_verify", "repro", str(path), "--no-such-flag"],
         cwd=ROOT,
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert r.returncode == 125, r.stdout + r.stderr  # a flag this revision lacks: skip, never "bad"

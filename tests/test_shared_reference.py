@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.reference import train_reference
 from fsdp_verify.sharded.arena import release_arenas
@@ -125,9 +127,7 @@ def test_a_rank_that_cannot_write_its_passes_makes_every_process_give_up_the_spl
 def _torchrun(*args: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "PYTHONPATH": str(ROOT)}
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node", "2"]
-    return subprocess.run(
-        [*cmd, "-m", "fsdp_verify", "check", *args], capture_output=True, text=True, env=env, cwd=ROOT, timeout=300
-    )
+    return launch.run([*cmd, "-m", "fsdp_verify", "check", *args], env=env, cwd=ROOT, timeout=300)
 
 
 def test_in_place_under_torchrun_a_correct_engine_passes_and_a_mutant_is_caught():
@@ -154,14 +154,8 @@ def _two_hosts(tmp_path: Path, *args: str) -> tuple[list[subprocess.CompletedPro
     rendezvous = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "two-hosts"]
     out = tmp_path / "verdict.json"
     cmd = [*launcher, *rendezvous, "-m", "fsdp_verify", "check", "--world-size", "4", "--json", str(out), *args]
-    nodes = [
-        subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT)
-        for _ in range(2)
-    ]
-    done = []
-    for node in nodes:
-        stdout, stderr = node.communicate(timeout=300)
-        done.append(subprocess.CompletedProcess(cmd, node.returncode, stdout, stderr))
+    with ThreadPoolExecutor(2) as pool:  # the two launchers at once, as two hosts start them
+        done = list(pool.map(lambda _: launch.run(cmd, env=env, cwd=ROOT, timeout=300), range(2)))
     said = "\n".join(
         f"launcher {i}: exit {n.returncode}\n{n.stdout[-1500:]}\n{n.stderr[-3000:]}" for i, n in enumerate(done)
     )

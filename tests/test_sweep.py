@@ -2,12 +2,12 @@
 merged it runs exactly the unsharded sweep's cases; a cut-short shard resumes; alarms are kept."""
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case
 from fsdp_verify.commands.cli import main
 from fsdp_verify.reports.schema import load
@@ -113,10 +113,8 @@ def test_the_closest_pass_is_kept_to_replay(tmp_path):
 
 
 def test_bench_sweep_is_a_shim_for_the_command(tmp_path):
-    out = subprocess.run(
+    out = launch.run(
         [sys.executable, str(ROOT / "bench" / "sweep.py"), "--shard", "9/4", "--out", str(tmp_path)],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert out.returncode == 2 and "--shard" in out.stderr
@@ -149,7 +147,7 @@ def test_the_draw_does_not_depend_on_the_modules_loaded():
     """Hypothesis mixes constants of loaded local modules into its draws: a shard that imported
     more modules (the runner, a resumed sweep) must still draw the same cases for the seed. The
     unguarded draw, which does change, shows the test can fail."""
-    out = subprocess.run([sys.executable, "-c", DRAW_TWICE], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    out = launch.run([sys.executable, "-c", DRAW_TWICE], timeout=120, cwd=ROOT)
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 

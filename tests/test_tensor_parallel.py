@@ -7,7 +7,6 @@ field and the declaration)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from dataclasses import replace
 
@@ -15,6 +14,7 @@ import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import find as hypothesis_find
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.properties.strategies import PinError, cases
@@ -132,10 +132,8 @@ def test_a_plain_plugin_is_never_drawn_tensor_parallelism():
 
 
 def test_check_with_tp_on_a_plugin_that_declares_nothing_exits_2():
-    run = subprocess.run(
+    run = launch.run(
         [sys.executable, "-m", "fsdp_verify", "check", "--engine", PLAIN, "--tp", "2", "--vocab-size", "64"],
-        capture_output=True,
-        text=True,
         timeout=120,
     )
     assert run.returncode == 2, run.stderr

@@ -6,13 +6,13 @@ private DTensor cache names fall back when a release lacks them."""
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from fsdp_verify import launch
 from fsdp_verify.commands.cli import main
 from fsdp_verify.torch_support import MINIMUM, clear_dtensor_caches, unsupported_torch
 
@@ -102,18 +102,14 @@ def _torch_2_8() -> Path | None:
 @pytest.mark.skipif(_torch_2_8() is None, reason="no torch 2.8 interpreter (FSDP_VERIFY_TORCH_2_8)")
 def test_check_on_torch_2_8_itself_names_the_release_and_its_bug():
     python = _torch_2_8()
-    where = subprocess.run(
+    where = launch.run(
         [str(python), "-c", "import torch, fsdp_verify; print(torch.__version__); print(fsdp_verify.__file__)"],
-        capture_output=True,
-        text=True,
         timeout=300,
     )
     assert where.returncode == 0, where.stderr
     version, package = where.stdout.split()
     assert version.startswith("2.8.") and Path(package).is_relative_to(ROOT / "verify"), where.stdout
-    done = subprocess.run(
-        [str(python), "-m", "fsdp_verify", "check", "--steps", "1"], capture_output=True, text=True, timeout=300
-    )
+    done = launch.run([str(python), "-m", "fsdp_verify", "check", "--steps", "1"], timeout=300)
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"torch {version} is older than the oldest release fsdp-verify supports" in done.stderr
     assert "pytorch/pytorch#162338" in done.stderr and "Traceback" not in done.stderr
@@ -175,6 +171,6 @@ def test_the_zoo_imports_without_fsdp2s_default_collectives():
         "except RuntimeError as e:\n"
         "    print(e)\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    done = launch.run([sys.executable, "-c", code], timeout=120)
     assert done.returncode == 0, done.stderr
     assert "the bug zoo's comm mutants: off" in done.stdout and "DefaultAllGather" in done.stdout

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 
+from fsdp_verify import launch
 from fsdp_verify.case import Case
 from fsdp_verify.commands.cli import main
 from fsdp_verify.trust import ENV, code_names, refuse_untrusted
@@ -214,12 +215,10 @@ def test_case_load_refuses_by_default_and_trust_code_allows(tmp_path, monkeypatc
 # ---- end to end, the real CLI in fresh processes ----------------------------------------------
 def cli(*args: str, cwd: Path, env: dict | None = None) -> subprocess.CompletedProcess:
     environ = {k: v for k, v in os.environ.items() if k != ENV}
-    return subprocess.run(
+    return launch.run(
         [sys.executable, "-m", "fsdp_verify", *args],
         cwd=cwd,
         env={**environ, **(env or {})},
-        capture_output=True,
-        text=True,
         timeout=600,
     )
 
@@ -256,7 +255,7 @@ def test_the_readme_bisect_recipe_with_trust_code_on_a_case_naming_the_engine(tm
     repo.mkdir()
 
     def git(*args: str) -> str:
-        r = subprocess.run(["git", *args], cwd=repo, capture_output=True, text=True, timeout=600)
+        r = launch.run(["git", *args], cwd=repo, timeout=600)
         assert r.returncode == 0, r.stdout + r.stderr
         return r.stdout
 
@@ -274,11 +273,9 @@ def test_the_readme_bisect_recipe_with_trust_code_on_a_case_naming_the_engine(tm
     r = cli("repro", str(case), cwd=repo)
     assert r.returncode == 125 and "engine: 'engine.py:shard'" in r.stderr, r.stdout + r.stderr
     git("bisect", "start", revisions[2], revisions[0])
-    r = subprocess.run(
+    r = launch.run(
         ["git", "bisect", "run", sys.executable, "-m", "fsdp_verify", "repro", str(case), "--trust-code"],
         cwd=repo,
-        capture_output=True,
-        text=True,
         timeout=900,
     )
     git("bisect", "reset")

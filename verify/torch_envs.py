@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 
+from fsdp_verify import launch
+
 VERSION = re.compile(r"^\d+\.\d+(\.\d+)?([a-z0-9.+]*)?$")
 
 
@@ -61,7 +63,7 @@ def project_requirement() -> list[str]:
 def probe(python: Path) -> str:
     """The torch version inside `python`, or an EnvironmentFailed saying what is missing."""
     code = "import torch, fsdp_verify; print(torch.__version__)"
-    done = subprocess.run([str(python), "-c", code], capture_output=True, text=True, timeout=300)
+    done = launch.run([str(python), "-c", code], timeout=300)
     if done.returncode != 0:
         last = (done.stderr.strip().splitlines() or ["no output"])[-1]
         raise EnvironmentFailed(f"{python}: cannot import torch and fsdp_verify ({last})")

@@ -27,6 +27,7 @@ is then a mean over the same number of tokens, and their average the global one)
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 
 import torch
@@ -81,6 +82,12 @@ def main() -> None:
             break
     if rec:
         rec.close()
+    # The model goes before its process group: Accelerate's DDP Reducer must not hold the group's
+    # last reference, or torch 2.13's gloo can deadlock at exit (tests/upstream/
+    # test_ddp_gloo_teardown_deadlock.py).
+    accelerator.free_memory()
+    del model, optimizer, loader, rec
+    gc.collect()
     if dist.is_initialized():
         # Every rank past its last collective before any tears its connections down: once in 8
         # runs of --fsdp trainer a rank aborted at exit ("terminate called without an active

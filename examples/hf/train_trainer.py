@@ -35,6 +35,7 @@ Planted bugs:
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import tempfile
 
@@ -126,6 +127,12 @@ def main() -> None:
     if not args.no_record:
         RecorderCallback(trainer, out=args.out)
     trainer.train()
+    # The model goes before its process group: the Trainer's DDP Reducer must not hold the group's
+    # last reference, or torch 2.13's gloo can deadlock at exit (tests/upstream/
+    # test_ddp_gloo_teardown_deadlock.py).
+    trainer.accelerator.free_memory()
+    del trainer, model
+    gc.collect()
     if dist.is_initialized():
         # Every rank past its last collective before any tears its connections down: once in 8
         # runs of --fsdp trainer a rank aborted at exit ("terminate called without an active

@@ -32,6 +32,7 @@ Checkpoint and resume (docs/resume.md), with torch.distributed.checkpoint (resha
 from __future__ import annotations
 
 import argparse
+import gc
 
 import torch
 import torch.distributed as dist
@@ -109,6 +110,11 @@ def main() -> None:
             break
     if rec:
         rec.close()
+    # The model goes before its process group: DDP's Reducer must not hold the group's last
+    # reference, or torch 2.13's gloo can deadlock at exit (tests/upstream/
+    # test_ddp_gloo_teardown_deadlock.py). The group's own Python handle frees it without the GIL.
+    del model, optimizer, rec
+    gc.collect()
     dist.destroy_process_group()
 
 
