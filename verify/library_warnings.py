@@ -1,26 +1,29 @@
-"""Library warnings (Python's `warnings`: FSDP2's "returned a view tensor", DTensor's sequential
-all-reduces, a user's model's) tallied instead of printed: a rank issues the same few warnings
-every case, and a sweep printed them hundreds of times around the table a user came for.
+"""Library warnings (Python's `warnings`: FSDP2's "returned a view tensor", a user's model's;
+and the libraries' WARNING log records: DTensor's sequential all-reduces, Dynamo's recompile
+limit) tallied instead of printed: a rank issues the same few warnings every case, and a sweep
+printed them hundreds of times around the table a user came for.
 
 Each rank tallies what it issues (`collecting`, for the life of the rank process) and sends the
 tally with its reply; the pool hands it to the command's tally where a command collects (sweep,
-fuzz: `report.json`'s `warnings`, each once with its count, and one terminal line), and otherwise
-issues each once again in this process, where Python's filters and pytest's warning summary see
-it. A warning is one (category, message, location); its count is how many times it was issued
-(the "default" action's once-per-place becomes every time while collecting, so the count is
-true). Filters that ignore a warning or turn it into an error act as before. Anything not a
-warning (an error, a crash's stack, a C++ library's own lines) still reaches stderr."""
+fuzz, selftest: `report.json`'s `warnings`, each once with its count, and one terminal line), and
+otherwise issues each once again in this process, where Python's filters and pytest's warning
+summary see it. A warning is one (category, message, location); its count is how many times it
+was issued (the "default" action's once-per-place becomes every time while collecting, so the
+count is true). Filters that ignore a warning or turn it into an error act as before. Anything
+not a warning (an error, a crash's stack, a C++ library's own lines) still reaches stderr."""
 
 from __future__ import annotations
 
 import contextlib
 import importlib
+import logging
 import sys
 import warnings
 from collections.abc import Iterator
 from typing import Any
 
 Key = tuple[str, str, str]  # (category, message, location)
+LOG = "log:"  # the category of a logging record: "log:torch.distributed.tensor._redistribute"
 
 # Actions that show a warning once per place; counted every time while collecting.
 _ONCE_ACTIONS = ("default", "module", "once")
@@ -87,14 +90,17 @@ def location(filename: str, lineno: int) -> str:
 
 @contextlib.contextmanager
 def collecting(tally: Tally | None = None) -> Iterator[Tally]:
-    """Warnings issued in this block tallied into `tally` (a new one by default), not printed."""
+    """Warnings issued in this block tallied into `tally` (a new one by default), not printed:
+    Python's `warnings`, and the WARNING-level records of the libraries' loggers (DTensor's
+    "2 sequential all_reduce operations", Dynamo's recompile limit: torch says those through
+    `logging`), category `log:<logger>`; an ERROR record, or worse, is printed as ever."""
     tally = tally if tally is not None else Tally()
 
     def show(message, category, filename, lineno, file=None, line=None) -> None:
         tally.add((category_name(category), str(message), location(filename, lineno)))
 
     saved_default = warnings.defaultaction
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _log_warnings(tally):
         warnings.filters[:] = [(_always(f[0]), *f[1:]) for f in warnings.filters]
         warnings.defaultaction = _always(saved_default)
         warnings.showwarning = show
@@ -106,6 +112,42 @@ def collecting(tally: Tally | None = None) -> Iterator[Tally]:
             _ACTIVE.remove(tally)
             warnings.defaultaction = saved_default
     warnings._filters_mutated()
+
+
+class _LogWarnings(logging.Filter):
+    """On every handler while collecting: a WARNING record tallied and not emitted; others pass."""
+
+    def __init__(self, tally: Tally):
+        super().__init__()
+        self.tally = tally
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno != logging.WARNING or record.name.startswith("fsdp_verify"):
+            return True
+        if not getattr(record, "_fsdp_verify_tallied", False):  # once, however many handlers it reaches
+            record._fsdp_verify_tallied = True
+            self.tally.add((f"{LOG}{record.name}", record.getMessage(), location(record.pathname, record.lineno)))
+        return False
+
+
+@contextlib.contextmanager
+def _log_warnings(tally: Tally) -> Iterator[None]:
+    """`_LogWarnings` on the handlers that exist now (every logger's, the root's, and the one
+    Python uses where a logger has none), taken off again after."""
+    loggers = [logging.getLogger()] + [
+        lg for lg in logging.Logger.manager.loggerDict.values() if isinstance(lg, logging.Logger)
+    ]
+    handlers = {id(h): h for lg in loggers for h in lg.handlers}
+    if logging.lastResort is not None:
+        handlers[id(logging.lastResort)] = logging.lastResort
+    only = _LogWarnings(tally)
+    for h in handlers.values():
+        h.addFilter(only)
+    try:
+        yield
+    finally:
+        for h in handlers.values():
+            h.removeFilter(only)
 
 
 def _always(action: str) -> str:
@@ -123,6 +165,12 @@ def received(entries: list[dict[str, Any]], registry: dict) -> None:
         tally.merge(entries)
         return
     for e in entries:
+        if e["category"].startswith(LOG):  # a log record: logged here, once per pool
+            key = (e["category"], e["message"], e["location"])
+            if key not in registry:
+                registry[key] = True
+                logging.getLogger(e["category"].removeprefix(LOG)).warning("%s", e["message"])
+            continue
         filename, _, lineno = e["location"].rpartition(":")
         category, line = _category(e["category"]), int(lineno) if lineno.isdigit() else 0
         try:

@@ -1,7 +1,9 @@
-"""An FSDP2 engine that talks on every rank, every case: a library warning (Python's `warnings`,
-tallied into the report) and a line that is no warning (straight to stderr, as a C++ library's
-would be), and one that crashes after saying why (its last words must reach the terminal)."""
+"""An FSDP2 engine that talks on every rank, every case: a library warning (Python's `warnings`)
+and a library's WARNING log record (both tallied into the report), a line that is no warning
+(straight to stderr, as a C++ library's would be) and an ERROR log record (printed as ever); and
+one that crashes after saying why (its last words must reach the terminal)."""
 
+import logging
 import os
 import sys
 import warnings
@@ -13,10 +15,15 @@ from fsdp_verify.engines.fsdp2 import fully_shard_engine
 WARNING = "noisy engine: a library warning"
 LINE = "noisy engine: a line that is no warning"
 LAST_WORDS = "noisy engine: rank 1 dies now"
+LOGGED = "noisy engine: a library's log warning"
+LOGGED_ERROR = "noisy engine: a library's log error"
+LOGGER = "noisy.library"
 
 
 def warns_and_writes(model, mesh, spec):
     warnings.warn(WARNING, UserWarning, stacklevel=1)
+    logging.getLogger(LOGGER).warning(LOGGED)
+    logging.getLogger(LOGGER).error(LOGGED_ERROR)
     sys.stderr.write(LINE + "\n")
     sys.stderr.flush()
     return fully_shard_engine(model, mesh, spec)
