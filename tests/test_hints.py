@@ -333,6 +333,18 @@ def test_a_factor_two_groups_sizes_fit_names_both(fsdp_check):
     )
 
 
+def test_a_pipeline_not_dividing_by_its_microbatches_names_them_and_not_a_group(fsdp_check):
+    """The zoo's pp mutant (scale_grads off) at 3 micro-batches: 3 is no group's size, the
+    micro-batches' count; at pp 2 x dp 1 nothing else fits."""
+    mutant = "fsdp_verify.zoo.mutants:pp_loss_not_divided_by_microbatches"
+    verdict = fsdp_check(_composed(2, pp=2, microbatches=3, sync_every_microbatch=False, engine=mutant))
+    assert not verdict.ok
+    assert verdict.hint == (
+        "every gradient of the step is 3 x the reference's (the world size 2: pp 2 x data-parallel 1): not divided"
+        " by the micro-batches (3): each micro-batch's loss scaled for their mean, the sum kept"
+    )
+
+
 def _composed_grads(factors: dict[str, float], case: Case, grads=G) -> str:
     ref = Trace("reference", {(1, "grads", n): t for n, t in grads.items()})
     got = Trace("sharded", {(1, "grads", n): t * factors.get(n, 1.0) for n, t in grads.items()})

@@ -185,6 +185,7 @@ class Groups:
     pp: int = 1
     ep: int = 1
     experts: tuple[str, ...] = ()
+    microbatches: int = 1  # a pipeline's schedule divides by them
 
     def is_expert(self, name: str) -> bool:
         return any(name.startswith(f"{fqn}.") for fqn in self.experts)
@@ -205,4 +206,4 @@ def step_groups(case, got: Trace, step: int) -> Groups:
         from fsdp_verify.models import module_classes
 
         experts = tuple(n for n, cls in module_classes(case.model).items() if cls == "GroupedExperts")
-    return Groups(case.world_size, case.dp_size, case.tp, case.pp, case.ep, experts)
+    return Groups(case.world_size, case.dp_size, case.tp, case.pp, case.ep, experts, case.microbatches)

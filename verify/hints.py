@@ -390,6 +390,11 @@ def _divisions(c: float, g: evidence.Groups) -> list[tuple[str, str]]:
             out.append((f"divided by the {name} ({k}) once too often", ""))
     if d > 1 and evidence.near(c, d):
         out.append((f"not divided by the data-parallel size ({d})", "summed over its ranks, not averaged"))
+    m = g.microbatches
+    if g.pp > 1 and m > 1 and evidence.near(c, m):
+        out.append(
+            (f"not divided by the micro-batches ({m})", "each micro-batch's loss scaled for their mean, the sum kept")
+        )
     if evidence.near(c, 2):
         out.append(("a gradient added twice", ""))
     return out
