@@ -104,14 +104,22 @@ def collecting(tally: Tally | None = None) -> Iterator[Tally]:
         warnings.filters[:] = [(_always(f[0]), *f[1:]) for f in warnings.filters]
         warnings.defaultaction = _always(saved_default)
         warnings.showwarning = show
-        warnings._filters_mutated()  # the once-per-place registries forget what they saw
+        _registries_forget()
         _ACTIVE.append(tally)
         try:
             yield tally
         finally:
             _ACTIVE.remove(tally)
             warnings.defaultaction = saved_default
-    warnings._filters_mutated()
+    _registries_forget()
+
+
+def _registries_forget() -> None:
+    """The once-per-place registries forget what they saw (as changing the filters makes them)."""
+    forget = getattr(warnings, "_filters_mutated", None) or getattr(warnings, "_filters_mutated_lock_held", None)
+    if forget is not None:
+        with contextlib.suppress(Exception):
+            forget()
 
 
 class _LogWarnings(logging.Filter):
