@@ -89,7 +89,7 @@ PAGES = {
     "sweep-pass": ("nights/2026-11-05/sweep/report.html", {"ratios", "histogram", "slowest", "zoo"}, False),
     "sweep-fail": ("nights/2026-11-04/sweep/report.html", {"ratios", "histogram", "slowest"}, True),
     "selftest": ("zoo/report.html", {"zoo"}, False),
-    "trend": ("trend.html", {"trend-alarms", "trend-speed", "trend-worst", "trend-p99", "trend-zoo"}, False),
+    "trend": ("trend.html", {"trend-failures", "trend-speed", "trend-worst", "trend-p99", "trend-zoo"}, False),
 }
 
 

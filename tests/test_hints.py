@@ -4,8 +4,10 @@ hints on real runs of the zoo's mutants: tests/test_resume.py and tests/test_mut
 
 from __future__ import annotations
 
+import pytest
 import torch
 
+from fsdp_verify.case import Case, DataSpec, ModelSpec
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.hints import hint
 from fsdp_verify.sharded.collect import RANK_ROWS
@@ -248,3 +250,130 @@ def test_only_some_ranks_shards_of_a_gradient_differing_are_named_and_every_rank
     assert "only rank(s) [1]'s shards of the reduced gradient a differ" in said
     got.records[(1, "grads", "a")] = G["a"] * torch.tensor([1.0001, 1.0, 1.01, 1.01])
     assert "only" not in _hint(ref, got)  # rank 0's rows moved too: no rank is right
+
+
+# ---- the groups a gradient's factor names (tp, pp, ep: the world is not the data-parallel ranks) --
+TP_MLP = ModelSpec(kind="mlp", widths=(16, 32, 18, 8))  # widths tp 2 splits
+EXPERTS_MLP = ModelSpec(kind="mlp", widths=(16, 32, 18, 8), experts=4, top_k=1)
+DIVISORS = "tests/engines/group_divisors.py:"
+
+
+def _composed(world_size: int, model=TP_MLP, microbatches: int = 1, **changes) -> Case:
+    data = DataSpec(batch_size=world_size * microbatches * 2)
+    return Case(model=model, world_size=world_size, data=data, steps=1, microbatches=microbatches, **changes)
+
+
+@pytest.mark.parametrize(
+    ("group", "case", "says", "never"),
+    [
+        # dp 3 x tp 2: 1/3 is the data-parallel size alone
+        (
+            "dp",
+            _composed(6, tp=2, engine=DIVISORS + "divides_by_dp_twice"),
+            "every gradient of the step is 1/3 x the reference's (the world size 6: data-parallel 3 x tp 2):"
+            " divided by the data-parallel size (3) once too often",
+            ("world size (6)", "tp degree", "cannot tell"),
+        ),
+        # dp 1 x tp 2: the world taken for the data-parallel ranks, the tp ranks as replicas
+        (
+            "tp",
+            _composed(2, tp=2, engine=DIVISORS + "divides_by_the_world"),
+            "every gradient of the step is 1/2 x the reference's (the world size 2: data-parallel 1 x tp 2):"
+            " divided by the world size (2) where the data-parallel size (1) was meant: the tp ranks counted as"
+            " replicas",
+            ("pp stages", "once too often", "cannot tell"),
+        ),
+        # pp 2 x dp 1: the same, the stages as replicas
+        (
+            "pp",
+            _composed(2, pp=2, microbatches=2, sync_every_microbatch=False, engine=DIVISORS + "divides_by_the_world"),
+            "every gradient of the step is 1/2 x the reference's (the world size 2: pp 2 x data-parallel 1):"
+            " divided by the world size (2) where the data-parallel size (1) was meant: the pp stages counted as"
+            " replicas",
+            ("tp ranks", "once too often", "cannot tell"),
+        ),
+        # ep 2 of dp 4: the experts' gradients alone, 1/2, the dense ones right
+        (
+            "ep",
+            _composed(4, model=EXPERTS_MLP, ep=2, engine=DIVISORS + "experts_divided_by_ep"),
+            "the experts' gradients (moe.experts.weight, moe.experts.bias) are 1/2 x the reference's and the"
+            " others agree (the world size 4: data-parallel 4; ep 2): divided by the ep degree (2) once too often",
+            ("data-parallel size (4)", "cannot tell", "world_size"),
+        ),
+        # dp 2 x tp 2: 1/4 is the world alone
+        (
+            "world",
+            _composed(4, tp=2, engine=DIVISORS + "divides_by_the_world_twice"),
+            "every gradient of the step is 1/4 x the reference's (the world size 4: data-parallel 2 x tp 2):"
+            " divided by the world size (4) once too often",
+            ("was meant", "data-parallel size (2) once", "cannot tell"),
+        ),
+    ],
+)
+def test_a_factor_of_one_groups_size_names_that_group_and_its_size(fsdp_check, group, case, says, never):
+    """A real mutant a group: the hint names the group and its size from the case's mesh, and
+    none of the others."""
+    verdict = fsdp_check(case)
+    assert not verdict.ok and verdict.first_divergence.phase == "grads", verdict.summary()
+    assert says in verdict.hint, (group, verdict.hint)
+    assert not any(n in verdict.hint for n in never), (group, verdict.hint)
+
+
+def test_a_factor_two_groups_sizes_fit_names_both(fsdp_check):
+    """dp 2 x tp 2, every unit dividing by the world (issue 48's plug-in): 1/2 is the world taken
+    for the data-parallel ranks and the data-parallel size once too often; the records cannot
+    tell which, so both are named."""
+    verdict = fsdp_check(_composed(4, tp=2, engine=DIVISORS + "divides_by_the_world"))
+    assert not verdict.ok
+    assert verdict.hint == (
+        "every gradient of the step is 1/2 x the reference's (the world size 4: data-parallel 2 x tp 2): divided by"
+        " the world size (4) where the data-parallel size (2) was meant (the tp ranks counted as replicas), or"
+        " divided by the data-parallel size (2) once too often (a division on top of the reduction's average); at"
+        " these sizes the records cannot tell which"
+    )
+
+
+def test_a_pipeline_not_dividing_by_its_microbatches_names_them_and_not_a_group(fsdp_check):
+    """The zoo's pp mutant (scale_grads off) at 3 micro-batches: 3 is no group's size, the
+    micro-batches' count; at pp 2 x dp 1 nothing else fits."""
+    mutant = "fsdp_verify.zoo.mutants:pp_loss_not_divided_by_microbatches"
+    verdict = fsdp_check(_composed(2, pp=2, microbatches=3, sync_every_microbatch=False, engine=mutant))
+    assert not verdict.ok
+    assert verdict.hint == (
+        "every gradient of the step is 3 x the reference's (the world size 2: pp 2 x data-parallel 1): not divided"
+        " by the micro-batches (3): each micro-batch's loss scaled for their mean, the sum kept"
+    )
+
+
+def _composed_grads(factors: dict[str, float], case: Case, grads=G) -> str:
+    ref = Trace("reference", {(1, "grads", n): t for n, t in grads.items()})
+    got = Trace("sharded", {(1, "grads", n): t * factors.get(n, 1.0) for n, t in grads.items()})
+    got.meta["items"] = {"1": [[2]] * case.dp_size}
+    first = next(f for f in compare_traces(ref, got) if not f.ok)
+    return hint(first, ref, got, case.world_size, case=case)
+
+
+def test_a_factor_no_group_is_or_on_some_gradients_names_no_group():
+    at_dp2_tp2 = _composed(4, tp=2)
+    said = _composed_grads({"a": 1 / 3, "b": 1 / 3}, at_dp2_tp2)  # 3 is no group's size
+    assert said == "every gradient of the step is 0.3333x the reference's", said
+    said = _composed_grads({"a": 0.5}, at_dp2_tp2)  # one gradient of two: described, no cause
+    assert said.startswith("the gradient a is 1/2 x the reference's (the world size 4: data-parallel 2 x tp 2;")
+    assert "1 of the step's 2 gradients" in said and "divided" not in said
+    said = _composed_grads({"a": 0.5, "b": 0.5}, at_dp2_tp2)  # every gradient: both causes
+    assert "was meant" in said and "data-parallel size (2) once too often" in said
+
+
+def test_experts_are_named_only_where_the_experts_alone_have_the_factor():
+    """Under ep with no expert among the records, or the factor on a dense gradient too, no
+    expert cause; the plain wording where the world is the data-parallel ranks."""
+    at_ep2 = _composed(4, model=EXPERTS_MLP, ep=2)
+    said = _composed_grads({"a": 0.25}, at_ep2)
+    assert "expert" not in said and said.startswith("the gradient a is 1/world_size x"), said
+    said = _composed_grads({"a": 0.25, "b": 0.25}, at_ep2)
+    assert said.endswith("(the world size: 4): divided by the world size once too often"), said
+    with_experts = {**G, "moe.experts.weight": torch.tensor([0.5, -1.0, 2.0])}
+    said = _composed_grads({"moe.experts.weight": 0.5}, at_ep2, with_experts)
+    assert "divided by the ep degree (2) once too often" in said, said
+    said = _composed_grads({"moe.experts.weight": 0.5, "a": 0.5}, at_ep2, with_experts)  # a dense one too
+    assert "expert" not in said and "ep degree" not in said, said

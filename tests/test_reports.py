@@ -2,6 +2,7 @@
 the nightly's readers: `report diff` between real nights, `report trend` over five of them, and
 bad input refused with exit 2 naming the field."""
 
+import html
 import json
 import re
 import shutil
@@ -136,10 +137,10 @@ def test_trend_over_five_nights_names_the_night_each_number_changed(reports):
     assert page.count('data-plot="trend-') >= 4
     rows = page.split("<table id=trend>")[1].split("</table>")[0].split("<tr>")
     assert rows[1].startswith("<th></th><th>2026-11-01</th>") and rows[1].endswith("<th>last changed</th></tr>")
-    alarms = next(r for r in rows if r.startswith("<th>false alarms</th>"))
-    # four false alarms the night the mutant ran, back to 0 the night after: last changed on the 5th
-    assert alarms == (
-        "<th>false alarms</th><td>0</td><td>0</td><td>0</td><td class=changed>4</td><td class=changed>0</td>"
+    failing = next(r for r in rows if r.startswith("<th>failing cases</th>"))
+    # four failing cases the night the mutant ran, back to 0 the night after: last changed on the 5th
+    assert failing == (
+        "<th>failing cases</th><td>0</td><td>0</td><td>0</td><td class=changed>4</td><td class=changed>0</td>"
         "<td>2026-11-05</td></tr>"
     )
     cases = next(r for r in rows if r.startswith("<th>cases</th>"))
@@ -169,6 +170,7 @@ def test_many_failures_are_grouped_by_cause_each_with_its_smallest_case_and_repl
     numbers or parameter name they fail with), its smallest case and the command that replays it;
     the terminal says the same a cause a paragraph."""
     from fsdp_verify.commands.sweep import summary
+    from fsdp_verify.reports.causes import example
     from tests.engines.many_causes import expected_cause
 
     report = load(reports / "causes-nights" / "2026-12-02" / "sweep")
@@ -190,7 +192,7 @@ def test_many_failures_are_grouped_by_cause_each_with_its_smallest_case_and_repl
         )
         assert (
             c["replay"]
-            == f"fsdp-verify repro {reports / 'causes-nights' / '2026-12-02' / 'sweep' / 'false_alarms' / c['smallest']}.case.json"
+            == f"fsdp-verify repro {reports / 'causes-nights' / '2026-12-02' / 'sweep' / 'failures' / c['smallest']}.case.json"
         )
         assert all(rows[h]["cause"] == c["signature"] for h in c["cases"])
     by_signature = {expected_cause(rows[c["smallest"]]): c["signature"] for c in report["causes"]}
@@ -201,9 +203,22 @@ def test_many_failures_are_grouped_by_cause_each_with_its_smallest_case_and_repl
     )
     assert by_signature["crash in the second forward"].startswith("a rank crashed in step # forward")
     text = summary(report)
-    assert "false alarms: 7 (7 failing cases, 3 causes)" in text
+    assert "failures: 7 (3 causes)\n" in text and "false alarm" not in text  # a user's engine
     assert text.count("      smallest: ") == 3 and text.count("      replay: fsdp-verify repro ") == 3
     assert "Traceback" not in text
+    # each cause headed by its smallest case's own words, numbers kept; the signature only groups
+    raised = next(c for c in report["causes"] if c["signature"] == by_signature["raises while sharding"])
+    assert raised["example"] == example(rows[raised["smallest"]])
+    assert re.fullmatch(
+        r"a rank raised in shard \(engine\): RuntimeError: engine bug: \d+ units over \d+ values", raised["example"]
+    )
+    assert f"] {raised['example']}\n" in text and "#" not in text
+    page = (reports / "causes-nights" / "2026-12-02" / "sweep" / "report.html").read_text()
+    assert f">{raised['count']} cases: {html.escape(raised['example'])}</h3>" in page
+    # a report written before `example`: the heading from the smallest case's row, the same words
+    for c in report["causes"]:
+        del c["example"]
+    assert summary(report) == text
 
 
 def test_a_night_that_turns_red_says_new_causes_not_new_failures(reports, tmp_path, capsys):
@@ -214,6 +229,11 @@ def test_a_night_that_turns_red_says_new_causes_not_new_failures(reports, tmp_pa
     out = capsys.readouterr().out
     assert code == 1, out
     assert out.count("NEW CAUSE [") == 3 and "NEW FAILURE " not in out
+    # a new cause said in its smallest case's words, not the signature's placeholders
+    assert re.search(
+        r"NEW CAUSE \[\d+ cases\]: a rank raised in shard \(engine\): RuntimeError: engine bug: \d+ units", out
+    )
+    assert "engine bug: # units" not in out
     assert re.search(r"\nWORSE: 3 new causes \(7 newly failing cases\), \d+ ratios up\n$", out), out
     place = json.loads((tmp_path / "d.json").read_text())["places"]["sweep"]
     assert len(place["new_failures"]) == 7 and sorted(c["cases"] for c in place["new_causes"]) == [2, 2, 3]

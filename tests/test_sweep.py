@@ -1,5 +1,5 @@
 """`fsdp-verify sweep` (the nightly sweep on the correct engine) on CI-sized samples: sharded and
-merged it runs exactly the unsharded sweep's cases; a cut-short shard resumes; alarms are kept."""
+merged it runs exactly the unsharded sweep's cases; a cut-short shard resumes; failing cases are kept."""
 
 import json
 import sys
@@ -25,6 +25,7 @@ def test_four_shards_merged_are_exactly_the_unsharded_sweep(tmp_path, capsys):
     assert sweep(tmp_path / "whole") == 0
     whole = load(tmp_path / "whole")
     assert whole["shard"] == "1/1" and whole["counts"] == {"cases": 12, "passed": 12, "failed": 0}
+    assert whole["engine_correct"] == "built-in" and "failures: 0\n" in capsys.readouterr().out
     shards = [tmp_path / f"shard-{i}" for i in range(1, 5)]
     for i, d in enumerate(shards, 1):
         assert sweep(d, "--shard", f"{i}/4") == 0
@@ -38,7 +39,14 @@ def test_four_shards_merged_are_exactly_the_unsharded_sweep(tmp_path, capsys):
         (r["index"], r["case_hash"]) for r in whole["cases"]
     ]
     assert merged["counts"] == whole["counts"] and merged["shards"] == ["1/4", "2/4", "3/4", "4/4"]
-    assert merged["missing_shards"] == [] and merged["seed"] == 7
+    assert merged["missing_shards"] == [] and merged["seed"] == 7 and merged["engine_correct"] == "built-in"
+    # the shards' library warnings, each once with the counts added
+    shard_counts: dict = {}
+    for p in parts:
+        for w in p["warnings"]:
+            key = (w["category"], w["message"], w["location"])
+            shard_counts[key] = shard_counts.get(key, 0) + w["count"]
+    assert {(w["category"], w["message"], w["location"]): w["count"] for w in merged["warnings"]} == shard_counts
     # a shard lost: merged, but named, and the exit says infrastructure (3)
     capsys.readouterr()
     assert main(["report", "merge", *map(str, shards[:2] + shards[3:]), "--out", str(tmp_path / "partial")]) == 3
@@ -87,17 +95,37 @@ def test_a_bad_shard_is_refused_naming_the_option(shard, capsys):
     assert e.value.code == 2 and "--shard" in capsys.readouterr().err
 
 
-def test_a_broken_engine_raises_alarms_and_leaves_replayable_cases(tmp_path, capsys):
+def test_a_broken_engine_fails_its_cases_and_leaves_them_replayable(tmp_path, capsys):
+    """A user's engine's failing cases are failures (OUT/failures/), never false alarms; the cause
+    is headed by a member's own words, its numbers kept, not the signature's placeholders."""
     engine = "fsdp_verify.zoo.mutants:grads_divided_twice"
     assert sweep(tmp_path, "--engine", engine, cases=2) == 1
-    assert "false alarms: 2" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "failures: 2 (1 cause)\n" in out and "false alarm" not in out
+    heading = "  [2 cases] gradients (GradsComparator): every gradient of the step is 1/world_size x the reference's"
+    assert heading + " (the world size: 2): divided by the world size once too often\n" in out
     report = load(tmp_path)
     assert not report["ok"] and [f["first_divergence"] for f in report["failures"]] == [
         r["first_divergence"] for r in report["cases"]
     ]
     assert all(f["first_divergence"].startswith("GradsComparator @ 1/grads") for f in report["failures"])
-    saved = sorted((tmp_path / "false_alarms").glob("*.case.json"))
+    assert report["engine_correct"] is None
+    (cause,) = report["causes"]
+    assert "(the world size: #)" in cause["signature"] and "(the world size: 2)" in cause["example"]
+    saved = sorted((tmp_path / "failures").glob("*.case.json"))
     assert len(saved) == 2 and Case.load(saved[0]).engine == engine
+    assert not (tmp_path / "false_alarms").exists()
+
+
+def test_an_engine_marked_correct_says_whose_failure_it_can_be(tmp_path, capsys):
+    """--engine-is-correct: the report records it, and the failures are said to be the toolkit's
+    model at fault (a false alarm) or a bug in torch (a catch)."""
+    engine = "fsdp_verify.zoo.mutants:grads_divided_twice"
+    assert sweep(tmp_path, "--engine", engine, "--engine-is-correct", cases=1) == 1
+    out = capsys.readouterr().out
+    assert f"{engine} is marked correct (--engine-is-correct): each failure is the toolkit's model at fault" in out
+    assert "(a false alarm) or a bug in torch (a catch)" in out
+    assert load(tmp_path)["engine_correct"] == "marked"
 
 
 def test_the_closest_pass_is_kept_to_replay(tmp_path):

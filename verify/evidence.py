@@ -166,8 +166,44 @@ def near(x: float, value: float) -> bool:
     return abs(x - value) <= FIT * abs(value)
 
 
-def step_world_size(got: Trace, step: int) -> int | None:
-    """The ranks that ran `step` (a resumed run's may differ from the saving run's): the ranks
-    the step's item counts were recorded for."""
+def step_dp_size(got: Trace, step: int) -> int | None:
+    """The data-parallel ranks that ran `step` (a resumed run's may differ from the saving run's):
+    the ranks the step's item counts were recorded for (under tp or pp fewer than the world)."""
     items = got.meta.get("items", {}).get(str(step))
     return len(items) if items else None
+
+
+@dataclass(frozen=True)
+class Groups:
+    """The groups of ranks that ran a step, by size, from the case's mesh: what a gradient may
+    have been divided by (or not) by mistake. `experts`: the grouped experts' module names, whose
+    parameters an ep group holds (under ep)."""
+
+    world: int
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    ep: int = 1
+    experts: tuple[str, ...] = ()
+    microbatches: int = 1  # a pipeline's schedule divides by them
+
+    def is_expert(self, name: str) -> bool:
+        return any(name.startswith(f"{fqn}.") for fqn in self.experts)
+
+    def text(self) -> str:
+        """ "the world size 4: data-parallel 2 x tp 2": how the world is made up, outermost first."""
+        parts = [f"pp {self.pp}"] if self.pp > 1 else []
+        parts += [f"data-parallel {self.dp}"] + ([f"tp {self.tp}"] if self.tp > 1 else [])
+        return f"the world size {self.world}: {' x '.join(parts)}" + (f"; ep {self.ep}" if self.ep > 1 else "")
+
+
+def step_groups(case, got: Trace, step: int) -> Groups:
+    """The groups of the run that took `step` (after a resume, the resumed run's degrees)."""
+    if case.resume_after is not None and step > case.resume_after:
+        case = case.after_resume()
+    experts: tuple[str, ...] = ()
+    if case.ep > 1:
+        from fsdp_verify.models import module_classes
+
+        experts = tuple(n for n, cls in module_classes(case.model).items() if cls == "GroupedExperts")
+    return Groups(case.world_size, case.dp_size, case.tp, case.pp, case.ep, experts, case.microbatches)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from fsdp_verify import evidence
+from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.sharded.collect import rank_rows
 from fsdp_verify.trace import Key, Trace
@@ -237,7 +238,11 @@ def _rows_initial(ref: Trace, got: Trace, key, ranks: list[int]) -> bool:
     return all(torch.equal(loaded[a:b], initial[a:b]) for r, a, b in spans if r in ranks)
 
 
-def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager") -> str:
+def hint(
+    first: Finding | None, ref: Trace, got: Trace, world_size: int, init: str = "eager", case: Case | None = None
+) -> str:
+    """`case`: where given, a gradient's factor is matched against the sizes of its mesh's groups
+    (data-parallel, tp, pp, ep, the world); else against `world_size` (the step's item counts')."""
     if first is not None and first.phase == "precision" and first.kind == "contract":
         return precision_hint(first, got)
     if first is not None and first.phase == "build" and first.comparator == "ModelBuildCheck":
@@ -268,7 +273,12 @@ def hint(first: Finding | None, ref: Trace, got: Trace, world_size: int, init: s
         ratio = b.double().sum().item() / total if total != 0 else float("nan")
         return f"the parameter total is {ratio:.3g}x the reference's: a parameter may be held twice or missed"
     if first.phase == "grads":
-        said = _gradient_hint(first, ref, got, evidence.step_world_size(got, first.step) or world_size)
+        if case is not None:
+            groups = evidence.step_groups(case, got, first.step)
+        else:
+            ranks = evidence.step_dp_size(got, first.step) or world_size
+            groups = evidence.Groups(world=ranks, dp=ranks)
+        said = _gradient_hint(first, ref, got, groups)
         if said:
             return said
     c = evidence.factor(a, b)
@@ -309,9 +319,11 @@ def _ranks_only(ref: Trace, got: Trace, first: Finding) -> tuple[list[int], list
     return apart.right, apart.wrong
 
 
-def _gradient_hint(first: Finding, ref: Trace, got: Trace, world_size: int) -> str:
-    """A gradient that is a multiple of the reference's: is it every gradient of the step, and
-    is the factor the world size (of the ranks that ran the step)?"""
+def _gradient_hint(first: Finding, ref: Trace, got: Trace, groups: evidence.Groups) -> str:
+    """A gradient that is a multiple of the reference's: is it every gradient of the step (or,
+    under ep, the experts' alone), and is the factor the size of a group of the ranks that ran
+    the step? A group is named only where the factor is its size; where it is two groups' (1/2 at
+    data-parallel 2 x tp 2), both are named."""
     a, b = ref.records[first.key], got.records[first.key]
     c = evidence.factor(a, b)
     if c is None:
@@ -324,6 +336,17 @@ def _gradient_hint(first: Finding, ref: Trace, got: Trace, world_size: int) -> s
     others = "" if every else f" ({len(alike)} of the step's {len(considered)} gradients are; the others are not)"
     if abs(c) < 1e-6:
         return f"{which} zero where the reference's is not{others}: no gradient reached the optimizer there"
+    if groups.ep > 1 and not every:
+        said = _experts_hint(c, considered, alike, ref, got, groups)
+        if said:
+            return said
+    if groups.world != groups.dp:  # tp or pp: the world is not the data-parallel ranks
+        causes = _divisions(c, groups) if every else []
+        if not causes and not any(evidence.near(c, v) for v in _group_factors(groups)):
+            return "" if evidence.near(c, 1) else f"{which} {c:.4g}x the reference's{others}"
+        sizes = groups.text() + (f"; {others.strip()[1:-1]}" if others else "")
+        return _said_with_causes(f"{which} {_fraction(c)} x the reference's ({sizes})", causes)
+    world_size = groups.world
     for label, value in (("1/world_size", 1 / world_size), ("world_size", world_size)):
         if world_size < 2 or not evidence.near(c, value):
             continue
@@ -339,6 +362,98 @@ def _gradient_hint(first: Finding, ref: Trace, got: Trace, world_size: int) -> s
             f" {'once too often' if value < 1 else 'too rarely'}"
         )
     return "" if evidence.near(c, 1) else f"{which} {c:.4g}x the reference's{others}"
+
+
+def _divisions(c: float, g: evidence.Groups) -> list[tuple[str, str]]:
+    """What dividing every gradient by `c` can be, where the world is not the data-parallel ranks
+    (tp, pp): (what was done, why it reads so) for each group size the factor is."""
+    d, w = g.dp, g.world
+    replicas = " and the ".join(n for n, k in (("tp ranks", g.tp), ("pp stages", g.pp)) if k > 1)
+    out = []
+    if evidence.near(c, d / w):
+        out.append(
+            (
+                f"divided by the world size ({w}) where the data-parallel size ({d}) was meant",
+                f"the {replicas} counted as replicas",
+            )
+        )
+    if d > 1 and evidence.near(c, 1 / d):
+        out.append(
+            (f"divided by the data-parallel size ({d}) once too often", "a division on top of the reduction's average")
+        )
+    if d > 1 and evidence.near(c, 1 / w):  # at d == 1 this is the world taken for the data-parallel ranks, above
+        out.append(
+            (f"divided by the world size ({w}) once too often", "a `/ world_size` on top of the reduction's average")
+        )
+    for name, k in (("tp degree", g.tp), ("pp degree", g.pp)):
+        if k > 1 and evidence.near(c, 1 / k) and not evidence.near(1 / k, d / w) and not (d > 1 and k == d):
+            out.append((f"divided by the {name} ({k}) once too often", ""))
+    if d > 1 and evidence.near(c, d):
+        out.append((f"not divided by the data-parallel size ({d})", "summed over its ranks, not averaged"))
+    m = g.microbatches
+    if g.pp > 1 and m > 1 and evidence.near(c, m):
+        out.append(
+            (f"not divided by the micro-batches ({m})", "each micro-batch's loss scaled for their mean, the sum kept")
+        )
+    if evidence.near(c, 2):
+        out.append(("a gradient added twice", ""))
+    return out
+
+
+def _experts_hint(c, considered, alike, ref: Trace, got: Trace, g: evidence.Groups) -> str:
+    """Under ep, the factor on the grouped experts' gradients alone (the dense ones agree): which
+    of the experts' groups it is the size of."""
+    experts = [k for k in considered if g.is_expert(k[2])]
+    rest = [k for k in considered if k not in experts]
+    if not experts or sorted(alike) != sorted(experts):
+        return ""
+    if not all(_has_factor(ref.records[k], got.records[k], 1.0) for k in rest):
+        return ""
+    e, d = g.ep, g.dp
+    causes = []
+    if evidence.near(c, 1 / e):
+        causes.append(
+            (f"divided by the ep degree ({e}) once too often", "averaged over the ep ranks, which hold other experts")
+        )
+    if d != e and evidence.near(c, 1 / d):
+        causes.append((f"divided by the data-parallel size ({d}) once too often", ""))
+    if d // e > 1 and evidence.near(c, e):
+        causes.append(
+            (
+                f"divided by the {d // e} ranks the experts are sharded over where the data-parallel size ({d}) was"
+                " meant",
+                "the experts' units left at FSDP2's default divide factor",
+            )
+        )
+    names = ", ".join(k[2] for k in experts)
+    head = f"the experts' gradients ({names}) are {_fraction(c)} x the reference's and the others agree ({g.text()})"
+    return _said_with_causes(head, causes) if causes else ""
+
+
+def _group_factors(g: evidence.Groups) -> list[float]:
+    sizes = {g.world, g.dp, g.tp, g.pp, g.world // g.dp} - {1}
+    return [f for n in sizes for f in (n, 1 / n)]
+
+
+def _fraction(c: float) -> str:
+    """1/4, 2, or the factor as a number where it is neither a whole number nor one's inverse."""
+    if c > 0 and 1 / c >= 1.5 and evidence.near(1 / c, round(1 / c)):
+        return f"1/{round(1 / c)}"
+    if c >= 1.5 and evidence.near(c, round(c)):
+        return str(round(c))
+    return f"{c:.4g}"
+
+
+def _said_with_causes(head: str, causes: list[tuple[str, str]]) -> str:
+    """One cause: `head: cause: why`; several: each with its why in brackets, and that the
+    records cannot tell them apart."""
+    if not causes:
+        return head
+    if len(causes) == 1:
+        what, why = causes[0]
+        return f"{head}: {what}" + (f": {why}" if why else "")
+    said = ", or ".join(f"{what} ({why})" if why else what for what, why in causes)
+    return f"{head}: {said}; at these sizes the records cannot tell which"
 
 
 def _has_factor(ref: torch.Tensor, got: torch.Tensor, c: float) -> bool:

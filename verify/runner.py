@@ -106,7 +106,7 @@ def judge(
         "calibration": sum(calibrated),
         "checks": time.perf_counter() - t_checks,
     }
-    verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init)
+    verdict.hint = hint(verdict.first_divergence, ref, got, case.world_size, case.init, case)
     verdict.hint = verdict.hint or compiler_hint(case, verdict.first_divergence)
     verdict.hint = verdict.hint or reduce_dtype_hint(case, verdict.first_divergence)
     if case.loss_scaling is not None:

@@ -46,7 +46,7 @@ SUBCOMMANDS: list[tuple[str, str, str]] = [
     (
         "sweep",
         "fsdp_verify.commands.sweep",
-        "the nightly sweep: generated cases, sharded, resumable; zero false alarms",
+        "the nightly sweep: generated cases, sharded, resumable; failures grouped by cause",
     ),
     (
         "compare",

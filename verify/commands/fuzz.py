@@ -4,7 +4,9 @@ failure saves that first failing Case into --out at once (first-failure-HASH.jso
 then shrinks it (for at most --shrink-seconds), writes the shrunk Case file into --out and exits 1
 (0 when all pass). Always writes report.json and report.html into --out. Every run has a seed
 (drawn when --seed is not given), printed first and recorded in the report, so the run can be
-repeated; Ctrl-C writes the report of the cases run so far and exits 130."""
+repeated; Ctrl-C writes the report of the cases run so far and exits 130. A failure is a failure
+(a false alarm only where the engine is known correct: built in, or --engine-is-correct); the
+ranks' library warnings go to the report, each once with its count, and one terminal line."""
 
 from __future__ import annotations
 
@@ -19,14 +21,17 @@ from fsdp_verify.commands.options import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     add_draw_arguments,
+    add_engine_is_correct,
     add_timeout,
     engine_name,
     strategy_from_args,
 )
+from fsdp_verify.library_warnings import Tally, collecting
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
+    add_engine_is_correct(p)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
     add_draw_arguments(p)
     p.add_argument(
@@ -105,18 +110,20 @@ def run(args: argparse.Namespace) -> int:
             say(line)
         sys.stdout.flush()
 
+    warned = Tally()  # the ranks' and this process's library warnings (verify/library_warnings.py)
     try:
-        result = search(
-            check,
-            strategy,
-            profile=args.profile,
-            max_examples=args.max_examples,
-            seed=seed,
-            replay=args.seed is not None,
-            on_example=on_example,
-            on_first_failure=on_first_failure,
-            shrink_seconds=args.shrink_seconds,
-        )
+        with collecting(warned):
+            result = search(
+                check,
+                strategy,
+                profile=args.profile,
+                max_examples=args.max_examples,
+                seed=seed,
+                replay=args.seed is not None,
+                on_example=on_example,
+                on_first_failure=on_first_failure,
+                shrink_seconds=args.shrink_seconds,
+            )
     except SearchInterrupted as stop:  # Ctrl-C: the report of the cases that ran
         result = stop.result
     if bar is not None:
@@ -125,9 +132,9 @@ def run(args: argparse.Namespace) -> int:
         from fsdp_verify.commands.interrupt import finishing_after_interrupt
 
         with finishing_after_interrupt():
-            _finish(args, result)
+            _finish(args, result, warned)
         return EXIT_INTERRUPTED
-    return _finish(args, result)
+    return _finish(args, result, warned)
 
 
 def first_failure_lines(failure, seconds: float, args: argparse.Namespace) -> list[str]:
@@ -149,9 +156,10 @@ def first_failure_lines(failure, seconds: float, args: argparse.Namespace) -> li
     ]
 
 
-def _finish(args: argparse.Namespace, result) -> int:
+def _finish(args: argparse.Namespace, result, warned: Tally) -> int:
     """Write the report and say what ran; the exit code (of a run that was not interrupted)."""
     from fsdp_verify.commands.case_flags import draw_flag_texts
+    from fsdp_verify.commands.options import correct_engine_note, engine_correct
     from fsdp_verify.reports.report import loss_scale_line, loss_scale_tally
     from fsdp_verify.reports.search_report import closest_pass, write_report
     from fsdp_verify.repro.files import replay_command
@@ -169,6 +177,8 @@ def _finish(args: argparse.Namespace, result) -> int:
         "models": [args.model] if args.model else args.models,
         "seed": result.seed,
         "interrupted": result.interrupted,
+        "engine_correct": engine_correct(args.engine, args.engine_is_correct),
+        "warnings": warned.entries(),
         **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
     }
     json_path, html_path = write_report(result, args.out, meta)
@@ -185,6 +195,8 @@ def _finish(args: argparse.Namespace, result) -> int:
     ]
     if tallies:
         print(loss_scale_line(tallies))
+    if warned.line():
+        print(warned.line())
     near = closest_pass(result.examples)
     if near is not None:
         path = near.case.save(Path(args.out) / f"closest-pass-{near.case.hash}.json")
@@ -202,6 +214,9 @@ def _finish(args: argparse.Namespace, result) -> int:
     print(f"First divergence: {f.first_divergence}")
     print(f"Shrunk case written to {f.repro_path}")
     print(f"Replay: {replay_command(f.repro_path)}")
+    note = correct_engine_note(args.engine, meta["engine_correct"])
+    if note:
+        print(note)
     _zoom_shrunk(args, f)
     return EXIT_DIVERGED
 

@@ -88,7 +88,9 @@ def _run_in(env, args, folder: Path) -> dict:
         zoo_json = folder / "zoo.json"
         folder.mkdir(parents=True, exist_ok=True)
         # Each bug at its own world sizes: some show only on a (2, 2) mesh.
-        zoo = subprocess.run([*base, "selftest", "--json", str(zoo_json)])
+        # Its report (folder/zoo/report.json) keeps the mutants' library warnings; `report diff`
+        # reads only the sweep's report.json beside it.
+        zoo = subprocess.run([*base, "selftest", "--json", str(zoo_json), "--out", str(folder / "zoo")])
         row["zoo_exit"] = zoo.returncode
         if zoo_json.exists():
             sweep += ["--zoo", str(zoo_json)]

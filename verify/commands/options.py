@@ -110,6 +110,35 @@ def add_timeout(p: argparse.ArgumentParser) -> None:
     )
 
 
+def add_engine_is_correct(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--engine-is-correct",
+        action="store_true",
+        help="the engine is known correct (as the built-in ones are): a failure is then the toolkit's model at"
+        " fault (a false alarm) or a bug in torch (a catch), and the report says so; without it a user's engine's"
+        " failures are failures",
+    )
+
+
+def engine_correct(engine: str, marked: bool) -> str | None:
+    """The report's `engine_correct`: "built-in" (fsdp2, fsdp1, flat), "marked" (--engine-is-correct)
+    or None (a user's engine: its failures are failures, perhaps catches)."""
+    from fsdp_verify.engines import BUILTIN, canonical_engine
+
+    return "built-in" if canonical_engine(engine) in BUILTIN else "marked" if marked else None
+
+
+def correct_engine_note(engine: str, correct: str | None) -> str | None:
+    """The line under a known-correct engine's failures: whose failure each can be. None otherwise."""
+    if correct is None:
+        return None
+    known = "a built-in engine" if correct == "built-in" else "marked correct (--engine-is-correct)"
+    return (
+        f"{engine} is {known}: each failure is the toolkit's model at fault (a false alarm) or a bug in torch"
+        " (a catch); its repro tells which (docs/nightly.md, Whose failure)"
+    )
+
+
 # ---- a Case from the command line -------------------------------------------------------------
 def add_case_arguments(p: argparse.ArgumentParser) -> None:
     """`--case FILE` and a flag for every Case field (verify/commands/case_flags.py, grouped as

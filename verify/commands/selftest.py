@@ -202,7 +202,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp-verify: --max-examples: expected a positive integer, got {args.max_examples}", file=sys.stderr)
         return EXIT_BAD_INPUT
     world_sizes = tuple(args.world_sizes) if args.world_sizes else None
-    results = run_zoo(args.bugs, args.max_examples, world_sizes, args.timeout, progress=sys.stderr.isatty())
+    from fsdp_verify.library_warnings import Tally, collecting
+
+    warned = Tally()  # the mutants' ranks' library warnings: in the report, one line here
+    with collecting(warned):
+        results = run_zoo(args.bugs, args.max_examples, world_sizes, args.timeout, progress=sys.stderr.isatty())
     print(matrix(results))
     caught = [r for r in results if r.caught]
     finite = [r.ratio for r in caught if r.ratio is not None and not math.isinf(r.ratio)]
@@ -235,9 +239,13 @@ def run(args: argparse.Namespace) -> int:
             ok=len(caught) == len(results),
             failures=failures,
             max_examples=args.max_examples,
+            warnings=warned.entries(),
         )
         report["counts"] = {"cases": len(results), "passed": len(caught), "failed": len(results) - len(caught)}
         write(report, args.out)
+    said = warned.line(str(args.out / "report.json") if args.out else None)
+    if said:
+        print(said)
     return EXIT_OK if len(caught) == len(results) else EXIT_DIVERGED
 
 

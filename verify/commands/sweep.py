@@ -1,10 +1,13 @@
-"""`fsdp-verify sweep`: the nightly zero-false-alarm sweep. Draws --cases generated cases for
---seed, runs those of its --shard on --engine, and streams one row per case to OUT/rows.jsonl as it
-finishes (a runner that dies loses nothing; rerun the same command and it resumes, skipping cases
-whose rows are there). Writes OUT/report.json and report.html (the one report format), every
-alarm's case and verdict under OUT/false_alarms/, and the passing case nearest its tolerance as
-OUT/closest_pass.case.json. Exit 0 no false alarm, 1 an alarm (a rank failure counts), 2 bad input,
-130 Ctrl-C (after writing the report of the rows so far, marked interrupted; rerun to resume)."""
+"""`fsdp-verify sweep`: the nightly sweep. Draws --cases generated cases for --seed, runs those of
+its --shard on --engine, and streams one row per case to OUT/rows.jsonl as it finishes (a runner
+that dies loses nothing; rerun the same command and it resumes, skipping cases whose rows are
+there). Writes OUT/report.json and report.html (the one report format), every failing case and its
+verdict under OUT/failures/, and the passing case nearest its tolerance as
+OUT/closest_pass.case.json. A failure is a failure: a false alarm only where the engine is known
+correct (built in, or --engine-is-correct) and reading it shows the toolkit's model at fault. The
+ranks' library warnings go to the report, each once with its count, and one terminal line. Exit 0
+every case passed, 1 a failure (a rank failure counts), 2 bad input, 130 Ctrl-C (after writing the
+report of the rows so far, marked interrupted; rerun to resume)."""
 
 from __future__ import annotations
 
@@ -22,10 +25,13 @@ from fsdp_verify.commands.options import (
     EXIT_INTERRUPTED,
     EXIT_OK,
     add_draw_arguments,
+    add_engine_is_correct,
     add_timeout,
+    engine_correct,
     engine_name,
     strategy_from_args,
 )
+from fsdp_verify.library_warnings import Tally, collecting, warnings_line
 
 
 def shard_spec(text: str) -> tuple[int, int]:
@@ -46,6 +52,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
     p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
+    add_engine_is_correct(p)
     p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
     add_draw_arguments(p)
     p.add_argument(
@@ -54,7 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         help="also draw 2-D meshes (replicate, shard), every factoring of the world size: (1, W), (W, 1) and"
         " (1, 1) too, for an engine that takes them",
     )
-    p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and false alarms")
+    p.add_argument("--out", type=Path, required=True, help="directory for rows.jsonl, the report and the failing cases")
     p.add_argument(
         "--zoo", type=Path, help="a `selftest --json` file or selftest report.json to show beside the ratios"
     )
@@ -123,18 +130,20 @@ def run(args: argparse.Namespace) -> int:
                 " (another --seed, --engine or draw option): use a fresh --out"
             )
     interrupted = False
+    warned = Tally()  # the ranks' and this process's library warnings (verify/library_warnings.py)
     try:
-        rows, elapsed = _sweep(args, mine, done, rows_path)
+        with collecting(warned):
+            rows, elapsed = _sweep(args, mine, done, rows_path)
     except KeyboardInterrupt:  # Ctrl-C: the report of the rows streamed so far (the case running is lost)
         interrupted = True
         ours = {k for k, _ in mine}
         rows = list({r["index"]: r for r in read_rows(rows_path) if r["index"] in ours}.values())
         elapsed = sum(r["seconds"] for r in rows)
     with finishing_after_interrupt() if interrupted else nullcontext():
-        return _report(args, rows, elapsed, zoo, interrupted)
+        return _report(args, rows, elapsed, zoo, interrupted, warned)
 
 
-def _report(args, rows: list[dict], elapsed: float, zoo, interrupted: bool) -> int:
+def _report(args, rows: list[dict], elapsed: float, zoo, interrupted: bool, warned) -> int:
     from fsdp_verify.commands.case_flags import draw_flag_texts
     from fsdp_verify.reports.report import finish, write
 
@@ -157,6 +166,8 @@ def _report(args, rows: list[dict], elapsed: float, zoo, interrupted: bool) -> i
             **({"flags": flags} if (flags := draw_flag_texts(args)) else {}),
         },
         interrupted=interrupted,
+        engine_correct=engine_correct(args.engine, args.engine_is_correct),
+        warnings=warned.entries(),
     )
     _, html_path = write(report, args.out)
     print(summary(report))
@@ -174,7 +185,7 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure, get_pool
 
-    alarms = args.out / "false_alarms"
+    failed = args.out / "failures"
     rows = [done[k] for k, _ in mine if k in done]
     closest = max((r["worst_ratio"] for r in rows if r["ok"] and isinstance(r["worst_ratio"], float)), default=0.0)
     todo = [(k, c) for k, c in mine if k not in done]
@@ -194,11 +205,11 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
                 verdict = check_case(case, pool=get_pool(case.world_size, args.timeout), timeout_s=args.timeout)
             except RankFailure as e:
                 row = case_row(case, None, time.perf_counter() - start, index=k, error=str(e))
-                row["replay"] = _save(alarms, case, {"rank_failure": str(e)})
+                row["replay"] = _save(failed, case, {"rank_failure": str(e)})
             else:
                 row = case_row(case, verdict, time.perf_counter() - start, index=k)
                 if not verdict.ok:
-                    row["replay"] = _save(alarms, case, verdict.to_dict())
+                    row["replay"] = _save(failed, case, verdict.to_dict())
                 elif isinstance(row["worst_ratio"], float) and row["worst_ratio"] > closest:
                     closest = row["worst_ratio"]  # the near miss, kept to replay
                     case.save(args.out / "closest_pass.case.json")
@@ -207,13 +218,13 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
             stream.flush()
             bar.update(1)
             bar.set_postfix_str(
-                "all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} ALARMS"
+                "all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} FAILED"
             )
     return rows, sum(r["seconds"] for r in rows)
 
 
 def _save(directory: Path, case, verdict: dict) -> str:
-    """An alarm's case and verdict under OUT/false_alarms/; the command that replays the case."""
+    """A failing case and its verdict under OUT/failures/; the command that replays the case."""
     from fsdp_verify.repro.files import replay_command
 
     directory.mkdir(parents=True, exist_ok=True)
@@ -226,13 +237,14 @@ def summary(report: dict) -> str:
     """The terminal text of a sweep report (also of a merged one)."""
     from collections import Counter
 
-    from fsdp_verify.reports.causes import causes_of, headline
+    from fsdp_verify.commands.options import correct_engine_note
+    from fsdp_verify.reports.causes import causes_of
     from fsdp_verify.reports.causes import text as causes_text
     from fsdp_verify.reports.schema import as_float
 
     rows = report["cases"]
     n = len(rows)
-    alarms = [r for r in rows if not r["ok"]]
+    failed = [r for r in rows if not r["ok"]]
     causes = causes_of(report)
     ratios = sorted(as_float(r["worst_ratio"]) for r in rows if r["ok"] and r["worst_ratio"] is not None)
     shard = f" (shard {report['shard']})" if report.get("shard") and report["shard"] != "1/1" else ""
@@ -240,8 +252,11 @@ def summary(report: dict) -> str:
         f"{n} cases{shard} in {report['seconds']:.0f} s of case time ({report['seconds'] / max(n, 1):.2f} s/case)",
         "by world size: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["world_size"] for r in rows).items())),
         "by precision: " + ", ".join(f"{k}: {v}" for k, v in sorted(Counter(r["precision"] for r in rows).items())),
-        f"false alarms: {len(alarms)}" + (f" ({headline(causes)})\n{causes_text(causes, rows)}" if alarms else ""),
+        f"failures: {len(failed)}" + (f" ({_causes_count(causes)})\n{causes_text(causes, rows)}" if failed else ""),
     ]
+    note = correct_engine_note(report["engine"], report.get("engine_correct")) if failed else None
+    if note:
+        lines.append(note)
     if report.get("interrupted"):
         lines.insert(0, f"INTERRUPTED (Ctrl-C) after {n} cases{shard}: the same command resumes where their rows end")
     from fsdp_verify.reports.report import loss_scale_line
@@ -262,4 +277,11 @@ def summary(report: dict) -> str:
             f"side by side: worst ratio on the correct engine {ratios[-1] if ratios else 0:.3g}"
             f" vs smallest ratio on a caught bug {min(finite):.3g}"
         )
+    said = warnings_line(report.get("warnings"))
+    if said:
+        lines.append(said)
     return "\n".join(lines)
+
+
+def _causes_count(causes: list[dict]) -> str:
+    return f"{len(causes)} cause{'' if len(causes) == 1 else 's'}"

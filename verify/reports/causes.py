@@ -7,7 +7,9 @@ record and the hint; for a rank failure, its kind (crash, error, hang), the phas
 and the error's class and message. Numbers (steps, ranks, micro-batches, ratios, sizes) and case
 hashes are normalised away, since they vary within one cause (a world size of 2 or 3 gives a
 gradient 1/2 or 1/3 off); the record's name is left out of the signature and listed beside it
-(the first parameter to part is whichever the model has first). This is coarser than a person's
+(the first parameter to part is whichever the model has first). The signature only groups: a
+cause is headed by one member's own words (its smallest case's, `example`: "1/2 x ... (the world
+size: 2)"), never by the placeholders. This is coarser than a person's
 judgement and finer than `fsdp-verify shrink`'s "fails the same way" (verify/repro/shrink.py),
 which keeps only the comparator and phase."""
 
@@ -57,33 +59,46 @@ def _rank_failure(row: dict[str, Any]) -> re.Match | None:
     return None
 
 
-def _error_class(detail: str) -> str:
+def _error_class(detail: str, norm=None) -> str:
     """`RuntimeError: message` -> `RuntimeError: message` normalised; a crash's or a hang's
-    detail normalised (a signal's number kept: it names how the process died)."""
+    detail normalised (a signal's number kept: it names how the process died). `norm`: another
+    normalisation (the identity: a member's own words)."""
+    norm = norm or normalise
     first = detail.strip().splitlines()[0] if detail.strip() else ""
     first = _OTHERS.sub("", first)  # where the other ranks were: it varies within one cause
     if first.startswith("process "):  # "process killed by signal 6", "process exited with code 7"
         return first
     found = _ERROR_CLASS.match(first)
     if found:
-        message = normalise(found.group("message"))
+        message = norm(found.group("message"))
         return f"{found.group('cls')}: {message[:160]}" if message else found.group("cls")
-    return normalise(first)[:160]
+    return norm(first)[:160]
 
 
 def signature(row: dict[str, Any]) -> str | None:
-    """The row's cause as one line; None for a passing row."""
+    """The row's cause as one line, numbers and hashes normalised: what groups rows; None for a
+    passing row."""
+    return _cause(row, normalise)
+
+
+def example(row: dict[str, Any]) -> str | None:
+    """The row's cause in its own words (its numbers kept: "1/2 x ... (the world size: 2)"), the
+    line that heads a cause; None for a passing row."""
+    return _cause(row, str.strip)
+
+
+def _cause(row: dict[str, Any], norm) -> str | None:
     if row.get("ok"):
         return None
     failure = _rank_failure(row) if row.get("status") == "error" else None
     if failure is not None:
-        phase = normalise(failure.group("phase"))
-        return f"{_RANK_FAILED[failure.group('kind')]} in {phase}: {_error_class(failure.group('detail'))}"
+        phase = norm(failure.group("phase"))
+        return f"{_RANK_FAILED[failure.group('kind')]} in {phase}: {_error_class(failure.group('detail'), norm)}"
     first = _FIRST.match(row.get("first_divergence") or "")
-    hint = normalise(hint_of(row))
+    hint = norm(hint_of(row))
     if first is None:
         text = row.get("first_divergence") or (row.get("summary") or "").split(". ", 1)[0] or "failed"
-        return normalise(text) + (f"; hint: {hint}" if hint else "")
+        return norm(text) + (f"; hint: {hint}" if hint else "")
     phase = first.group("phase")
     head = f"{PHASE_TITLES.get(phase, phase)} ({first.group('comparator')})"
     return f"{head}: {hint}" if hint else head
@@ -107,7 +122,8 @@ def _size(row: dict[str, Any]) -> tuple:
 
 
 def group(rows: list[dict[str, Any]], failures: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-    """The causes of the failing rows, the most cases first. Each: its signature, how many cases,
+    """The causes of the failing rows, the most cases first. Each: its signature (what groups
+    them), its smallest member's own words (what heads it), how many cases,
     their hashes, the smallest case (the one a search shrank, where a failure entry names it)
     and the command that replays it, and the names of the records that parted first."""
     replays = {f["case_hash"]: f.get("replay") for f in failures or [] if f.get("replay")}
@@ -125,6 +141,7 @@ def group(rows: list[dict[str, Any]], failures: list[dict[str, Any]] | None = No
         out.append(
             {
                 "signature": cause,
+                "example": example(smallest),
                 "count": len(members),
                 "cases": list(dict.fromkeys(r["case_hash"] for r in members)),
                 "smallest": smallest["case_hash"],
@@ -141,6 +158,15 @@ def causes_of(report: dict[str, Any]) -> list[dict[str, Any]]:
     if report.get("causes") is not None:
         return report["causes"]
     return group(report["cases"], report.get("failures"))
+
+
+def heading(cause: dict[str, Any], rows: list[dict[str, Any]]) -> str:
+    """What heads a cause: its smallest member's own words (from the row where a report written
+    before them lacks the field), else the signature."""
+    if cause.get("example"):
+        return cause["example"]
+    row = next((r for r in rows if r["case_hash"] == cause["smallest"]), None)
+    return (example(row) if row is not None else None) or cause["signature"]
 
 
 def _described(row: dict[str, Any] | None) -> str:
@@ -164,7 +190,7 @@ def text(causes: list[dict[str, Any]], rows: list[dict[str, Any]], indent: str =
     lines = []
     for c in causes:
         small = by_hash.get(c["smallest"])
-        lines.append(f"{indent}[{c['count']} case{'' if c['count'] == 1 else 's'}] {c['signature']}")
+        lines.append(f"{indent}[{c['count']} case{'' if c['count'] == 1 else 's'}] {heading(c, rows)}")
         where = f" at {_names_text(c['names'])}" if c["names"] else ""
         lines.append(f"{indent}    smallest: {c['smallest']} ({_described(small)}){where}")
         if c.get("replay"):
@@ -178,7 +204,8 @@ def headline(causes: list[dict[str, Any]]) -> str:
 
 
 def html_section(causes: list[dict[str, Any]], rows: list[dict[str, Any]], failures: list[dict[str, Any]]) -> str:
-    """Each cause once: its count and signature, the smallest case with its first divergence, the
+    """Each cause once: its count and its smallest member's words (the signature as the heading's
+    title), the smallest case with its first divergence, the
     replay command and zoom where there are, and every member's summary (tracebacks included)
     folded under <details>."""
     e = html.escape
@@ -202,7 +229,7 @@ def html_section(causes: list[dict[str, Any]], rows: list[dict[str, Any]], failu
         plural = "" if c["count"] == 1 else "s"
         items.append(
             f'<div class="cause" id="cause-{i + 1}" data-count="{c["count"]}">'
-            f"<h3>{c['count']} case{plural}: {e(c['signature'])}</h3>"
+            f'<h3 title="{e(c["signature"])}">{c["count"]} case{plural}: {e(heading(c, rows))}</h3>'
             f"<p>Smallest: <b>{e(c['smallest'])}</b> ({e(_described(small))}). First divergence:"
             f" <code>{e(first)}</code>.{where}</p>{zoom}{replay}{case}"
             f"<details class=members><summary>Summaries and tracebacks ({c['count']})</summary>"

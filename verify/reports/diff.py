@@ -12,7 +12,7 @@ from typing import Any
 
 from deepdiff import DeepDiff
 
-from fsdp_verify.reports.causes import causes_of, signature
+from fsdp_verify.reports.causes import causes_of, heading, signature
 from fsdp_verify.reports.schema import ReportError, as_float, load
 
 FLOOR = 1e-6  # ratios below this count as exact when comparing by a factor
@@ -47,7 +47,12 @@ def _cause_entries(report: dict[str, Any], keep, keys: list[str] | None = None) 
             continue
         mine = [k for k, cause in cause_of.items() if cause == c["signature"] and (keys is None or k in keys)]
         if mine:
-            entry = {"signature": c["signature"], "cases": len(mine), "keys": mine}
+            entry = {
+                "signature": c["signature"],
+                "example": heading(c, report["cases"]),
+                "cases": len(mine),
+                "keys": mine,
+            }
             smallest = {
                 "smallest": c["smallest"],
                 "first_divergence": first.get(c["smallest"]),
@@ -136,9 +141,9 @@ def diff_reports(old: dict[str, Any], new: dict[str, Any], factor: float) -> dic
     out["missing_shards"] = new.get("missing_shards") or []
     out["worse"] = (
         [f"missing shards {', '.join(out['missing_shards'])}"] * bool(out["missing_shards"])
-        + [f"new cause ({_count(c['cases'])}): {c['signature']}" for c in out["new_causes"]]
+        + [f"new cause ({_count(c['cases'])}): {c['example']}" for c in out["new_causes"]]
         + [
-            f"{_count(c['cases'], 'more failing case')} of a known cause: {c['signature']}"
+            f"{_count(c['cases'], 'more failing case')} of a known cause: {c['example']}"
             for c in out["known_causes_new_failures"]
         ]
         + [
@@ -242,14 +247,14 @@ def _failures_text(d: dict[str, Any]) -> list[str]:
     causes, causes gone."""
     lines = []
     for c in d["new_causes"]:
-        lines.append(f"  NEW CAUSE [{_count(c['cases'])}]: {c['signature']}")
+        lines.append(f"  NEW CAUSE [{_count(c['cases'])}]: {c['example']}")
         lines.append(f"      smallest {c['smallest']}, first divergence {c['first_divergence'] or '-'}")
         if c["replay"]:
             lines.append(f"      replay: {c['replay']}")
     for c in d["known_causes_new_failures"]:
-        lines.append(f"  NEW FAILURES [{_count(c['cases'])}] of a known cause: {c['signature']}")
+        lines.append(f"  NEW FAILURES [{_count(c['cases'])}] of a known cause: {c['example']}")
     for c in d["gone_causes"]:
-        lines.append(f"  fixed cause [{_count(c['cases'])}]: {c['signature']}")
+        lines.append(f"  fixed cause [{_count(c['cases'])}]: {c['example']}")
     if d["fixed_failures"]:
         lines.append(f"  fixed: {_count(len(d['fixed_failures']))} pass now")
     return lines

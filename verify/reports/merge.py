@@ -69,4 +69,16 @@ def merge(reports: list[tuple[str, dict[str, Any]]]) -> dict[str, Any]:
         shards=[f"{i}/{n}" for i in sorted(seen)],
         missing_shards=missing,
         wall_seconds=max(r["seconds"] for _, r in reports),
+        **({"engine_correct": first["engine_correct"]} if "engine_correct" in first else {}),
+        **({"warnings": _warnings(r for _, r in reports)} if any("warnings" in r for _, r in reports) else {}),
     )
+
+
+def _warnings(reports) -> list[dict]:
+    """The shards' library warnings, each once with the counts added."""
+    from fsdp_verify.library_warnings import Tally
+
+    tally = Tally()
+    for r in reports:
+        tally.merge(r.get("warnings") or [])
+    return tally.entries()

@@ -10,7 +10,8 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-# A field added as optional (a case row's `zoom`, `cause`, `hint`, `replay`; a report's `causes`,
+# A field added as optional (a case row's `zoom`, `cause`, `hint`, `replay`; a report's `causes` and
+# their `example`, `engine_correct`, `warnings`,
 # fuzz's `first_failure`) keeps the version: a reader of version 1 that does not know it is
 # unaffected, and this release's readers derive it from a report that lacks it (causes.causes_of).
 # A field removed, renamed or made required is a new version.

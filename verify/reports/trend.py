@@ -1,4 +1,4 @@
-"""One page over the last K nights: false alarms and how many causes they have, worst and p99
+"""One page over the last K nights: failing cases and how many causes they have, worst and p99
 ratio per comparator, cases per minute, zoo catches, each with the night it last changed, and the
 latest night's diff (new causes first). A night is a folder (named so that names sort by date,
 e.g. 2026-11-23) holding report.json files."""
@@ -48,7 +48,7 @@ def metrics(night: Path) -> dict[str, Any]:
             zoo[z["bug"]] = zoo.get(z["bug"], False) or z["caught"]
     return {
         "night": night.name,
-        "false_alarms": sum(r["counts"]["failed"] for r in runs),
+        "failures": sum(r["counts"]["failed"] for r in runs),
         "causes": len({c["signature"] for r in runs for c in causes_of(r)}),
         "cases": cases,
         "cases_per_minute": cases / seconds * 60 if seconds > 0 else None,
@@ -72,7 +72,7 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
     labels = [r["night"] for r in rows]
     comps = sorted({c for r in rows for c in r["comparators"]})
     columns: list[tuple[str, Any]] = [
-        ("false alarms", lambda r: r["false_alarms"]),
+        ("failing cases", lambda r: r["failures"]),
         ("their causes", lambda r: r["causes"]),
         ("cases", lambda r: r["cases"]),
         ("cases/min", lambda r: None if r["cases_per_minute"] is None else round(r["cases_per_minute"], 1)),
@@ -93,13 +93,13 @@ def render(nights_dir: str | Path, last: int = 14) -> str:
             tds.append(f"<td{' class=changed' if changed else ''}>{html.escape(v)}</td>")
         table_rows.append(f"<tr><th>{html.escape(name)}</th>{''.join(tds)}<td>{html.escape(changed_on)}</td></tr>")
     head = "".join(f"<th>{html.escape(n)}</th>" for n in labels)
-    alarms = {
-        "false alarms": [(i, r["false_alarms"]) for i, r in enumerate(rows)],
+    failures = {
+        "failing cases": [(i, r["failures"]) for i, r in enumerate(rows)],
         "their causes": [(i, r["causes"]) for i, r in enumerate(rows)],
     }
     plots = [
-        "<h2>False alarms and their causes</h2>",
-        line_chart(alarms, labels, name="trend-alarms", log=False, threshold=None),
+        "<h2>Failing cases and their causes</h2>",
+        line_chart(failures, labels, name="trend-failures", log=False, threshold=None),
         "<h2>Cases per minute</h2>",
         line_chart(
             {"cases/min": [(i, r["cases_per_minute"]) for i, r in enumerate(rows)]},

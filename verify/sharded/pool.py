@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from fsdp_verify.case import Case
+from fsdp_verify.library_warnings import received
 from fsdp_verify.sharded.arena import read_fill
 from fsdp_verify.sharded.devices import pool_env
 from fsdp_verify.sharded.worker import PhaseBoard
@@ -69,6 +70,7 @@ class RankPool:
         self.exit_codes: list[int | None] = []
         self._zygote: Zygote | None = None
         self._stderr: list[_StderrRelay] = []
+        self._warnings_registry: dict = {}  # what warnings.warn_explicit showed once (library_warnings.received)
 
     # ---- lifecycle ----------------------------------------------------------------------------
     @property
@@ -207,7 +209,8 @@ class RankPool:
                     except (EOFError, OSError):
                         raise self._crash(rank, what) from None
                     if message[0] == "error":
-                        _, phase, detail, tb = message
+                        _, phase, detail, tb = message[:4]
+                        self._warned(message[4] if len(message) > 4 else None)
                         dead = self._dead_peer(pending - {rank}) if "torch/distributed" in tb else None
                         if dead is not None:  # the root cause: the error was its peers' collective failing
                             raise self._crash(dead, what) from None
@@ -223,8 +226,10 @@ class RankPool:
                             except (EOFError, OSError):
                                 raise self._crash(rank, what) from None
                         replies[rank] = ((header, buf), message[2], time.perf_counter() - t)
+                        self._warned(message[3] if len(message) > 3 else None)
                     else:
                         replies[rank] = message[1]
+                        self._warned(message[2] if len(message) > 2 else None)
                     pending.discard(rank)
         except RankFailure:
             # The process group is unusable after a failure: the ranks go at once (none is owed a
@@ -232,6 +237,12 @@ class RankPool:
             self._stop_ranks(kill=True)
             raise
         return replies
+
+    def _warned(self, entries: list[dict] | None) -> None:
+        """A rank's library warnings (verify/library_warnings.py): into the command's tally, or
+        issued here once each per pool."""
+        if entries:
+            received(entries, self._warnings_registry)
 
     def _dead_peer(self, ranks: set[int], grace_s: float = 2.0) -> int | None:
         """A rank among `ranks` whose process has exited, waiting up to `grace_s` for one. A rank

@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from fsdp_verify.case import Case
+from fsdp_verify.library_warnings import Tally, collecting
 from fsdp_verify.sharded.allocator import keep_freed_memory
 from fsdp_verify.sharded.arena import arena, release_arenas
 from fsdp_verify.sharded.collect import SPILL_FROM_BYTES
@@ -238,6 +239,25 @@ def worker_main(
     # On SIGUSR1 the pool asks for our Python stack, to tell a hung rank from one waiting on it.
     stack_file = open(os.path.join(pool_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    # Library warnings go back with each reply, tallied (verify/library_warnings.py), not to stderr.
+    with collecting() as warned:
+        _serve(rank, world_size, pool_dir, conn_in, conn_out, pg_timeout_s, warned)
+    release_arenas()
+    leave_process_group()
+    exit_now(0)
+
+
+def _serve(
+    rank: int,
+    world_size: int,
+    pool_dir: str,
+    conn_in: Connection,
+    conn_out: Connection,
+    pg_timeout_s: float,
+    warned: Tally,
+) -> None:
+    """Join the process group, then run the cases the pool sends until it says stop; each reply
+    carries the warnings issued since the last one."""
     board = PhaseBoard(os.path.join(pool_dir, "phases"), world_size, rank)
     board("joining process group")
     device, backend = device_for(rank)
@@ -247,7 +267,7 @@ def worker_main(
     )
     meshes = MeshCache(device.type)
     board("idle")
-    conn_out.send(("ready", None))
+    conn_out.send(("ready", None, warned.drain()))
     while True:
         try:
             message = conn_in.recv()
@@ -262,14 +282,13 @@ def worker_main(
             # The trace as a header, then (unless the header names its file) its bytes straight
             # from the packed tensor (no pickle, no copy on this side); the pool reads them into
             # one buffer (RankPool._collect).
-            conn_out.send(("ok", packed[0] if packed else None, seconds))
+            conn_out.send(("ok", packed[0] if packed else None, seconds, warned.drain()))
             if packed and packed[1] is not None:
                 conn_out.send_bytes(memoryview(packed[1].numpy()))
         except BaseException as e:  # report and stay alive; the pool decides whether to restart
-            conn_out.send(("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc()))
-    release_arenas()
-    leave_process_group()
-    exit_now(0)
+            conn_out.send(
+                ("error", board.read(rank), f"{type(e).__name__}: {e}", traceback.format_exc(), warned.drain())
+            )
 
 
 def leave_process_group() -> None:
