@@ -53,7 +53,7 @@ def _checkpointed(forward, preserve_rng_state: bool, *args, **kwargs):
 # embedding's ids), parameter shape and requires_grad pattern a variant of the same function, and
 # at `unfreeze_step` each unit with frozen parameters one more (its requires_grad guard fails).
 # Issue 48's case (a Transformer, eleven units of five classes, four frozen parameters unfrozen at
-# step 2) reached the limit at step 2 on the ranks and on the single-device reference alike
+# step 2) reached the limit at step 2 on the ranks, and the single-device reference reached it too
 # (TORCH_LOGS=recompiles: the guards that failed were `len(args)`, `args[0]`'s dtype, the
 # forward's `__code__`, the unit's type and parameters' requires_grad; none FSDP2's), and the
 # verdict called it a divergence. A copy of the code per unit forward function (so per class)
