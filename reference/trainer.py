@@ -178,11 +178,7 @@ class _Run:
         records (step 0)."""
         model = reference_model(case, arithmetic, unit_input_node, compiled=fusion is None)
         jolted = _fusion(case, model, FusionJolt(fusion) if fusion is not None else None)
-        watch = None
-        if case.zoom is not None:  # under tp, a pass is its tp ranks', each value one local a rank
-            skip = ("",) if case.pp > 1 else ()  # a pipeline's ranks call its stages, never its root
-            tp = (case.tp, tp_locals) if case.tp > 1 else ()
-            watch = ModuleWatch(model, case.zoom, *tp, skip=skip)
+        watch = _watch(case, model)
         if share is not None:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once
@@ -295,6 +291,9 @@ class _Run:
             # parameters carried over are full tensors: a tp degree is how they are computed on,
             # not what they hold).
             tp=TensorParallel(after, model) if after.tp > 1 else None,
+            # A zoom into a step after the save watches the resumed run's model (verify/zoom/locate.py
+            # `zoom_case`); its steps before the save watched nothing.
+            watch=_watch(after, model),
         )
 
     def record_resumed(self, step: int) -> None:
@@ -667,6 +666,15 @@ class _Run:
         if self.watch is not None:
             self.watch.into(self.trace)
         return self.trace
+
+
+def _watch(case: Case, model: nn.Module) -> ModuleWatch | None:
+    """A zoom's probes on `model` (verify/zoom/watch.py), or None without a zoom."""
+    if case.zoom is None:
+        return None
+    skip = ("",) if case.pp > 1 else ()  # a pipeline's ranks call its stages, never its root
+    tp = (case.tp, tp_locals) if case.tp > 1 else ()  # under tp a pass is its tp ranks', one local each
+    return ModuleWatch(model, case.zoom, *tp, skip=skip)
 
 
 def reference_model(

@@ -95,6 +95,27 @@ def test_fuzz_finds_shrinks_and_writes_the_case_of_a_broken_engine(tmp_path, cap
     assert "FAIL" in (out / "report.html").read_text()
 
 
+def test_fuzz_zooms_into_a_shrunk_resumed_case(tmp_path, capsys):
+    """Issue 48: after shrinking a resumed case (2 steps, resumed after step 1), fuzz's zoom built
+    the case again with `steps` at the diverging step, 1, and `resume_after` 1 kept: no case
+    ("Zoom failed: resume_after: expected a step in [1, steps - 1] = [1, 0]"). A step up to the
+    save is the first run's, zoomed as the case without its resume (verify/zoom/locate.py
+    `zoom_case`); tests/test_zoom.py holds a step after it."""
+    out = tmp_path / "fuzz"
+    args = ["fuzz", "--engine", "fsdp_verify.zoo.mutants:rank1_different_init", "--resume", "--max-examples", "2"]
+    args += ["--world-sizes", "2", "--models", "mlp", "--precisions", "fp32", "--profile", "ci", "--no-progress"]
+    pins = ("steps=2", "seed=0", "data_seed=1", "init=eager", "clip_norm=null", "optim.name=sgd", "model.dropout=0.0")
+    for pin in pins + ("model.frozen=[]", "microbatches=1", "resume_world_size=null", "resume_engine=null"):
+        args += ["--pin", pin]
+    code = main([*args, "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert code == 1, printed
+    (path,) = out.glob("case-*.json")
+    assert Case.load(path).resume_after == 1  # shrunk, still resumed
+    assert "Zoom failed" not in printed, printed
+    assert "Zoom: step 1 -> init '" in printed and "-> forward of module '" in printed  # named where it parts
+
+
 def test_fuzz_rejects_bad_input_with_exit_code_2(tmp_path, capsys):
     assert main(["fuzz", "--max-examples", "0", "--out", str(tmp_path)]) == 2
     assert "--max-examples" in capsys.readouterr().err

@@ -128,6 +128,26 @@ def test_a_reassociated_dot_product_on_one_rank_is_not_named():
     assert any(m["module"] == "blocks.0.up" for m in moved) and all(m["ok"] for m in result.modules)
 
 
+@pytest.mark.parametrize("step", [1, 2])
+def test_zoom_into_a_resumed_case_before_and_after_the_save(step):
+    """Issue 48: a resumed case (saved after step 1 on 2 ranks, resumed on 1). Step 1 is the first
+    run's: zoomed as the case without its resume (it failed before: `steps=1` beside
+    `resume_after=1` is no case). Step 2 is the resumed run's: the ranks save and resume as the case
+    does and the reference's resumed run is watched (before, the ranks ran on without a resume
+    and the reference watched nothing after it: "every module agrees", a silent miss)."""
+    case = mlp_case(2, steps=2, resume_after=1, resume_world_size=1, engine=_mutant("inputs_cast_to_bf16"))
+    verdict = check_case(case)
+    assert not verdict.ok
+    result = zoom(case, verdict, step=step)
+    assert (result.direction, result.module, result.op, result.op_where) == (
+        "forward",
+        "",
+        "aten._to_copy.default",
+        "only on the sharded side",
+    ), result.chain()
+    assert result.chain().startswith(f"step {step} ->")
+
+
 def test_zoom_refuses_a_step_outside_the_case():
     from fsdp_verify.validation import CaseError
 

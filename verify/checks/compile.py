@@ -2,11 +2,15 @@
 in the verdict: frames compiled, graph breaks and where, and recompilations. A frame compiled again
 in two steps after the run's first (but at the step the case unfreezes parameters, which fail a
 guard once) is a finding: a guard that fails every step, and so a compile every step; so is a
-frame Dynamo gave up on after its recompile limit (it runs eagerly from then on). Once is not:
+frame Dynamo gave up on after its recompile limit because a value changed each call (a limit
+reached by variants of one function, its units, shapes and requires_grad patterns, is a note:
+`limit_findings`). Once is not:
 Dynamo compiles some frames first at the second step (a frame it ran eagerly inside the first
 step's resume function), and says so in the summary."""
 
 from __future__ import annotations
+
+import re
 
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
@@ -38,9 +42,18 @@ def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                     f"{why}: a guard that fails every step compiles every step",
                 )
             )
+        if "limits" in record:
+            for found in limit_findings(rank, record):
+                # A note said on several ranks alike is said once: the ranks run one program
+                alike = next((f for f in findings if f.kind == "note" and f.step == found.step), None)
+                if found.kind == "note" and alike is not None:
+                    alike.message = re.sub(r"^ranks? ([\d, ]+):", rf"ranks \1, {rank}:", alike.message)
+                    continue
+                findings.append(found)
+            continue
         for step, reasons in sorted(record["breaks"].items(), key=lambda kv: int(kv[0])):
             for reason in reasons:
-                if LIMIT in reason:  # Dynamo stopped compiling a frame: it runs eagerly from then on
+                if LIMIT in reason:  # a record of before the probe kept `limits`: not told apart
                     findings.append(
                         Finding(
                             int(step),
@@ -54,6 +67,99 @@ def check_compile(case: Case, ref: Trace, got: Trace) -> list[Finding]:
                         )
                     )
     return findings
+
+
+# Dynamo keeps at most `recompile_limit` graphs per code object (8, torch 2.13); asked for one
+# more, it compiles nothing and runs the frame's graphs where their guards pass and the rest
+# eagerly (RUN_ONLY). Two ways to get there, told apart by the guard each compile failed against
+# the frame's previous graph (Dynamo's `recompile_reason`):
+#   * variants: each compile for a guard on what makes a call another call of the same function,
+#     the frame's tensors' metadata (a shape, dtype, stride, device, requires_grad), its argument
+#     count, its module's type or its forward's code: each unit of a class, each input shape, each
+#     requires_grad pattern (frozen parameters, and once more each at `unfreeze_step`) its own
+#     graph. A correct program compiled so meets the limit too: it is about the program's speed
+#     (the variants past it run eagerly), not a divergence; a note, with the reasons. Issue 48:
+#     the toolkit's checkpointing had put every unit of every class under one function and reached
+#     it at step 2 on the ranks and on the single-device reference alike; one function per class
+#     since (verify/training/checkpointing.py), but a model of more than 8 blocks of distinct shapes
+#     (`dynamic=False`) reaches it with no checkpointing at all (tests/test_compile.py).
+#   * a value: a compile for any other guard (a Python int the forward reads, `calls == 6`; an
+#     object's identity), the same call compiled again because something the program changes
+#     each call: a finding, as a frame compiled again every step is (the zoo's
+#     `recompiles_every_step` gets there within a step when it calls a frame more than 8 times).
+_VARIANT_GUARDS = {
+    "size mismatch": "a shape",
+    "stride mismatch": "a stride",
+    "dtype mismatch": "a dtype",
+    "device mismatch": "a device",
+    "requires_grad mismatch": "requires_grad",
+    "dispatch key set mismatch": "a dispatch key set",
+    "len(args)": "the argument count",  # not any len(): a list the program grows is a value
+    "len(kwargs)": "the argument count",
+    "___check_type_id(": "a module's type",
+    "__code__": "a forward's code",
+}
+
+
+def variant_guard(reason: str | None) -> str | None:
+    """What Dynamo's `reason` for compiling a frame again says the call differs in, where that is
+    something that makes it another variant of the function (above); else None."""
+    if not reason:
+        return None
+    first = reason.splitlines()[0]
+    guard = first.split(":", 1)[1] if first[:1].isdigit() and ":" in first else first
+    guard = guard.split("#", 1)[0].replace("L['args']", "args").replace("L['kwargs']", "kwargs")  # the comment: source
+    if guard.strip().startswith("tensor "):
+        return next((what for key, what in _VARIANT_GUARDS.items() if key in guard and "mismatch" in key), None)
+    if guard.strip().startswith("___check_obj_id(") and "__code__" not in guard:
+        return None  # an object's identity: the same call, another object
+    return next((what for key, what in _VARIANT_GUARDS.items() if key in guard and "mismatch" not in key), None)
+
+
+def limit_findings(rank: int, record: dict) -> list[Finding]:
+    """The compiles Dynamo refused at its recompile limit on `rank` (the probe's `limits`), one per
+    step: a note where every compile of the frames at the limit was for another variant, else a
+    finding (above)."""
+    if not record["limits"]:
+        return []
+    limit = record.get("recompile_limit")
+    counts: dict[tuple[str, str], list[str | None]] = {}
+    for _step, name, where, _ops, reason in record["frames"]:
+        counts.setdefault((name, where), []).append(reason)
+    full = {key: reasons for key, reasons in counts.items() if limit is not None and len(reasons) >= limit}
+    names = ", ".join(f"{name} ({where})" for name, where in full) or "a frame"
+    found: list[Finding] = []
+    for step in sorted({int(s) for s, _ in record["limits"]}):
+        refused = [reason for s, reason in record["limits"] if int(s) == step]
+        reasons = [r for rs in full.values() for r in rs if r] + [r for r in refused if r]
+        values = [r for r in reasons if variant_guard(r) is None]
+        said = f"Dynamo's recompile limit ({limit} graphs a function, torch._dynamo.config.recompile_limit)"
+        if reasons and not values and full:
+            kinds = sorted({variant_guard(r) for r in reasons})
+            message = (
+                f"rank {rank}: {said} reached at step {step} by {names}: {sum(len(rs) for rs in full.values())}"
+                f" graphs compiled, {len(refused)} more refused, each for a guard of its own ({', '.join(kinds)}; the last:"
+                f" {_short(reasons[-1])}), none a value the program changes: a correct program compiled so meets it"
+                " too; the variants past it run eagerly (slower, not wrong; every number judged as usual); raise"
+                " recompile_limit to compile them all"
+            )
+            found.append(Finding(step, "compile", "<recompile limit>", True, "note", COMPARATOR, message))
+            continue
+        why = f" for {_short(values[-1])}" if values else ""
+        message = (
+            f"rank {rank}: {said} reached at step {step} by {names}, compiled again{why}: a value the program"
+            " changes between calls, so the frame compiled again and again until Dynamo gave up on it; its new"
+            " calls run eagerly from then on"
+        )
+        found.append(Finding(step, "compile", "<recompile limit>", False, "recompiled", COMPARATOR, message))
+    return found
+
+
+def _short(reason: str) -> str:
+    """Dynamo's recompile reason without its entry number and source comment: `s.calls == 6`."""
+    first = reason.splitlines()[0]
+    guard = first.split(":", 1)[1] if first[:1].isdigit() and ":" in first else first
+    return guard.split("#", 1)[0].split(". Guard failed", 1)[0].strip()
 
 
 def late_compiles(case: Case, record: dict) -> dict[tuple[str, str], list[tuple[int, str | None]]]:

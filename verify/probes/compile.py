@@ -21,6 +21,7 @@ class CompileProbe(Probe):
         self.step = 0  # compilations before the first forward are the build's (none expected)
         self.frames: list[list] = []  # [step, name, where, ops, recompile reason or None]
         self.breaks: dict[str, dict[str, int]] = {}  # step -> reason -> count
+        self.limits: list[list] = []  # [step, recompile reason]: a compile refused at Dynamo's recompile limit
 
     def before_forward(self, step: int, microbatch: int) -> None:
         if not self.on or microbatch != 0:
@@ -45,6 +46,11 @@ class CompileProbe(Probe):
         for m in get_compilation_metrics():
             if m.fail_type is None and not m.has_guarded_code:
                 continue  # a frame Dynamo looked at and left to run as it is
+            if (m.fail_reason or "").startswith(LIMIT_FAILURE):
+                # Dynamo refused to compile a frame again (torch 2.13 records no frame name here):
+                # the guard that failed against its last graph says why it was asked to
+                self.limits.append([self.step, m.recompile_reason])
+                continue
             where = f"{m.co_filename}:{m.co_firstlineno}"
             self.frames.append([self.step, m.co_name, where, m.graph_op_count or 0, m.recompile_reason])
         clear_compilation_metrics()
@@ -65,11 +71,30 @@ class CompileProbe(Probe):
 
         # Graphs Inductor found in its on-disk cache, against those it compiled (verify/training/compile.py)
         cache = {"hit": counters["inductor"]["fxgraph_cache_hit"], "miss": counters["inductor"]["fxgraph_cache_miss"]}
-        return {"first_step": self.first_step, "frames": self.frames, "breaks": self.breaks, "cache": cache}
+        return {
+            "first_step": self.first_step,
+            "frames": self.frames,
+            "breaks": self.breaks,
+            "cache": cache,
+            "limits": self.limits,
+            "recompile_limit": recompile_limit(),
+        }
 
     def gathered(self, per_rank: list[Any]) -> None:
         if self.on:
             self.meta("compile", per_rank)
+
+
+# How Dynamo's compilation metrics begin the failure of a compile refused at its recompile limit
+# (the graph-break type of torch 2.13's `raise_unimplemented_cache_limit_exceeded`).
+LIMIT_FAILURE = "Dynamo recompile limit exceeded"
+
+
+def recompile_limit() -> int | None:
+    """Dynamo's graphs per code object (`torch._dynamo.config.recompile_limit`, 8 in torch 2.13)."""
+    import torch._dynamo.config
+
+    return getattr(torch._dynamo.config, "recompile_limit", None)
 
 
 def _reason(text: str) -> str:

@@ -22,6 +22,7 @@ toolkit itself applies."""
 from __future__ import annotations
 
 import functools
+import types
 
 import torch
 from torch import nn
@@ -35,13 +36,45 @@ def checkpoint_units(model: nn.Module, plan: tuple[str, ...], preserve_rng_state
     for fqn in plan:
         if fqn:
             module = model.get_submodule(fqn)
-            module.forward = functools.partial(_checkpointed, module.forward, preserve_rng_state)
+            checkpointed = _checkpointed_for(module.forward)
+            module.forward = functools.partial(checkpointed, module.forward, preserve_rng_state)
 
 
 def _checkpointed(forward, preserve_rng_state: bool, *args, **kwargs):
     return torch.utils.checkpoint.checkpoint(
         forward, *args, use_reentrant=False, preserve_rng_state=preserve_rng_state, **kwargs
     )
+
+
+# Under compile the checkpointed forward is the frame Dynamo compiles (a unit's `_call_impl` is in
+# a file it skips), and Dynamo keeps its graphs per code object, at most `recompile_limit` (8,
+# torch 2.13) of them; past it a new variant runs eagerly. One `_checkpointed` for every unit put
+# every unit of every class under one code object: each class, argument count and dtype (the
+# embedding's ids), parameter shape and requires_grad pattern a variant of the same function, and
+# at `unfreeze_step` each unit with frozen parameters one more (its requires_grad guard fails).
+# Issue 48's case (a Transformer, eleven units of five classes, four frozen parameters unfrozen at
+# step 2) reached the limit at step 2 on the ranks, and the single-device reference reached it too
+# (TORCH_LOGS=recompiles: the guards that failed were `len(args)`, `args[0]`'s dtype, the
+# forward's `__code__`, the unit's type and parameters' requires_grad; none FSDP2's), and the
+# verdict called it a divergence. A copy of the code per unit forward function (so per class)
+# gives each the cache its own `forward` has without checkpointing (where `module.compile()`
+# traces `Class.forward`, one code object per class, shared by its instances): the same
+# variants, counted per class, as an uncheckpointed compile counts them.
+_PER_FORWARD: dict[object, types.FunctionType] = {}
+
+
+def _checkpointed_for(forward) -> types.FunctionType:
+    """`_checkpointed` with a code object of its own for `forward`'s function (a bound method's
+    `__func__`; anything else, e.g. a user's plain function on the instance: that object), named
+    after it, so that Dynamo's frames and reports name the unit's forward."""
+    key = getattr(forward, "__func__", forward)
+    made = _PER_FORWARD.get(key)
+    if made is None:
+        name = f"checkpointed {getattr(key, '__qualname__', None) or type(key).__name__}"
+        code = _checkpointed.__code__.replace(co_name=name, co_qualname=name)
+        made = types.FunctionType(code, _checkpointed.__globals__, name)
+        _PER_FORWARD[key] = made
+    return made
 
 
 def without_kv_cache(model: nn.Module) -> list[str]:

@@ -99,11 +99,31 @@ def _fqn(fqn: str) -> str:
 
 
 # ---- running a zoom pass ------------------------------------------------------------------------
+def zoom_case(case: Case, step: int, spec: str) -> Case:
+    """`case` run as far as `step` with the zoom's probes `spec`. A resumed case (issue 48): a step
+    up to the save is the first run's, which is the case without its resume as far as the step
+    (`steps=step` with `resume_after` kept is no case: nothing would be left to resume, and the
+    zoom failed on it); a later step is the resumed run's, so the run saves and resumes as the
+    case does and the probes watch the resumed run (`_run`, and the reference's resumed run)."""
+    if case.resume_after is not None and step <= case.resume_after:
+        return case.before_resume().with_(steps=step, zoom=spec)
+    return case.with_(steps=step, zoom=spec)
+
+
 def _run(case: Case, pool, timeout_s: float | None) -> tuple[Trace, Trace]:
     from fsdp_verify.runner import emulating_reference
     from fsdp_verify.sharded.pool import get_pool
     from fsdp_verify.training.threads import rank_like_threads
 
+    if case.resume_after is not None:  # a step after the save (`zoom_case`): the resumed run's
+        from fsdp_verify.sharded.resume import run_resumed
+
+        def reference() -> Trace:
+            with rank_like_threads():
+                return emulating_reference(case)
+
+        _saved, resumed, ref = run_resumed(case, pool, timeout_s, reference)
+        return ref, resumed
     pool = pool or get_pool(case.world_size)
     pool.submit(case)
     try:
@@ -449,7 +469,9 @@ def zoom(
         result.phase, result.record = first.phase, first.name
         result.ratio = first.ratio if first.kind == "deviation" else None
     t0 = time.perf_counter()
-    modules_case = case.with_(steps=step, zoom=str(step))
+    modules_case = zoom_case(case, step, str(step))
+    # What ran the step: a resumed case's step after the save ran on what it resumed on
+    case = modules_case.after_resume() if modules_case.resume_after is not None else modules_case
     ref, got = _run(modules_case, pool, timeout_s)
     findings = _judge(modules_case, ref, got, ("modules", "module_grads"), calibrate)
     result.seconds["modules"] = time.perf_counter() - t0
@@ -473,7 +495,7 @@ def zoom(
         )
         return result
     t1 = time.perf_counter()
-    ops_case = case.with_(steps=step, zoom=f"{step}/{result.direction}/{result.module}")
+    ops_case = zoom_case(modules_case, step, f"{step}/{result.direction}/{result.module}")
     ref, got = _run(ops_case, pool, timeout_s)
     aligned, sequence = align_ops(ref, got)
     findings = _judge(ops_case, ref, aligned, ("ops",), calibrate)
