@@ -1,4 +1,8 @@
-"""The command line, as a user runs it: exit codes 0 / 1 / 2 / 3 and the JSON verdict."""
+"""The command line, as a user runs it: exit codes 0 / 1 / 2 / 3 and the JSON verdict.
+
+One test of each exit code runs `python -m fsdp_verify` in a process of its own (the exit status a
+shell sees); the others call the command in this process (tests/in_process.py: the same `main`,
+without starting torch twice more)."""
 
 import json
 import sys
@@ -6,9 +10,11 @@ import sys
 import pytest
 
 from fsdp_verify import launch
+from tests.in_process import run_cli
 
 
 def fsdp_verify(*args, timeout=300):
+    """In a process of its own, as a shell runs it."""
     return launch.run([sys.executable, "-m", "fsdp_verify", *args], timeout=timeout)
 
 
@@ -35,7 +41,7 @@ def test_check_takes_every_dtype_spelling_and_prints_the_short_one(tmp_path, spe
     """`check --param-dtype bf16` works as `fuzz --precisions bf16` does; both print `bf16`."""
     out = tmp_path / "verdict.json"
     args = ["--model", "mlp", "--steps", "1", "--param-dtype", spelling[0], "--reduce-dtype", spelling[1]]
-    r = fsdp_verify("check", *args, "--json", str(out))
+    r = run_cli(["check", *args, "--json", str(out)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "param bf16, reduce fp32" in r.stdout and "bfloat16" not in r.stdout
     precision = json.loads(out.read_text())["case"]["precision"]
@@ -88,7 +94,8 @@ def test_check_mutant_exits_1_and_names_first_divergence(tmp_path):
     ],
 )
 def test_bad_input_exits_2_and_names_the_field(args, message):
-    r = fsdp_verify("check", *args)
+    # the first in a process of its own (the exit status a shell sees), the others in this one
+    r = fsdp_verify("check", *args) if args == ["--world-size", "0"] else run_cli(["check", *args])
     assert r.returncode == 2, r.stdout + r.stderr
     assert message in r.stderr
 
@@ -96,7 +103,7 @@ def test_bad_input_exits_2_and_names_the_field(args, message):
 def test_bad_case_file_exits_2(tmp_path):
     bad = tmp_path / "case.json"
     bad.write_text(json.dumps({"optim": {"name": "lamb"}}))
-    r = fsdp_verify("check", "--case", str(bad))
+    r = run_cli(["check", "--case", str(bad)])
     assert r.returncode == 2 and "optim.name" in r.stderr
 
 
@@ -111,10 +118,10 @@ def test_crashed_rank_exits_3_naming_rank_and_phase():
 def test_engine_names_and_model_lists_take_the_spellings_users_type(tmp_path):
     """`--engine FSDP1` runs and prints `fsdp1` (one spelling); `--models` takes commas as
     `--world-sizes` and `--precisions` do."""
-    r = fsdp_verify("check", "--engine", "FSDP1", "--model", "mlp", "--steps", "1")
+    r = run_cli(["check", "--engine", "FSDP1", "--model", "mlp", "--steps", "1"])
     assert r.returncode == 0 and "EQUIVALENT: fsdp1 vs the reference" in r.stdout, r.stdout + r.stderr
     args = ["--models", "mlp,transformer", "--world-sizes", "1", "--cases", "2", "--no-progress"]
-    r = fsdp_verify("sweep", *args, "--out", str(tmp_path))
+    r = run_cli(["sweep", *args, "--out", str(tmp_path)])
     assert r.returncode == 0, r.stdout + r.stderr
     report = json.loads((tmp_path / "report.json").read_text())
     assert report["counts"]["cases"] == 2
@@ -130,11 +137,11 @@ def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts
     Case(model=ModelSpec(kind="mlp", widths=(4, 3)), world_size=2, mesh_shape=(1, 2), data=DataSpec(batch_size=2)).save(
         path
     )
-    r = fsdp_verify("check", "--case", str(path), "--engine", engine)
+    r = run_cli(["check", "--case", str(path), "--engine", engine])
     assert r.returncode == 2, r.stdout + r.stderr
     assert f"mesh_shape: expected a 1-D mesh (shard,): what engine {engine!r} takes, got (1, 2)" in r.stderr
     assert "infrastructure" not in r.stderr
-    r = fsdp_verify("sweep", "--engine", engine, "--hsdp", "--pin", "mesh_shape=[2,2]", "--out", str(tmp_path / "s"))
+    r = run_cli(["sweep", "--engine", engine, "--hsdp", "--pin", "mesh_shape=[2,2]", "--out", str(tmp_path / "s")])
     assert r.returncode == 2 and "mesh_shape: expected a 1-D mesh" in r.stderr, r.stdout + r.stderr
 
 

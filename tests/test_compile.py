@@ -29,6 +29,7 @@ from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.compile import CACHE_ENV, use_cache_dir
 from tests.conftest import mlp_case, regression
+from tests.in_process import run_cli
 
 PLAIN = "examples/engine/my_engine.py:shard"
 EVERYTHING = "examples/engine/my_engine.py:shard_everything"
@@ -126,10 +127,7 @@ def test_compile_rate_takes_a_profile_or_a_share(capsys):
 
 
 def test_check_compile_on_a_plain_plugin_exits_2_naming_the_declaration():
-    r = launch.run(
-        [sys.executable, "-m", "fsdp_verify", "check", "--model", "mlp", "--engine", PLAIN, "--compile", "units"],
-        timeout=180,
-    )
+    r = run_cli(["check", "--model", "mlp", "--engine", PLAIN, "--compile", "units"])
     assert r.returncode == 2, r.stdout + r.stderr
     assert "compile: expected None" in r.stderr and "Capabilities(takes=('compile', ...))" in r.stderr
 

@@ -1,12 +1,9 @@
 """The bundled FlatParameter engine (`--engine flat`, verify/engines/flat/): equivalent to the
 reference on real gloo process groups, and its seed-004 bugs caught where they first show."""
 
-import sys
-
 import pytest
 from hypothesis import example, given
 
-from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.flat.api import unmanaged_params
@@ -15,6 +12,7 @@ from fsdp_verify.models import MLP
 from fsdp_verify.properties import cases, sharded_equals_reference
 from fsdp_verify.sharded.pool import get_pool
 from tests.conftest import TINY_LM, lm_case, mlp_case, regression
+from tests.in_process import run_cli
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
@@ -131,6 +129,6 @@ def test_meta_init_that_consumes_rng_is_caught_at_step_0_init(fsdp_check):
 
 
 def test_cli_check_engine_flat_exits_0():
-    r = launch.run([sys.executable, "-m", "fsdp_verify", "check", "--engine", "flat"], timeout=600)
+    r = run_cli(["check", "--engine", "flat"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: flat" in r.stdout

@@ -1,12 +1,9 @@
 """`--engine fsdp1`: PyTorch FSDP1 (`FullyShardedDataParallel`, FlatParameter, use_orig_params) on
 real gloo process groups, equivalent to the reference; read through the FlatView."""
 
-import sys
-
 import pytest
 from hypothesis import example, given
 
-from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.fsdp1 import fsdp1_engine
@@ -16,6 +13,7 @@ from fsdp_verify.properties import cases, sharded_equals_reference
 from fsdp_verify.properties.strategies import fsdp1_modelled
 from fsdp_verify.sharded.pool import RankFailure, get_pool
 from tests.conftest import lm_case, mlp_case, regression
+from tests.in_process import run_cli
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 
@@ -267,7 +265,7 @@ def test_fsdp1_refuses_output_dtype_naming_the_field():
 
 
 def test_cli_check_engine_fsdp1_exits_0():
-    r = launch.run([sys.executable, "-m", "fsdp_verify", "check", "--engine", "fsdp1"], timeout=600)
+    r = run_cli(["check", "--engine", "fsdp1"])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT: fsdp1" in r.stdout
 

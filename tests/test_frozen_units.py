@@ -14,7 +14,9 @@ from fsdp_verify.properties.strategies import _param_names, cases
 from fsdp_verify.validation import CaseError
 from tests.conftest import mlp_case
 
-FIND = settings(database=None, max_examples=400)
+# derandomize: whether the draw reaches a kind of case is a property of the strategy, asked the same
+# way every run (a random start missed fsdp1's whole frozen unit in 400 examples once in a full run).
+FIND = settings(database=None, max_examples=400, derandomize=True)
 
 
 def _units(case) -> dict[str, list[bool]]:

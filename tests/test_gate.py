@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify import launch
+from tests.in_process import run_cli
 
 ROOT = Path(__file__).resolve().parent.parent
 SWEEP = "--models mlp --world-sizes 2 --precisions fp32 --steps 1"
@@ -73,10 +74,9 @@ def test_gate_between_equal_environments_finds_nothing(tmp_path):
     ],
 )
 def test_gate_refuses_bad_input_with_exit_2(tmp_path, args, message):
-    done = launch.run(
-        [sys.executable, "-m", "fsdp_verify", "gate", *args, "--out", str(tmp_path / "g")],
+    done = run_cli(
+        ["gate", *args, "--out", str(tmp_path / "g")],
         cwd=ROOT,
-        timeout=300,
         env={**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")},
     )
     assert done.returncode == 2, done.stdout + done.stderr

@@ -93,11 +93,7 @@ def test_repro_exits_125_when_the_toolkit_itself_does_not_import(tmp_path):
     )
     assert r.returncode == 125, r.stdout + r.stderr
     assert "broken at this revision" in r.stderr and str(copy) in r.stderr  # the copy ran
-    r = launch.run(
-        [sys.executable, "-m", "fsdp_verify", "repro", str(path), "--no-such-flag"],
-        cwd=ROOT,
-        timeout=300,
-    )
+    r = launch.run([sys.executable, "-m", "fsdp_verify", "repro", str(path), "--no-such-flag"], cwd=ROOT, timeout=300)
     assert r.returncode == 125, r.stdout + r.stderr  # a flag this revision lacks: skip, never "bad"
 
 
