@@ -44,23 +44,22 @@ def _broken_release(tmp_path: Path) -> Path:
     return wrapper
 
 
-def test_gate_names_a_case_that_passes_on_the_baseline_and_fails_on_the_new_release(tmp_path):
-    done = _gate(tmp_path, f"good={sys.executable}", f"broken={_broken_release(tmp_path)}")
+def test_gate_names_a_case_that_fails_on_a_new_release_and_nothing_between_equal_ones(tmp_path):
+    """One gate over three environments (a sweep each): the same interpreter twice, which must
+    differ in nothing, and a broken one, whose failing case is named against the baseline."""
+    done = _gate(tmp_path, f"good={sys.executable}", f"same={sys.executable}", f"broken={_broken_release(tmp_path)}")
     assert done.returncode == 1, done.stdout + done.stderr
     summary = json.loads((tmp_path / "gate" / "gate.json").read_text())
     assert summary["schema"] == "fsdp-verify/gate/1" and summary["baseline"] == "good"
-    good, broken = summary["environments"]
+    good, same, broken = summary["environments"]
     assert (good["cases"], good["failed"], broken["cases"], broken["failed"]) == (1, 0, 1, 1)
+    assert (same["cases"], same["failed"]) == (1, 0)
     assert good["torch"] == broken["torch"]  # recorded from inside each environment
     new = summary["diffs"]["broken"]["places"]["."]["new_failures"]
     assert len(new) == 1 and new[0]["status"] != "pass", new
+    assert not summary["diffs"]["same"]["places"]["."]["new_failures"], summary["diffs"]["same"]
+    assert "== good -> same ==\nno change between" in done.stdout, done.stdout
     assert "NEW CAUSE [1 case]" in done.stdout and "| broken |" in done.stdout
-
-
-def test_gate_between_equal_environments_finds_nothing(tmp_path):
-    done = _gate(tmp_path, f"a={sys.executable}", f"b={sys.executable}")
-    assert done.returncode == 0, done.stdout + done.stderr
-    assert "no change between" in done.stdout
 
 
 @pytest.mark.parametrize(
