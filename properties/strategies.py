@@ -25,6 +25,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
+from fsdp_verify import units
 from fsdp_verify.case import (
     GRAD_REDUCTIONS,
     NOT_MODELLED_BESIDE,
@@ -140,11 +141,11 @@ def frozen_in_units(spec: ModelSpec, plan: tuple[str, ...]) -> SearchStrategy[tu
     parameter it owns: a unit with nothing to reduce) or in part (a proper subset of them: a unit
     that reduces some of its parameters and not others). `_frozen`'s two parameters anywhere reach
     neither a whole unit of more than two parameters nor a chosen mix in one. Shrinks to nothing."""
-    from fsdp_verify.case import _owner
+    from fsdp_verify.units import owner_of_module
 
     owned: dict[str, list[str]] = {}
     for name in _param_names(spec):
-        owned.setdefault(_owner(plan, name.rpartition(".")[0]) or "", []).append(name)
+        owned.setdefault(owner_of_module(plan, name.rpartition(".")[0]) or "", []).append(name)
     units = sorted(owned)  # the root ("") first: shrinks towards it
 
     @st.composite
@@ -708,6 +709,8 @@ def cases(
     tps, world_sizes, pins = _tp_draws(engine, world_sizes, precisions, pins)
     world_sizes = _reshard_int_worlds(engine, world_sizes, pins)
     pins = _knob_pins(engine, pins)
+    from fsdp_verify.engines import engine_capabilities
+
     rate = compile_rate  # None: the profile loaded when the case is drawn (`_with_compile`)
     if engine == "fsdp1":
         pins = {"precision.output_dtype": None, **pins}  # FSDP1 has no output_dtype
@@ -720,6 +723,8 @@ def cases(
             drawn = drawn.map(_sequence_parallel_norms_trainable)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     drawn = drawn.flatmap(lambda case: pipelines(case, pins))
+    if "groups" in engine_capabilities(engine).takes:
+        drawn = drawn.flatmap(lambda case: unit_groups(case, pins))
     if resume:  # docs/resume.md
         return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, tps, pins))
     return drawn
@@ -901,6 +906,61 @@ def _asked(pins: dict[str, Any], asks: dict[str, Any]) -> bool:
     return any(
         name in pins and (isinstance(pins[name], SearchStrategy) or pins[name] != off) for name, off in asks.items()
     )
+
+
+def group_candidates(case: Case) -> list[tuple[str, ...]]:
+    """Units of the plan that one `fully_shard([...])` could cover instead (verify/units.py):
+    runs of two or more sibling units next to each other in the model's order (an MLP's blocks,
+    a Transformer's `norm` and `output`), and, with tied embeddings, torchtitan's
+    `[tok_embeddings, norm, output]` (its tied unit) where the root holds them."""
+    from fsdp_verify.models import module_classes
+
+    order = {name: i for i, name in enumerate(module_classes(case.model))}
+    plain = sorted((u for u in case.wrap_plan if u and not units.is_group(u)), key=lambda u: order.get(u, -1))
+    out: list[tuple[str, ...]] = []
+    for i, first in enumerate(plain):
+        parent = first.rpartition(".")[0]
+        run = [first]
+        for later in plain[i + 1 :]:
+            between = [
+                n for n in order if order[run[-1]] < order[n] < order[later] and not units.is_ancestor(run[-1], n)
+            ]
+            if later.rpartition(".")[0] != parent or between:
+                break
+            run.append(later)
+            out.append(tuple(run))
+    if case.model.kind == "transformer" and case.model.tie_embeddings and "norm" in order:
+        root_holds = units.owner_of_module(case.wrap_plan, "tok_embeddings") == ""
+        if root_holds:
+            out.append(
+                ("tok_embeddings", "norm", "output") if "norm" not in case.wrap_plan else ("tok_embeddings", "output")
+            )
+    return out
+
+
+@st.composite
+def unit_groups(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
+    """`case` with one unit over several modules in a third of the draws where the plan has
+    candidates (`group_candidates`), for an engine that takes `groups`; drawn after everything
+    else, so that a seed's earlier draws stay what they were. Not beside tp, ep or pp (the Case
+    refuses those), nor where the plan was pinned."""
+    if "wrap" in pins or case.tp > 1 or case.ep > 1 or case.pp > 1:
+        return case
+    candidates = group_candidates(case)
+    if not candidates or draw(st.integers(0, 2)) != 0:
+        return case
+    chosen = draw(st.sampled_from(candidates))
+    last = max(i for i, u in enumerate(case.wrap_plan) if u in chosen) if set(chosen) <= set(case.wrap_plan) else None
+    plan = []
+    for i, u in enumerate(case.wrap_plan):  # the group where its last member stood: children still first
+        if u == "" and last is None or i == last:
+            plan.append(units.group(chosen))
+        if u not in chosen:
+            plan.append(u)
+    try:
+        return case.with_(wrap=plan)
+    except CaseError:
+        return case
 
 
 @st.composite
@@ -1188,11 +1248,16 @@ def _knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
     from fsdp_verify.engines.capabilities import KNOBS, not_declared
 
     taken = engine_capabilities(engine).taken()
-    off = {k.field: k.off for k in KNOBS.values() if k.name not in taken}
+    # a knob asked otherwise than by its field's value (units over several modules: an entry of
+    # the plan) is drawn only for an engine that takes it (`unit_groups`), not pinned off here
+    off = {k.field: k.off for k in KNOBS.values() if k.name not in taken and k.asks is None}
     for knob in KNOBS.values():
         given = pins.get(knob.field, knob.off)
         if knob.field in off and not isinstance(given, SearchStrategy) and given != knob.off:
             raise PinError(f"{knob.field}: expected {knob.off!r}: {not_declared(engine, knob.name)}, got {given!r}")
+    wrap = pins.get("wrap")
+    if "groups" not in taken and isinstance(wrap, tuple) and any(units.is_group(u) for u in wrap):
+        raise PinError(f"wrap: expected units of one module each: {not_declared(engine, 'groups')}, got {wrap!r}")
     return {**pins, **off}
 
 
@@ -1268,12 +1333,12 @@ def _custom_pins(spec: ModelSpec, pins: dict[str, Any]) -> dict[str, Any]:
 
 def _units_frozen_whole(case: Case) -> set[str]:
     """The units of the plan ("" the root) that own parameters, every one of them frozen."""
-    from fsdp_verify.case import _owner
     from fsdp_verify.models import is_frozen, parameter_names
+    from fsdp_verify.units import owner_of_module
 
     own: dict[str, list[str]] = {}
     for n in parameter_names(case.model):
-        own.setdefault(_owner(case.wrap_plan, n.rpartition(".")[0]) or "", []).append(n)
+        own.setdefault(owner_of_module(case.wrap_plan, n.rpartition(".")[0]) or "", []).append(n)
     return {u for u, names in own.items() if all(is_frozen(case.model, n) for n in names)}
 
 

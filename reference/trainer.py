@@ -53,6 +53,7 @@ from fsdp_verify.training.optim import (
     step_scheduler,
 )
 from fsdp_verify.training.rng import dropout_states, rank_streams, rng_fingerprint
+from fsdp_verify.units import modules_of, owner_of_param
 from fsdp_verify.zoom.watch import ModuleWatch
 
 
@@ -726,14 +727,14 @@ def _compile_as_sharded(model: nn.Module, case: Case) -> None:
     from fsdp_verify.training.compile import compile_in_place
 
     empty = torch._dynamo.disable(_nothing, recursive=True)
-    for fqn in case.wrap_plan:
-        module = model.get_submodule(fqn)
-        _as_unit_class(module)
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for key, hook in list(hooks.items()):
-                hooks[key] = torch._dynamo.disable(hook, recursive=True)
-        module.register_forward_pre_hook(empty)
-        module.register_forward_hook(empty)
+    for unit in case.wrap_plan:
+        for module in modules_of(model, unit):
+            _as_unit_class(module)
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    hooks[key] = torch._dynamo.disable(hook, recursive=True)
+            module.register_forward_pre_hook(empty)
+            module.register_forward_hook(empty)
     compile_in_place(case, model)
 
 
@@ -850,7 +851,7 @@ def _hsdp_average(
     staged = pre == 1 and post != 1 if staged is None else staged
     units: dict[str, list[str]] = {}
     for n in rank_grads[0]:
-        units.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
+        units.setdefault(owner_of_param(case.wrap_plan, n), []).append(n)
     out: dict[str, torch.Tensor] = {}
     for names in units.values():
         dims = [_placement_dim(case, n, rank_grads[0][n].shape) for n in names]
@@ -863,7 +864,7 @@ def _hsdp_average(
             summed = gloo_allreduce_sum(group).view(shards, -1)
             per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
         if partial is not None:
-            unit = _owning_unit(case.wrap_plan, names[0])
+            unit = owner_of_param(case.wrap_plan, names[0])
             kept = partial.pop(unit, None)
             if kept is not None:
                 per_replica = [mine + earlier for mine, earlier in zip(per_replica, kept)]
@@ -939,7 +940,7 @@ class _FlatLayout:
         params = dict(model.named_parameters())  # tied weights once, under their first name
         by_unit: dict[str, list[str]] = {}
         for n in params:
-            by_unit.setdefault(_owning_unit(case.wrap_plan, n), []).append(n)
+            by_unit.setdefault(owner_of_param(case.wrap_plan, n), []).append(n)
         if arithmetic.unit_order == "preorder":
             position = {name: i for i, (name, _) in enumerate(model.named_modules())}
             order = sorted(by_unit, key=lambda u: position[u])
@@ -1193,11 +1194,16 @@ def _install_precision_hooks(
     each with the root's casts and node (reference/pipeline_parallel.py)."""
     # FSDP2 has no param group, so no post-backward node, for a unit whose parameters are all ignored
     units_with_params = {
-        _owning_unit(case.wrap_plan, name) for name, _ in model.named_parameters() if not is_ignored(case.ignored, name)
+        owner_of_param(case.wrap_plan, name)
+        for name, _ in model.named_parameters()
+        if not is_ignored(case.ignored, name)
     }
+    # A unit over several modules (fully_shard([a, b])) casts and passes through the node at each
+    # member's forward (its pre-forward fires per member: torch's _register_group_forward_hooks).
     for fqn in case.wrap_plan if case.pp == 1 else case.wrap_plan[:-1]:
         casts = cast_units_without_params or fqn == "" or fqn in units_with_params
-        _unit_hooks(model.get_submodule(fqn), case.precision, casts, unit_input_node and fqn in units_with_params)
+        for module in modules_of(model, fqn):
+            _unit_hooks(module, case.precision, casts, unit_input_node and fqn in units_with_params)
     if case.pp > 1:
         for stage, owns_params in staged_forward(model, case):
             _unit_hooks(stage, case.precision, True, unit_input_node and owns_params)
@@ -1243,9 +1249,3 @@ def _post_backward_node(_module: nn.Module, args: tuple, kwargs: dict):
     for i, t in zip(where, _PostBackwardNode.apply(*[flat[i] for i in where])):
         flat[i] = t
     return tree_unflatten(flat, spec)
-
-
-def _owning_unit(plan: tuple[str, ...], param_fqn: str) -> str:
-    """The innermost wrapped module containing parameter `param_fqn`: the unit managing it."""
-    module = param_fqn.rsplit(".", 1)[0] if "." in param_fqn else ""
-    return max((u for u in plan if u == "" or module == u or module.startswith(u + ".")), key=len)

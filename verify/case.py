@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
-from fsdp_verify import dtypes
+from fsdp_verify import dtypes, units
 from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
@@ -858,36 +858,61 @@ class Case:
         classes = module_classes(self.model)
         if self.wrap is not None:
             for entry in self.wrap:
+                if units.is_group(entry):  # one unit over several modules: each a module name
+                    for member in units.members(entry):
+                        check(
+                            member in classes and member != "",
+                            "wrap",
+                            f"a group's members ({entry!r}) to be module names of the model other than the root"
+                            f" (e.g. {sorted(n for n in classes if n)[:6]})",
+                            member,
+                        )
+                    continue
                 check(
                     entry in classes or entry in classes.values(),
                     "wrap",
                     f"module names or class names of the model (e.g. {sorted(classes)[:6]},"
-                    f" {sorted(set(classes.values()))[:4]})",
+                    f" {sorted(set(classes.values()))[:4]}), or modules joined by '+' for one unit over them",
                     entry,
                 )
         plan = self.wrap_plan
-        check(len(set(plan)) == len(plan), "wrap", "each module at most once", plan)
+        modules = [m for unit in plan for m in units.members(unit)]
+        check(len(set(modules)) == len(modules), "wrap", "each module at most once", plan)
+        order = {name: i for i, name in enumerate(classes)}  # the model's module order
+        for unit in plan:
+            inner = [(a, b) for a in units.members(unit) for b in units.members(unit) if units.is_ancestor(a, b)]
+            check(not inner, "wrap", f"a group of modules none inside another ({unit!r})", plan)
+            # FSDP2 lays a group's parameters out, and runs its post-forward, in the order given;
+            # the model's order keeps both where the toolkit models them
+            positions = [order.get(m, -1) for m in units.members(unit)]
+            check(positions == sorted(positions), "wrap", f"a group's modules in the model's order ({unit!r})", plan)
         check(
-            not any(u.startswith("moe.experts") for u in plan) or self.model.grouped_experts is not None,
+            not any(m.startswith("moe.experts") for m in modules) or self.model.grouped_experts is not None,
             "wrap",
             "no routed expert as a unit of its own (a rank that routes no sample to it would skip its"
             " all-gather while the others run it)",
             plan,
         )
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
-        for i, fqn in enumerate(plan):
+        if any(units.is_group(u) for u in plan):
+            for name in ("tp", "ep", "pp"):  # a group's one unit over several modules: tried alone so far
+                check(getattr(self, name) == 1, "wrap", f"units of one module each beside {name} (not modelled)", plan)
+        for i, unit in enumerate(plan):
             for later in plan[i + 1 :]:
                 check(
-                    not _is_ancestor(fqn, later), "wrap", f"children before parents ({later!r} is inside {fqn!r})", plan
+                    not any(units.is_ancestor(a, b) for a in units.members(unit) for b in units.members(later)),
+                    "wrap",
+                    f"children before parents ({later!r} is inside {unit!r})",
+                    plan,
                 )
         if self.model.kind == "transformer" and self.model.tie_embeddings and self.pp == 1:  # pp: two stages hold it
-            a, b = _owner(plan, "tok_embeddings"), _owner(plan, "output")
+            a, b = units.owner_of_module(plan, "tok_embeddings"), units.owner_of_module(plan, "output")
             check(a == b, "wrap", "tok_embeddings and output in one shard unit when embeddings are tied", plan)
         if self.model.is_custom:
             from fsdp_verify.models.custom import tied_groups
 
             for names in tied_groups(self.model):
-                owners = {_owner(plan, n.rsplit(".", 1)[0] if "." in n else "") for n in names}
+                owners = {units.owner_of_module(plan, n.rsplit(".", 1)[0] if "." in n else "") for n in names}
                 check(len(owners) == 1, "wrap", f"the tied parameters {list(names)} in one shard unit", plan)
 
     def _validate_zoom(self) -> None:
@@ -1036,19 +1061,22 @@ class Case:
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:
-        """Module FQNs, children first, the root last. A class name in `wrap` stands for every
-        module of that class (as torchtitan and accelerate's FSDP2 plans wrap each decoder layer);
-        a plan that names a class is ordered deepest first, so children still come first."""
+        """Units, children first, the root last: module FQNs, or several joined by '+' for one
+        unit over them (verify/units.py). A class name in `wrap` stands for every module of that
+        class (as torchtitan and accelerate's FSDP2 plans wrap each decoder layer); a plan that
+        names a class is ordered deepest first, so children still come first."""
         if self.wrap is None:
             return default_wrap_plan(self.model)
         classes = module_classes(self.model)
-        if all(entry in classes for entry in self.wrap):
+        if all(units.is_group(entry) or entry in classes for entry in self.wrap):
             return tuple(self.wrap)
         expanded: list[str] = []
         for entry in self.wrap:
-            matches = [entry] if entry in classes else [n for n, c in classes.items() if c == entry]
+            matches = (
+                [entry] if units.is_group(entry) or entry in classes else [n for n, c in classes.items() if c == entry]
+            )
             expanded += [m for m in matches if m not in expanded]
-        inner = sorted((n for n in expanded if n), key=lambda n: -n.count("."))
+        inner = sorted((n for n in expanded if n), key=lambda n: -max(m.count(".") for m in units.members(n)))
         return tuple(inner) + (("",) if "" in expanded else ())
 
     @property
@@ -1235,7 +1263,7 @@ def fullgraph_breaks(case: Case) -> str | None:
     compiled = [""] if case.compile == "model" else [u for u in case.wrap_plan if u]
     classes = module_classes(case.model)
     for outer in compiled:
-        inner = next((u for u in case.wrap_plan if u != outer and _is_ancestor(outer, u)), None)
+        inner = next((u for u in case.wrap_plan if units.inside(u, outer)), None)
         if inner is not None:
             return (
                 f"a unit's FSDP2 hooks run inside a compiled module (unit {inner!r} inside the compiled"
@@ -1268,19 +1296,6 @@ def _parse(text: str) -> Any:
         return json.loads(text)
     except json.JSONDecodeError as e:
         raise CaseError("<file>", "valid JSON", str(e)) from None
-
-
-def _is_ancestor(parent: str, child: str) -> bool:
-    return parent == "" or child.startswith(parent + ".")
-
-
-def _owner(plan: tuple[str, ...], fqn: str) -> str | None:
-    """Innermost wrapped module that contains module `fqn` (the unit that owns its params)."""
-    best = None
-    for unit in plan:
-        if (unit == fqn or _is_ancestor(unit, fqn)) and (best is None or len(unit) > len(best)):
-            best = unit
-    return best
 
 
 _TUPLE_FIELDS = {"widths", "frozen", "ignored", "betas", "wrap", "mesh_shape", "shrinkable", "resume_mesh_shape"}

@@ -27,7 +27,7 @@ def shard_everything(model, mesh, spec):
     spec.compile(model)
     kwargs = spec.fully_shard_kwargs(model, mesh)
     for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        fully_shard(spec.unit_modules(model, fqn), **kwargs)  # a group's modules as one unit
     spec.after_sharding(model)
     return model
 

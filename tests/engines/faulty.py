@@ -9,12 +9,13 @@ import torch
 import torch.distributed as dist
 
 from fsdp_verify.engines.fsdp2 import fully_shard_engine
+from fsdp_verify.units import modules_of
 
 
 def rank1_activation_error(model, mesh, spec):
     """Rank 1 scales its first layer's output by (1 + 1e-5)."""
     if dist.get_rank() == 1:
-        first = model.get_submodule(spec.wrap[0])
+        first = modules_of(model, spec.wrap[0])[0]
         first.register_forward_hook(lambda _m, _a, out: out * (1 + 1e-5))
     return fully_shard_engine(model, mesh, spec)
 
@@ -34,7 +35,7 @@ def one_unit_divided_twice(model, mesh, spec):
     those gradients are 1/W of the reference's, the others right (no whole-step factor)."""
     fully_shard_engine(model, mesh, spec)
     world = mesh.size()
-    model.get_submodule(spec.wrap[0]).set_all_reduce_hook(lambda t: t.div_(world))
+    modules_of(model, spec.wrap[0])[0].set_all_reduce_hook(lambda t: t.div_(world))  # the unit's state
     return model
 
 

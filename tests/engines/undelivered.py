@@ -23,7 +23,7 @@ def _dropping(knob: str):
             name, value = _ARGUMENT_OFF[knob]
             kwargs[name] = value
         for fqn in spec.wrap:
-            fully_shard(model.get_submodule(fqn), **kwargs)
+            fully_shard(spec.unit_modules(model, fqn), **kwargs)
         after = replace(spec, case=spec.case.with_(**_CASE_OFF[knob])) if knob in _CASE_OFF else spec
         after.after_sharding(model)
         if knob == "experts":
@@ -51,7 +51,7 @@ def drops_ep(model, mesh, spec):
 
     kwargs = spec.fully_shard_kwargs(model, dense_mesh(mesh))
     for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        fully_shard(spec.unit_modules(model, fqn), **kwargs)
     spec.after_sharding(model)
     return model
 
@@ -60,7 +60,7 @@ def drops_ep_divide_factor(model, mesh, spec):
     """Declares ep and applies it, but leaves the experts' unit dividing by its own mesh."""
     kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
-        unit = model.get_submodule(fqn)
+        unit = spec.unit_modules(model, fqn)
         fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
     replace(spec, case=spec.case.with_(ep=1)).after_sharding(model)
     return model

@@ -110,8 +110,8 @@ from fsdp_verify.compare.finding import Finding
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.models import is_ignored
 from fsdp_verify.probes.comm import padded_shard_numel
-from fsdp_verify.probes.precision import owning_unit
 from fsdp_verify.trace import Trace
+from fsdp_verify.units import owner_of_param as owning_unit
 
 COMPARATOR = "CommContract"
 PHASE_ORDER = {"forward": 0, "backward": 1, "clip": 2, "optimizer": 3}

@@ -15,12 +15,13 @@ import math
 
 import torch
 
-from fsdp_verify.case import Case, ModelSpec, _owner
+from fsdp_verify.case import Case, ModelSpec
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.engines.tensor_parallel import split_parameters
 from fsdp_verify.models import _construct, is_ignored
 from fsdp_verify.trace import Trace
+from fsdp_verify.units import owner_of_module
 
 COMPARATOR = "OwnershipCheck"
 
@@ -101,7 +102,7 @@ def check_map(case: Case, ownership: OwnershipMap, expected: list[str], ties: li
             )
             continue
         module = name.rsplit(".", 1)[0] if "." in name else ""
-        want = _owner(plan, module)
+        want = owner_of_module(plan, module)
         if module_units and own.units[0] != want:
             findings.append(
                 _fail(name, "ownership", f"owned by {own.units[0]!r}, but the wrap plan puts it in {want!r}")

@@ -21,8 +21,8 @@ from __future__ import annotations
 
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.probes.precision import owning_unit
 from fsdp_verify.trace import Trace
+from fsdp_verify.units import owner_of_param as owning_unit
 
 COMPARATOR = "PrecisionContract"
 

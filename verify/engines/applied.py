@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines.capabilities import TAKEABLE
+from fsdp_verify.units import modules_of
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
@@ -40,7 +41,7 @@ def _units(case: Case, model: nn.Module) -> list[tuple[str, object]]:
     """(unit FQN, its FSDP2 state) for each unit of the plan the engine made an FSDP2 module."""
     out = []
     for fqn in case.wrap_plan:
-        module = model.get_submodule(fqn)
+        module = modules_of(model, fqn)[0]  # a group's modules share one state
         get_state = getattr(module, "_get_fsdp_state", None)
         if callable(get_state):
             out.append((fqn, get_state()))

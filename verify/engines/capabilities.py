@@ -20,9 +20,11 @@ of fully_shard's).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from fsdp_verify import units
 from fsdp_verify.validation import CaseError
 
 MESH_FORMS = {1: "(shard,)", 2: "(replicate, shard)"}
@@ -37,6 +39,10 @@ class Knob:
     field: str  # the Case field, dotted for nested ones ("model.experts")
     off: Any
     applies: str
+    # Where asking is not the field differing from `off` (a unit over several modules is asked
+    # by one entry of the wrap plan): how to tell, and what a refusal says was expected.
+    asks: Callable[[Any], bool] | None = None
+    expected: str | None = None
 
     def value(self, case) -> Any:
         head, _, rest = self.field.partition(".")
@@ -44,7 +50,11 @@ class Knob:
         return getattr(value, rest) if rest else value
 
     def asked(self, case) -> bool:
-        return self.value(case) != self.off
+        return self.asks(case) if self.asks is not None else self.value(case) != self.off
+
+
+def _has_groups(case) -> bool:
+    return any(units.is_group(u) for u in case.wrap_plan)
 
 
 # What the engine applies itself, through fully_shard's arguments or the FSDP2 module's setters
@@ -62,6 +72,16 @@ ENGINE_KNOBS: dict[str, Knob] = {
         # checkpointing, before fully_shard), its options `compile_fullgraph` and `compile_backend`
         # with it: docs/compile.md.
         Knob("compile", "compile", None, "ShardSpec.compile(model) before fully_shard: module.compile(...) in place"),
+        # One unit over several modules ("norm+output" in the plan): fully_shard([a, b]), as
+        # torchtitan shards [norm, lm_head] (verify/units.py).
+        Knob(
+            "groups",
+            "wrap",
+            None,
+            "fully_shard(spec.unit_modules(model, fqn)): a list of modules for a unit over several",
+            asks=_has_groups,
+            expected="units of one module each",
+        ),
     )
 }
 # Parallelisms composed with FSDP: the engine applies them before `fully_shard` (`ShardSpec.
@@ -149,7 +169,8 @@ class Capabilities:
             )
         for knob in KNOBS.values():
             if knob.asked(case) and knob.name not in self.taken():
-                raise CaseError(knob.field, f"{knob.off!r}: {not_declared(engine, knob.name)}", knob.value(case))
+                expected = knob.expected or repr(knob.off)
+                raise CaseError(knob.field, f"{expected}: {not_declared(engine, knob.name)}", knob.value(case))
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
             raise CaseError(

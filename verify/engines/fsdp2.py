@@ -21,7 +21,7 @@ def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> n
     spec.compile(model)
     kwargs = spec.fully_shard_kwargs(model, spec.expert_parallel(model, mesh))
     for fqn in spec.wrap:
-        unit = model.get_submodule(fqn)
+        unit = spec.unit_modules(model, fqn)  # a list for one unit over several modules
         fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
     spec.after_sharding(model)
     return model

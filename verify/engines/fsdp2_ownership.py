@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
+from fsdp_verify import units
 from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
 
 
@@ -26,15 +27,33 @@ def _param_groups(state) -> list:
     return list(groups)
 
 
+def unit_states(root: nn.Module) -> list[tuple[str, object]]:
+    """Each `fully_shard` call's state in `root`, once, with the unit's name as the engine built it:
+    the FQN of the module it was called on, or, for one call over several modules
+    (`fully_shard([norm, lm_head])`, one state shared by all of them), their FQNs joined by '+' in
+    the order given (verify/units.py). Read from the modules' FSDP state, not from the wrap plan."""
+    module_fqn = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    seen: set[int] = set()
+    out = []
+    for name, module in root.named_modules():
+        if not isinstance(module, FSDPModule):
+            continue
+        state = module._get_fsdp_state()
+        if id(state) in seen:
+            continue
+        seen.add(id(state))
+        modules = getattr(state, "_modules", None) or (module,)  # private: torch 2.13's tuple of the call's modules
+        out.append((units.group(module_fqn.get(id(m), name) for m in modules), state))
+    return out
+
+
 def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[int, ...], int, int]], list[str]]:
     """This rank's view: {fqn: (units, shape, local numel, padding)} and unmanaged FQNs."""
     module_fqn = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
     held: dict[str, tuple[list[str], tuple[int, ...], int, int]] = {}
     owned_ids: set[int] = set()
-    for unit_name, unit in root.named_modules():
-        if not isinstance(unit, FSDPModule):
-            continue
-        for group in _param_groups(unit._get_fsdp_state()):
+    for unit_name, state in unit_states(root):
+        for group in _param_groups(state):
             for fp in group.fsdp_params:
                 info = fp._module_info
                 prefix = module_fqn.get(id(info.module), "?")
@@ -42,8 +61,8 @@ def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[i
                 local = fp.sharded_param.to_local().numel()
                 padding = math.prod(fp.padded_sharded_param_size) - local
                 # the global shape: a DTensor on another mesh (the ep dim) has a local `_orig_size`
-                units, shape, _, _ = held.get(fqn, ([], tuple(fp.sharded_param.shape), 0, 0))
-                held[fqn] = (units + [unit_name], shape, local, padding)
+                owners, shape, _, _ = held.get(fqn, ([], tuple(fp.sharded_param.shape), 0, 0))
+                held[fqn] = (owners + [unit_name], shape, local, padding)
                 owned_ids.add(id(fp.sharded_param))
     unmanaged = [n for n, p in root.named_parameters() if id(p) not in owned_ids]
     return held, unmanaged

@@ -22,6 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from fsdp_verify.units import group, modules_of
 from fsdp_verify.validation import check, is_int
 
 PP = "pp"
@@ -185,8 +186,11 @@ def stage_wrap(plan: tuple[str, ...], model: nn.Module, stage: nn.Module) -> tup
     where = {id(m): n for n, m in stage.named_modules()}
     units = []
     for fqn in plan:
-        if fqn and id(model.get_submodule(fqn)) in where and where[id(model.get_submodule(fqn))]:
-            units.append(where[id(model.get_submodule(fqn))])
+        if not fqn:
+            continue
+        names = [where.get(id(m)) for m in modules_of(model, fqn)]  # a group's members, by their stage names
+        if all(names):
+            units.append(group(names))
     return (*units, "")
 
 

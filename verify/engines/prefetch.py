@@ -29,7 +29,7 @@ def forward_order(units: Sequence[str], param_names: Sequence[str], ignored: Seq
     """Units that own a managed parameter (not one of the `ignored` prefixes), in pre-forward
     order (registration order, parents first)."""
     from fsdp_verify.models import is_ignored
-    from fsdp_verify.probes.precision import owning_unit
+    from fsdp_verify.units import owner_of_param as owning_unit
 
     param_names = [n for n in param_names if not is_ignored(tuple(ignored), n)]
     owning = {owning_unit(tuple(units), n) for n in param_names} & set(units)
@@ -75,12 +75,14 @@ def set_prefetching(
 ) -> None:
     """Set each unit's explicit lists on the FSDP2 modules (after every unit is sharded);
     `forward_k`: the forward lists' length, if not k (the zoo's off-by-one)."""
+    from fsdp_verify.units import modules_of
+
     names = [n for n, _ in model.named_parameters()]
     forward = prefetch_lists(units, names, forward_k or k, ignored)
     for unit, (_fwd, bwd) in prefetch_lists(units, names, k, ignored).items():
         fwd = forward[unit][0]
-        module = model.get_submodule(unit)
+        module = modules_of(model, unit)[0]  # a group's modules share one state
         if fwd:
-            module.set_modules_to_forward_prefetch([model.get_submodule(v) for v in fwd])
+            module.set_modules_to_forward_prefetch([modules_of(model, v)[0] for v in fwd])
         if bwd:
-            module.set_modules_to_backward_prefetch([model.get_submodule(v) for v in bwd])
+            module.set_modules_to_backward_prefetch([modules_of(model, v)[0] for v in bwd])

@@ -14,6 +14,10 @@ all and may declare so:
         spec.after_sharding(model)
         return model
 
+A plan may hold a unit over several modules ("norm+output": `fully_shard([model.norm,
+model.output])`, verify/units.py) only for an engine that declares the `groups` knob; such an
+engine shards `spec.unit_modules(model, fqn)`, a module or the list of a group's modules.
+
     shard.capabilities = Capabilities(takes=ENGINE_KNOBS)
 
 The built-in `fsdp2` engine is exactly that, after the case's tensor-parallel plan: with `tp`
@@ -34,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 
 from fsdp_verify.case import Case, PrecisionSpec
 from fsdp_verify.dtypes import to_torch
+from fsdp_verify.units import modules_of
 
 
 @dataclass(frozen=True)
@@ -82,11 +87,18 @@ class ShardSpec:
         return apply_expert_parallel(model, mesh)
 
     @staticmethod
-    def unit_kwargs(unit: nn.Module, kwargs: dict[str, Any]) -> dict[str, Any]:
+    def unit_modules(model: nn.Module, fqn: str) -> nn.Module | list[nn.Module]:
+        """What `fully_shard` takes for unit `fqn` of the plan: its module, or the list of a
+        group's modules in the plan's order (one unit over them all)."""
+        modules = modules_of(model, fqn)
+        return modules if len(modules) > 1 else modules[0]
+
+    @staticmethod
+    def unit_kwargs(unit: nn.Module | list[nn.Module], kwargs: dict[str, Any]) -> dict[str, Any]:
         """`fully_shard_kwargs` for one unit: the experts under expert parallelism are sharded
         over the ranks their ep dim leaves (`expert_parallel` names that mesh on them); an int
         `reshard_after_forward` that group does not divide reshards them fully (True) instead."""
-        mesh = getattr(unit, "fsdp_mesh", None)
+        mesh = getattr(unit[0] if isinstance(unit, list) else unit, "fsdp_mesh", None)
         if mesh is None:
             return kwargs
         rsf = kwargs["reshard_after_forward"]

@@ -53,6 +53,7 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
+from fsdp_verify.units import modules_of
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
 # Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.
@@ -270,7 +271,9 @@ class MemoryProbe(Probe):
         self._where("sharded", self.sharded_params)
         probe = weakref.ref(self)
         for unit in self.case.wrap_plan:
-            module = model.get_submodule(unit)
+            # A unit over several modules reshards after its last member's forward (members in
+            # the model's order, which the Case asks of a group: verify/units.py).
+            module = modules_of(model, unit)[-1]
             module = getattr(module, "_fsdp_wrapped_module", module)
 
             def after_unit(_m: nn.Module, _a: Any, output: Any, _unit: str = unit) -> None:

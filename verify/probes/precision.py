@@ -34,6 +34,7 @@ from torch import nn
 from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
+from fsdp_verify.units import modules_of, owner_of_param
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
@@ -70,13 +71,6 @@ def _floats(obj: Any) -> Iterator[torch.Tensor]:
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return name_of(dtype)
-
-
-def owning_unit(plan: tuple[str, ...], param_fqn: str) -> str:
-    """The innermost wrapped module containing parameter `param_fqn` (the root "" at worst)."""
-    module = param_fqn.rsplit(".", 1)[0] if "." in param_fqn else ""
-    inside = [u for u in plan if u == "" or module == u or module.startswith(u + ".")]
-    return max(inside, key=len, default="")
 
 
 class DtypeLog:
@@ -119,14 +113,14 @@ class PrecisionProbe(Probe):
         plan = self.case.wrap_plan
         owned: dict[str, list[str]] = {unit: [] for unit in plan}
         for name, _ in model.named_parameters():
-            owned[owning_unit(plan, name)].append(name)
+            owned[owner_of_param(plan, name)].append(name)
         for unit in plan:
-            module = model.get_submodule(unit)
-            # FSDP1 unshards and casts inside its forward, not in hooks: observe the module it wraps.
-            module = getattr(module, "_fsdp_wrapped_module", module)
-            pre = eager_hook(self.case, self._pre_forward(model, unit, owned[unit]))
-            module.register_forward_pre_hook(pre, with_kwargs=True)
-            module.register_forward_hook(eager_hook(self.case, self._post_forward(unit)))
+            for module in modules_of(model, unit):  # each member of a unit over several modules casts
+                # FSDP1 unshards and casts inside its forward, not in hooks: observe the module it wraps.
+                module = getattr(module, "_fsdp_wrapped_module", module)
+                pre = eager_hook(self.case, self._pre_forward(model, unit, owned[unit]))
+                module.register_forward_pre_hook(pre, with_kwargs=True)
+                module.register_forward_hook(eager_hook(self.case, self._post_forward(unit)))
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
         self.optimizer = optimizer

@@ -27,13 +27,15 @@ import types
 import torch
 from torch import nn
 
+from fsdp_verify.units import members
+
 # The trace's meta key for the modules whose cache the sharded run turned off (the verdict's note:
 # verify/checks/checkpointing.py).
 CACHE_OFF = "kv_cache_off"
 
 
 def checkpoint_units(model: nn.Module, plan: tuple[str, ...], preserve_rng_state: bool = True) -> None:
-    for fqn in plan:
+    for fqn in (m for unit in plan for m in members(unit)):  # each module of a unit over several
         if fqn:
             module = model.get_submodule(fqn)
             checkpointed = _checkpointed_for(module.forward)

@@ -32,6 +32,8 @@ from typing import Any
 
 from torch import nn
 
+from fsdp_verify.units import members
+
 
 def compile_kwargs(case) -> dict[str, Any]:
     """`torch.compile`'s keyword arguments for the case (backend, fullgraph, static shapes)."""
@@ -44,7 +46,8 @@ def compiled_modules(case, model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     if case.compile == "model":
         return [("", model)]
-    return [(fqn, model.get_submodule(fqn)) for fqn in case.wrap_plan if fqn]
+    # each module of a unit over several modules (verify/units.py), compiled on its own
+    return [(m, model.get_submodule(m)) for fqn in case.wrap_plan if fqn for m in members(fqn)]
 
 
 def compile_in_place(case, model: nn.Module) -> None:

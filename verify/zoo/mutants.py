@@ -32,6 +32,7 @@ from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.training.checkpointing import checkpoint_units
 from fsdp_verify.training.resume import Checkpointer, saved_template, trainer_template
+from fsdp_verify.units import members, modules_of
 
 
 def _units(model: nn.Module) -> list[FSDPModule]:
@@ -51,7 +52,7 @@ def grads_divided_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> 
 def grad_sync_off_for_one_unit(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Leaves gradient sync off for the first wrapped module (a `no_sync` that never ended)."""
     fully_shard_engine(model, mesh, spec)
-    model.get_submodule(spec.wrap[0]).set_requires_gradient_sync(False, recurse=False)
+    modules_of(model, spec.wrap[0])[0].set_requires_gradient_sync(False, recurse=False)  # the unit's state
     return model
 
 
@@ -777,7 +778,7 @@ def _with_expert_parallel(style: type):
             mesh = apply_expert_parallel(model, mesh, style)
         kwargs = spec.fully_shard_kwargs(model, mesh)
         for fqn in spec.wrap:
-            unit = model.get_submodule(fqn)
+            unit = spec.unit_modules(model, fqn)
             fully_shard(unit, **spec.unit_kwargs(unit, kwargs))
         spec.after_sharding(model)
         return model
@@ -1274,7 +1275,7 @@ def unit_compiled_with_unsharded_params(model: nn.Module, mesh: DeviceMesh, spec
     optimizer does not hold (the sharded parameters of those units get none)."""
     import copy
 
-    for fqn in spec.wrap:
+    for fqn in (m for u in spec.wrap for m in members(u)):
         if not fqn:
             continue
         unit = model.get_submodule(fqn)
@@ -1299,7 +1300,7 @@ def hook_dropped_by_compile(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec)
     (tests/upstream/test_compile_drops_backward_hook_registered_late.py; pytorch/pytorch#117265's
     family). That unit's gradients are then W times the reference's from the second forward on."""
     world = mesh.size()
-    first = model.get_submodule(spec.wrap[0])
+    first = modules_of(model, spec.wrap[0])[0]
     layer = next(m for m in first.modules() if isinstance(m, nn.Linear))
     fully_shard_engine(model, mesh, spec)
     forwards = [0]
@@ -1319,7 +1320,7 @@ def recompiles_every_step(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -
     """Counts each unit's forwards in a Python attribute the compiled forward reads (`+ 0.0 *
     unit.calls`, a no-op on the numbers, as a step number read for a schedule would be): Dynamo
     specialises on the int, so every forward fails its guard and compiles again, every step."""
-    for fqn in spec.wrap:
+    for fqn in (m for u in spec.wrap for m in members(u)):
         if not fqn:
             continue
         unit = model.get_submodule(fqn)
@@ -1343,7 +1344,7 @@ def _parallel_then_shard(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, pl
     apply_plan(model, mesh["tp"], plan)
     kwargs = spec.fully_shard_kwargs(model, data_parallel_mesh(mesh))
     for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        fully_shard(spec.unit_modules(model, fqn), **kwargs)
     spec.after_sharding(model)
     return model
 
@@ -1448,7 +1449,7 @@ def fsdp_over_tp_dim(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.
     apply_plan(model, shard, plan_for(spec.case, model, shard))
     kwargs = spec.fully_shard_kwargs(model, mesh["tp"])
     for fqn in spec.wrap:
-        fully_shard(model.get_submodule(fqn), **kwargs)
+        fully_shard(spec.unit_modules(model, fqn), **kwargs)
     spec.after_sharding(model)
     return model
 
