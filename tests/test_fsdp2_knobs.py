@@ -10,13 +10,16 @@ import pytest
 from hypothesis import find, given, settings
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec
+from fsdp_verify.checks.comm import check_comm, expected_collectives, measured_collectives
 from fsdp_verify.checks.memory import offload_findings
+from fsdp_verify.checks.prefetch import forward_pass
 from fsdp_verify.engines.capabilities import ENGINE_KNOBS
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.engines.prefetch import prefetch_lists
 from fsdp_verify.models import parameter_names
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
+from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.validation import CaseError
 from tests.conftest import MLP, TINY_LM, lm_case, mlp_case, regression
 
@@ -460,6 +463,70 @@ def test_prefetch_beside_a_whole_ignored_unit_passes_the_contracts(fsdp_check):
         "layers.0": (["layers.2"], []),
         "layers.2": ([], ["layers.0"]),
     }
+
+
+SWIGLU = ["layers.0.attention", "layers.0.feed_forward.w3", "layers.0.feed_forward.w2", "layers.0", ""]  # run order
+SWIGLU_LISTS = {  # k = 1 in registration order: w2 before w3
+    "": ["layers.0"],
+    "layers.0": ["layers.0.attention"],
+    "layers.0.attention": ["layers.0.feed_forward.w2"],
+    "layers.0.feed_forward.w2": ["layers.0.feed_forward.w3"],
+}
+
+
+def test_the_forward_replayed_in_run_order():
+    """verify/checks/prefetch.py: `w2`'s forward list names `w3`, which ran before it. Resharded
+    after forward, `w3` is gathered again and stays pending into backward; under an int k from
+    its post-forward shards, over k ranks; kept unsharded, nothing is issued. The output FSDP2
+    keeps is the unit copied out last in run order (`w2`), freed by the root's post-forward."""
+    units = set(SWIGLU)
+    resharded = forward_pass(SWIGLU, units, SWIGLU_LISTS, 3, True)
+    w2, w3 = "layers.0.feed_forward.w2", "layers.0.feed_forward.w3"
+    assert [u for u, _ in resharded.gathers] == ["", "layers.0", "layers.0.attention", w2, w3, w3]
+    assert {g for _, g in resharded.gathers} == {3} and resharded.pending == {w3}
+    after = {b.unit: b for b in resharded.boundaries}
+    assert (after[w3].pending, after[w3].kept) == ({w2}, w3)
+    assert (after[w2].pending, after[w2].kept) == ({w3}, w2)
+    assert (after[""].pending, after[""].kept) == ({w3}, None)
+    by_k = forward_pass(SWIGLU, units, SWIGLU_LISTS, 4, 2)
+    assert by_k.gathers[-1] == (w3, 2) and by_k.pending == {w3}
+    assert {b.unit: b.post_forward for b in by_k.boundaries}[""] == units
+    kept = forward_pass(SWIGLU, units, SWIGLU_LISTS, 3, False)
+    assert [u for u, _ in kept.gathers] == ["", "layers.0", "layers.0.attention", w2, w3] and not kept.pending
+    assert {b.unit: b.kept for b in kept.boundaries}[w2] == w2  # not w3, the last registered
+    assert forward_pass(SWIGLU, units, SWIGLU_LISTS, 1, True).gathers == ()  # a shard group of one
+
+
+@pytest.mark.parametrize("name", ["36a0532e74ce", "f8b28b06ee82"])  # reshard_after_forward False; True, 4 micro-batches
+def test_prefetch_out_of_registration_order_passes_the_contracts(fsdp_check, name):
+    """Issue 48: the SwiGLU's `w2`, registered before `w3` and run after it, as units of their
+    own at 3 ranks, `prefetch` 1 (tests/regressions/README.md). The memory contract allowed the
+    all-gather output of the unit last in registration order (`w3`, 24 B) where FSDP2 keeps the
+    one it copied out last (`w2`'s 36 B); the comm contract called `w2`'s list's second gather of
+    `w3` (576 B) unexpected, and expected the backward gather that forward gather replaces. Both
+    contracts run and pass, and a list one unit too long is still caught by memory."""
+    verdict = fsdp_check(regression(name), calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert {"comm", "memory"} <= {f.phase for f in verdict.findings if f.kind == "check"}
+    mutant = fsdp_check(regression(name).with_(engine="fsdp_verify.zoo.mutants:prefetch_one_unit_too_many"))
+    assert not mutant.ok and mutant.first_divergence.phase == "memory", mutant.summary()
+
+
+def test_the_forward_gather_of_a_unit_that_already_ran_is_backwards():
+    """f8b28b06ee82 (reshard_after_forward True, 4 micro-batches): per micro-batch `w3` is
+    gathered twice in forward (its own pre-forward, then `w2`'s list) and not in backward, where
+    its pre-backward copies out the pending forward gather; measured and expected alike."""
+    case = regression("f8b28b06ee82")
+    got = get_pool(case.world_size).run(case, 300)
+    assert check_comm(case, None, got) == []
+    w3 = "layers.0.feed_forward.w3"
+    expected = [
+        (c.microbatch, c.phase) for c in expected_collectives(case, got) if c.unit == w3 and c.kind == "all_gather"
+    ]
+    assert sorted(expected) == sorted((m, "forward") for m in range(4) for _ in range(2))
+    for rank in measured_collectives(got):
+        gathers = [c for c in rank if c.kind == "all_gather" and c.bytes == 576 and c.phase == "forward"]
+        assert len(gathers) == 4 * 3  # w3 twice and the attention once, in each micro-batch
 
 
 def test_prefetch_with_routed_experts_is_refused_naming_the_field():

@@ -125,6 +125,51 @@ def test_the_contract_follows_what_needs_a_gradient_and_when_it_syncs(case):
     assert check_memory(case, None, got) == []  # n/a under checkpointing (as without tp)
 
 
+def test_a_tp_collective_carries_the_dtype_that_reaches_it():
+    """Issue 48, tests/regressions/901b93e0a196.json (an MLP at (1, 2), bf16 parameters, output
+    fp32): `layers.2.linear` sits in the root unit and takes the unit `layers.1`'s output, cast
+    to fp32 by FSDP2, so its colwise input's gradient is all-reduced in fp32 (4 B), not in
+    param_dtype as the model said; the rowwise partial sum of `layers.1.linear` inside its unit
+    is in its compute dtype, bf16, and so is the gathered output."""
+    from tests.conftest import regression
+
+    case = regression("901b93e0a196")
+    got, findings = run(case)
+    assert findings == [], [f.message for f in findings]
+    assert sorted((c.unit, c.phase, c.kind, c.dtype, c.bytes) for c in over_tp(expected_collectives(case, got))) == [
+        ("layers.1.linear", "forward", "all_reduce", "bf16", 2),
+        ("layers.2.linear", "backward", "all_reduce", "fp32", 4),
+        ("layers.2.linear", "forward", "all_gather", "bf16", 4),
+    ]
+
+
+@pytest.mark.parametrize("output_dtype", [None, "fp32", "bf16"])
+@pytest.mark.parametrize("cast_inputs", [True, False])
+@pytest.mark.parametrize(
+    "kind, wrap",
+    [
+        ("mlp", ("layers.0", "layers.1", "")),
+        ("mlp", ("layers.1", "layers.2", "")),
+        ("transformer", ("layers.0.attention", "layers.0.feed_forward", "layers.0", "")),
+    ],
+    ids=["mlp-01", "mlp-12", "lm"],
+)
+def test_the_tp_dtypes_follow_the_casts_of_the_units_around_each_layer(kind, wrap, output_dtype, cast_inputs):
+    """The correct engine beside tp under bf16 parameters with every output dtype and input cast
+    FSDP2 takes, the units placed so that layers sit inside and outside them: each collective is
+    expected in the dtype the traced forward gives it (none fails)."""
+    # SP's norm gradients with an fp32 reduce_dtype meet pytorch/pytorch#190626 (not drawn): bf16 there
+    reduce = "fp32" if kind == "mlp" else "bf16"
+    precision = PrecisionSpec(
+        param_dtype="bf16", reduce_dtype=reduce, output_dtype=output_dtype, cast_forward_inputs=cast_inputs
+    )
+    model = ModelSpec(kind="mlp", widths=(8, 16, 12, 8)) if kind == "mlp" else TINY
+    styles = {"sequence_parallel": True} if kind == "transformer" else {}
+    case = tp_case(model=model, wrap=wrap, precision=precision, **styles)
+    got, findings = run(case)
+    assert findings == [], [f.message for f in findings]
+
+
 # ---- what the contract catches ---------------------------------------------------------------------
 def test_the_tp_all_reduce_in_bf16_under_an_fp32_reduce_dtype_is_named_with_its_dtype():
     """The zoo's `tp_grad_all_reduce_in_bf16`: each norm's partial gradient summed over tp in bf16."""

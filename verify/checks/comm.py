@@ -73,7 +73,14 @@ no-backward unit is gathered: one in a list of a unit whose backward runs (k = 1
 rule again; k = 2 also reaches a frozen embedding behind a frozen norm). Such a gather is never
 copied out, and FSDP2's final backward callback discards it (`finalize_backward`), so the next
 forward gathers the unit again, as without prefetching. Forward prefetching moves a gather
-earlier, never adds one: each unit still once per forward (its memory is the memory contract's).
+earlier where its lists follow the run order; where they do not, a list names a unit that has
+already run (the lists follow registration order: the Transformer's SwiGLU registers `w2` before
+the `w3` it runs after), and a unit resharded after its forward is gathered again there, the
+gather pending into backward, whose pre-backward copies it out instead of gathering: one forward
+gather more, one backward gather less (issue 48: "unexpected all_gather of 576 B", 4
+micro-batches at 3 ranks, tests/regressions/f8b28b06ee82.json). So under `prefetch` the forward
+is replayed in the measured run order (verify/checks/prefetch.py, `prefetched_forward`), and
+its gathers and pending units are the contract's; the memory contract reads the same replay.
 One exception, with activation checkpointing (measured, torch 2.13: a fresh-seed hunt's false
 alarm, an MLP whose `layers.0` holds the units `layers.0.linear` and `layers.0.dropout`): a unit
 nested in a non-root unit is recomputed when its outer unit's backward begins, before its own
@@ -106,6 +113,7 @@ from collections import defaultdict
 from dataclasses import dataclass, replace
 
 from fsdp_verify.case import Case
+from fsdp_verify.checks.prefetch import ForwardPass
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.models import is_ignored
@@ -355,18 +363,27 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             # reshard_after_backward_last: the units the previous micro-batch's backward left unsharded
             kept = m > 0 and getattr(case, "reshard_after_backward_last", False)
             held = held_after_backward(case, units, got, step) if kept else set()
+            # a unit left in its post-forward shards (int k) is gathered over k
+            start = backward_group if kept and backward_group else shard
+            # under `prefetch`, FSDP2's forward replayed in run order (verify/checks/prefetch.py):
+            # which units its forward gathers, over which group, and which gathers stay pending
+            # into backward (a unit whose own pre-backward then copies out the forward's gather)
+            fp = prefetched_forward(case, units, got, held, start != shard)
             for unit, params in units.items():
                 name = unit or "<root>"
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
                 grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
                 if shard > 1 and shards:
                     gathered = shard * shards * _size(param_dtype)
-                    if unit not in held:
-                        # a unit left in its post-forward shards (int k) is gathered over k
-                        group = backward_group if kept and backward_group else shard
+                    if fp is not None and unit in fp.ran:
+                        groups = [g for u, g in fp.run.gathers if u == unit]
+                    else:
+                        groups = [] if unit in held else [start]
+                    for group in groups:
                         fwd = Collective(step, m, "forward", "all_gather", param_dtype, group, gathered, name)
                         out.append(replace(fwd, over=on["shard"]))
-                    if backward_group is not None and unit in reached:
+                    moved = fp is not None and unit in fp.run.pending  # gathered in forward already
+                    if backward_group is not None and unit in reached and not moved:
                         bwd = Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
                         out.append(replace(bwd, over=on["shard"]))
                     # prefetch under checkpointing: gathered again, from its full shards, unless
@@ -397,6 +414,41 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             out.append(replace(clip, over=on["shard"]))
         out += tp_collectives(case, got, step, with_grad)
     return out
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A forward replayed (`prefetched_forward`) and the units it covers (those that ran)."""
+
+    run: ForwardPass
+    ran: frozenset[str]
+
+
+def prefetched_forward(
+    case: Case, units: dict[str, list[tuple[str, list[int]]]], got: Trace, held: set[str], from_post_forward: bool
+) -> Replayed | None:
+    """Under `prefetch`, one micro-batch's forward as FSDP2 runs it (verify/checks/prefetch.py):
+    the forward lists acted on in the measured run order, so a list naming a unit that has
+    already run (registration order is not run order: the Transformer's `w2` before `w3`)
+    gathers it again where it was resharded, and that gather is backward's. `held`: the units
+    still unsharded from the previous backward; `from_post_forward`: the others start in their
+    post-forward shards (int k, `reshard_after_backward_last`). None without `prefetch` or
+    without the memory record's run order (the table's rule then)."""
+    from fsdp_verify.checks.prefetch import forward_pass
+    from fsdp_verify.engines.prefetch import prefetch_lists
+    from fsdp_verify.probes.memory import forward_facts
+
+    facts = forward_facts(got)
+    if getattr(case, "prefetch", None) is None or facts is None:
+        return None
+    order = facts[0]
+    grouped = {u for u, params in units.items() if params}
+    names = [name for name, *_ in got.meta.get("build", [[]])[0]]
+    lists = {u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch, case.ignored).items()}
+    shard = case.mesh[-1]
+    start = frozenset(grouped - held) if from_post_forward else frozenset()
+    run = forward_pass(order, grouped, lists, shard, case.reshard_after_forward, frozenset(held), start)
+    return Replayed(run, frozenset(order))
 
 
 def recomputed_units(case: Case, got: Trace, step: int) -> set[str]:

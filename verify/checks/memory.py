@@ -39,16 +39,20 @@ Under `prefetch` (explicit prefetching k units ahead, verify/engines/prefetch.py
 pre-forward all-gathers the units of its forward list, and they stay all-gathered, their output
 not yet copied out into Parameters, until their own pre-forward: *other* storage, not unsharded
 parameters. So after unit u's forward, and only there, other storage is judged, exactly as FSDP2
-2.13 holds it (`Budget.other_after`; measured, every boundary equal on an MLP at 4 ranks with k 1
-and 2, under an int reshard_after_forward 2, bf16 with activation checkpointing, a (2, 2) mesh,
-and on a transformer at 2): the all-gather output of the last unit copied out in forward (FSDP2
-keeps it in `all_gather_state` until the next copy-out; the root's post-forward frees it), plus
-that of every unit prefetched whose pre-forward has not run (a unit the previous backward left
-unsharded is neither gathered nor copied out), plus under an int k the post-forward shards of
-the units whose forward finished. Each output is the unit's padded full parameters in
-param_dtype. At S = 1 nothing is all-gathered (copied locally): nothing allowed. A unit gathered
-earlier than its lists say (a list one unit too long) is found there; the same collectives are
-issued, so the comm contract cannot see it.
+2.13 holds it (`Budget.other_after`), from FSDP2's forward replayed in the *run* order measured
+(verify/checks/prefetch.py, its docstring says what FSDP2 does and why): the output of every
+gather still pending, the all-gather output of the unit copied out last (FSDP2 keeps it in
+`all_gather_state` until the next copy-out; the root's post-forward frees it; a unit found
+unsharded copies nothing out), and under an int k the post-forward shards of the units resharded
+to them. Each output is the unit's padded full parameters in param_dtype. The lists follow the
+registration order; where the run order differs (the Transformer's SwiGLU: `w2` registered
+before the `w3` it runs after) a list names a unit that already ran, gathered again if it was
+resharded and pending from then on, and "last copied out" is `w2` where registration order said
+`w3` (issue 48: 36 B held, 24 B allowed, tests/regressions/36a0532e74ce.json; measured exact at
+every boundary of its variants: 1 to 4 ranks, (2, 2) and (2, 1), k 1 and 2, an int
+reshard_after_forward 2, fp32, bf16, fp16). At S = 1 nothing is all-gathered (copied locally):
+nothing allowed. A unit gathered earlier than its lists say (a list one unit too long) is found
+there; the same collectives are issued, so the comm contract cannot see it.
 
 Beside tensor parallelism every size is a tp rank's: a parameter the plan splits is sharded by
 FSDP2 as its tp-local tensor (`params_by_unit`'s shapes), and a unit unsharded while it computes
@@ -80,9 +84,11 @@ from fsdp_verify.checks.comm import (
     placement_dims,
     unfrozen_at,
 )
+from fsdp_verify.checks.prefetch import Boundary, ForwardPass, forward_pass
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.engines.prefetch import forward_order, prefetch_lists
+from fsdp_verify.engines.prefetch import prefetch_lists
 from fsdp_verify.probes.comm import padded_shard_numel
+from fsdp_verify.probes.memory import forward_facts
 from fsdp_verify.trace import Trace
 
 COMPARATOR = "MemoryContract"
@@ -110,8 +116,10 @@ class Budget:
     shard: int
     held_between: frozenset[str] = frozenset()  # reshard_after_backward_last: held into micro-batch m > 0
     held_unfrozen: frozenset[str] = frozenset()  # the same from `unfreeze_step` on
-    # prefetch: the units with a parameter group in pre-forward order, and each one's forward list
-    forward: tuple[str, ...] = ()
+    # prefetch: the units in the order their forwards finished (measured), those with a parameter
+    # group, and each one's forward list
+    order: tuple[str, ...] = ()
+    grouped: frozenset[str] = frozenset()
     forward_lists: dict[str, list[str]] = field(default_factory=dict)
     # replica_sync_last: step -> the partial reduce outputs kept between micro-batches
     partial_sums: dict[int, int] = field(default_factory=dict)
@@ -143,17 +151,13 @@ class Budget:
             live |= set(done) | {unit}
         return sum(self.unsharded_by_unit.get(v, 0) for v in live)
 
-    def other_after(self, case: Case, unit: str, done: list[str], microbatch: int, step: int) -> int:
-        """Other storage allowed right after `unit`'s forward under `prefetch` (see the module
-        docstring): the all-gather output FSDP2 keeps for the unit it copied out last (freed by
-        the next copy-out; the root's post-forward frees it), the outputs of the units prefetched
-        and not yet copied out, and under an int k the post-forward shards of the units whose
-        forward finished."""
-        ancestors = {v for v in self.forward if v != unit and (v == "" or unit.startswith(v + "."))}
-        finished = (set(done) | {unit}) & set(self.forward)
-        pre = finished | ancestors
-        held = self.held_now(case, microbatch, step)
-        pending = {t for p in pre for t in self.forward_lists.get(p, [])} - pre - held
+    def other_after(self, case: Case, boundary: Boundary, microbatch: int, step: int) -> int:
+        """Other storage allowed right after a unit's forward under `prefetch`, from FSDP2's
+        forward replayed in run order (verify/checks/prefetch.py, `forward_pass`): the outputs of
+        the gathers still pending, the all-gather output FSDP2 keeps for the unit it copied out
+        last (freed by the next copy-out and by the root's post-forward), under an int k the
+        post-forward shards of the units resharded to them, and under `replica_sync_last` the
+        partial reduce outputs of the previous micro-batches."""
         partial = 0
         if microbatch > 0 and getattr(case, "replica_sync_last", False):
             partial = self.partial_sums.get(step, 0)  # the previous backwards' partial reduce outputs
@@ -161,14 +165,21 @@ class Budget:
             # nothing is all-gathered: each unit copies its shards locally (measured); the partial
             # sums are kept all the same (the resume sweep's 18ce68532461, seed 20263963: (2, 1))
             return partial
-        allowed = partial + sum(self.unsharded_by_unit.get(v, 0) for v in pending)
-        gathered = pre - held  # a unit still unsharded is not gathered, nor copied out again
-        if unit != "" and gathered:
-            allowed += self.unsharded_by_unit.get(max(gathered, key=self.forward.index), 0)
+        outputs = set(boundary.pending) | ({boundary.kept} if boundary.kept is not None else set())
+        allowed = partial + sum(self.unsharded_by_unit.get(v, 0) for v in outputs)
         rsf = case.reshard_after_forward
-        if not isinstance(rsf, bool) and 1 < rsf < self.shard:
-            allowed += sum(self.unsharded_by_unit.get(v, 0) // rsf for v in finished)
+        if boundary.post_forward and not isinstance(rsf, bool):
+            allowed += sum(self.unsharded_by_unit.get(v, 0) // rsf for v in boundary.post_forward)
         return allowed
+
+    def forward_pass(self, case: Case, microbatch: int, step: int) -> ForwardPass:
+        """FSDP2's forward of this micro-batch replayed in the measured run order."""
+        held = self.held_now(case, microbatch, step)
+        rsf = case.reshard_after_forward
+        k = not isinstance(rsf, bool) and 1 < rsf < self.shard
+        kept = microbatch > 0 and getattr(case, "reshard_after_backward_last", False)
+        start = frozenset(self.grouped - held) if kept and k else frozenset()  # still in post-forward shards
+        return forward_pass(self.order, set(self.grouped), self.forward_lists, self.shard, rsf, held, start)
 
     def held_now(self, case: Case, microbatch: int, step: int) -> frozenset[str]:
         """The units still unsharded from the previous micro-batch's backward (none at m = 0)."""
@@ -210,11 +221,12 @@ def budget(case: Case, got: Trace) -> Budget:
     if getattr(case, "reshard_after_backward_last", False):
         held = frozenset(held_after_backward(case, units, got))
         unfrozen = frozenset(units)  # backward runs through every unit once nothing is frozen
-    forward: tuple[str, ...] = ()
+    order: tuple[str, ...] = ()
     lists: dict[str, list[str]] = {}
-    if getattr(case, "prefetch", None) is not None:
+    facts = forward_facts(got)
+    if getattr(case, "prefetch", None) is not None and facts is not None:
         names = [name for name, *_ in got.meta.get("build", [[]])[0]]  # model order
-        forward = tuple(forward_order(case.wrap_plan, names, case.ignored))
+        order = tuple(facts[0])
         lists = {
             u: fwd for u, (fwd, _bwd) in prefetch_lists(case.wrap_plan, names, case.prefetch, case.ignored).items()
         }
@@ -226,7 +238,10 @@ def budget(case: Case, got: Trace) -> Budget:
             partial[step] = reduce_size * sum(
                 padded_shard_numel(shape, shard, dims[n]) for ps in units.values() for n, shape in ps if n in stepped
             )
-    return Budget(sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, forward, lists, partial)
+    grouped = frozenset(u for u, params in units.items() if params)
+    return Budget(
+        sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, order, grouped, lists, partial
+    )
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -323,17 +338,24 @@ def prefetch_findings(case: Case, b: Budget, rank: int, rec: dict) -> list[Findi
     if getattr(case, "prefetch", None) is None:
         return []
     prefix = "after forward of "
-    done: list[str] = []
+    seen: set[str] = set()
+    replayed: dict[str, Boundary] = {}
     last = None
     for step, m, where, _held, _shapes, other in rec["boundaries"]:
         if (step, m) != last:
-            done, last = [], (step, m)
+            last, seen = (step, m), set()
+            replayed = {bd.unit: bd for bd in reversed(b.forward_pass(case, m, step).boundaries)}
         if not where.startswith(prefix):
             continue
         unit = where.removeprefix(prefix)
         unit = "" if unit == "<root>" else unit
-        allowed = b.other_after(case, unit, done, m, step)
-        done.append(unit)
+        if unit in seen or unit not in replayed:
+            # A unit's forward run again in backward (a checkpointed recompute) is no boundary of
+            # the forward replayed: `case_contracts` holds no prefetch case under activation
+            # checkpointing to the contracts, so none comes here.
+            continue
+        seen.add(unit)
+        allowed = b.other_after(case, replayed[unit], m, step)
         if other > allowed and (m == 0 or case.sync_every_microbatch):
             return [
                 _finding(

@@ -5,8 +5,7 @@ Each style of the case's plan issues its collectives over the mesh's "tp" dim wh
 change (torch 2.13's ParallelStyles and DTensor redistributions; measured on CPU/gloo with the
 probe, verify/probes/comm.py). Bytes are the full side of the activation (an all-gather's output,
 a reduce-scatter's input, an all-reduce's tensor): tokens x features of one micro-batch of one
-data-parallel rank, in the compute dtype (param_dtype: FSDP2 casts the parameters and the root's
-float inputs):
+data-parallel rank, in the dtype of the tensor that reaches the collective (see "Dtypes" below):
 
 | style (module)                 | forward                                  | backward (where the input / output needs a gradient) |
 |--------------------------------|------------------------------------------|-------------------------------------------|
@@ -40,6 +39,25 @@ not issued again, an MLP's gathered output neither), so those are allowed, not r
 (`underivable`). The clip's stacked
 norms are all-reduced over tp (4 B a parameter with a gradient) when some gradient is split over
 tp; a norm replicated over tp needs none.
+
+Dtypes: a style's collective carries the tensor its hook redistributes, in the dtype that tensor
+has there, not the case's headline dtype. FSDP2's hooks sit around the styles' (tp is applied
+before `fully_shard`; FSDP2 registers its pre-forward hook with `prepend=True` and its
+post-forward hook after the styles' output hooks, torch 2.13 `FSDPState.init`): a unit's inputs
+are cast to param_dtype (`_cast_forward_inputs`, where `cast_forward_inputs` and param_dtype)
+before a style on that module turns them into a DTensor, and a unit's outputs are cast to
+`output_dtype` (`_cast_output_dtype`) after a style on it has redistributed them. So a layer's
+output collectives (a rowwise partial sum, a colwise gathered output) are in its compute dtype
+(the Linear or Embedding computes in its weight's dtype: param_dtype), and its input
+collectives (a colwise input's gradient all-reduced, a Shard(1) input gathered, a
+PrepareModuleInput's) are in the dtype its input arrives in: the `output_dtype` of the unit
+that produced it (the built-in Linear casts its input to the weight's dtype only inside its
+forward, after the style's hook; the cast's backward hands the gradient back in the input's
+dtype, so the all-reduce runs there). Measured, torch 2.13: the MLP `layers.2.linear` in the root unit,
+fed by the unit `layers.1` with output_dtype fp32 under bf16 parameters, all-reduces its input's
+gradient in fp32 (tests/regressions/901b93e0a196.json, a fuzz false alarm when the model said
+param_dtype). The traced forward below emulates those casts (`_fsdp2_casts`) and reads each
+dtype where the style's hook sees it.
 
 Where the activations' shapes come from: one forward of the model as built on the meta device
 (a transformers model on the CPU: its masks read values),
@@ -91,9 +109,7 @@ def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], coll
     `recomputed` the checkpointed units whose forward runs again in backward (their layers'
     forward collectives are issued again there); `collective(step, microbatch, phase, kind,
     dtype, bytes, unit, optional=False)` builds one."""
-    act = case.precision.param_dtype or "fp32"
-    reduce_dtype = case.precision.reduce_dtype or act
-    a = _size(act)
+    reduce_dtype = case.precision.reduce_dtype or case.precision.param_dtype or "fp32"
     out = []
     layers = _layers(case, step)
     for m in range(case.microbatches):
@@ -101,10 +117,11 @@ def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], coll
         synced = case.sync_every_microbatch or last
         for fqn, kind, io in layers:
             again = any(fqn.startswith(u + ".") for u in recomputed)
-            for phase, what, numel in io:
-                out.append(collective(step, m, phase, what, act, numel * a, fqn))
+            for phase, what, numel, dtype in io:  # dtype: what reaches the collective (module docstring)
+                size = numel * _size(dtype)
+                out.append(collective(step, m, phase, what, dtype, size, fqn))
                 if again and phase == "forward":
-                    out.append(collective(step, m, "backward", what, act, numel * a, fqn, optional=True))
+                    out.append(collective(step, m, "backward", what, dtype, size, fqn, optional=True))
             if kind == "norm" and synced:
                 for name, numel in _norm_weights(case, fqn):
                     if name in with_grad:
@@ -153,18 +170,24 @@ def _own_params(spec) -> dict[str, tuple[tuple[str, int], ...]]:
     }
 
 
-def _layers(case, step: int) -> list[tuple[str, str, list[tuple[str, str, int]]]]:
-    """(module, kind, [(phase, collective, elements)]) for every module of the plan, in plan order,
-    at `step`: from `unfreeze_step` on nothing is frozen, so more needs a gradient (a frozen
-    embedding's output under SP, all-gathered in backward once it trains)."""
+def _layers(case, step: int) -> list[tuple[str, str, list[tuple[str, str, int, str]]]]:
+    """(module, kind, [(phase, collective, elements, dtype)]) for every module of the plan, in
+    plan order, at `step`: from `unfreeze_step` on nothing is frozen, so more needs a gradient (a
+    frozen embedding's output under SP, all-gathered in backward once it trains). The dtype is
+    the one the tensor has where the style's hook redistributes it (the module docstring's
+    "Dtypes"), from the precision policy and the units that cast around the layer."""
     unfrozen = case.unfreeze_step is not None and step >= case.unfreeze_step  # as comm's `unfrozen_at`
     spec = dataclasses.replace(case.model, frozen=()) if unfrozen else case.model
     rows = case.local_batch // case.microbatches
-    return _layers_of(spec, case.tp, case.sequence_parallel, case.loss_parallel, rows)
+    p = case.precision
+    casts = (p.param_dtype, p.output_dtype, p.cast_forward_inputs, tuple(case.wrap_plan))
+    return _layers_of(spec, case.tp, case.sequence_parallel, case.loss_parallel, rows, casts)
 
 
 @functools.lru_cache(maxsize=64)
-def _layers_of(spec, tp: int, sequence_parallel: bool, loss_parallel: bool, rows: int) -> tuple:
+def _layers_of(
+    spec, tp: int, sequence_parallel: bool, loss_parallel: bool, rows: int, casts: tuple = (None, None, True, ())
+) -> tuple:
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -176,42 +199,43 @@ def _layers_of(spec, tp: int, sequence_parallel: bool, loss_parallel: bool, rows
     from fsdp_verify.engines.tensor_parallel import _PlanOf
 
     case = _PlanOf(spec, tp, None, sequence_parallel, loss_parallel)
-    model, plan, seen = _traced(case, rows)
+    model, plan, seen = _traced(case, rows, casts)
     prepared = {fqn for fqn, style in plan.items() if isinstance(style, PrepareModuleInput)}
     out = []
     for fqn, style in plan.items():
         module = model.get_submodule(fqn)
         if fqn not in seen:
             raise NotModelled(f"{fqn!r} did not run in the traced forward")
-        (x, x_grad), (y, y_grad) = seen[fqn]
-        io: list[tuple[str, str, int]] = []
+        (x_numel, x_grad, x_dtype), (y_numel, y_grad, y_dtype) = seen[fqn]
+        x, y = (x_numel, x_dtype), (y_numel, y_dtype)  # a collective of the input or of the output
+        io: list[tuple[str, str, int, str]] = []
         kind = "linear"
         if type(style) is ColwiseParallel and isinstance(module, nn.Linear):
             il, ol = style.input_layouts[0], style.output_layouts[0]
             from_prepared = fqn.rpartition(".")[0] in prepared  # a Replicate DTensor already
             if il == Shard(1):
-                io.append(("forward", "all_gather", x))
+                io.append(("forward", "all_gather", *x))
                 if x_grad:
-                    io.append(("backward", "reduce_scatter", x))
+                    io.append(("backward", "reduce_scatter", *x))
             elif il == Replicate():
                 if x_grad and not from_prepared:
-                    io.append(("backward", "all_reduce", x))
+                    io.append(("backward", "all_reduce", *x))
             else:
                 raise NotModelled(f"{fqn!r}: ColwiseParallel from {il}")
             if ol == Replicate():
-                io.append(("forward", "all_gather", y))
+                io.append(("forward", "all_gather", *y))
             elif not isinstance(ol, Shard):
                 raise NotModelled(f"{fqn!r}: ColwiseParallel to {ol}")
         elif type(style) is RowwiseParallel and isinstance(module, (nn.Linear, nn.Embedding)):
             il, ol = style.input_layouts[0], style.output_layouts[0]
             if isinstance(module, nn.Linear) and il == Replicate() and x_grad:
-                io.append(("backward", "all_gather", x))
+                io.append(("backward", "all_gather", *x))
             if ol == Replicate():
-                io.append(("forward", "all_reduce", y))
+                io.append(("forward", "all_reduce", *y))
             elif ol == Shard(1):
-                io.append(("forward", "reduce_scatter", y))
+                io.append(("forward", "reduce_scatter", *y))
                 if y_grad:
-                    io.append(("backward", "all_gather", y))
+                    io.append(("backward", "all_gather", *y))
             else:
                 raise NotModelled(f"{fqn!r}: RowwiseParallel to {ol}")
         elif type(style) is PrepareModuleInput:
@@ -221,9 +245,9 @@ def _layers_of(spec, tp: int, sequence_parallel: bool, loss_parallel: bool, rows
                     continue
                 if (layout, desired) != (Shard(1), Replicate()):
                     raise NotModelled(f"{fqn!r}: PrepareModuleInput from {layout} to {desired}")
-                io.append(("forward", "all_gather", x))
+                io.append(("forward", "all_gather", *x))
                 if x_grad:
-                    io.append(("backward", "reduce_scatter", x))
+                    io.append(("backward", "reduce_scatter", *x))
         elif type(style) is SequenceParallel:
             kind = "norm"
         else:
@@ -236,10 +260,15 @@ class NotModelled(Exception):
     """A style, or a layout it changes, that the model does not derive."""
 
 
-def _traced(case, rows: int):
+def _traced(case, rows: int, casts: tuple = (None, None, True, ())):
     """The model on the meta device, its plan, and per planned module ((input elements, input
-    needs a gradient), (output elements, output needs a gradient)) from one forward of `rows`
-    samples (frozen parameters frozen, as the ranks build them)."""
+    needs a gradient, input dtype), (output elements, output needs a gradient, output dtype))
+    from one forward of `rows` samples (frozen parameters frozen, as the ranks build them), under
+    FSDP2's casts (`casts`: param_dtype, output_dtype, cast_forward_inputs, the wrap plan;
+    `_fsdp2_casts`). The input is read as the module's forward gets it (after every pre-hook, so
+    after a unit's input cast, where a style's input hook sees it), the output as the module
+    returns it (a hook registered before the unit's output cast, where a style's output hook
+    sees it)."""
     from fsdp_verify.engines.tensor_parallel import plan_for
     from fsdp_verify.models import _construct, is_frozen
 
@@ -259,11 +288,15 @@ def _traced(case, rows: int):
             x = next((t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)), None)
             y = output[0] if isinstance(output, (tuple, list)) else output
             if fqn not in seen and x is not None and isinstance(y, torch.Tensor):
-                seen[fqn] = ((x.numel(), x.requires_grad), (y.numel(), y.requires_grad))
+                seen[fqn] = (
+                    (x.numel(), x.requires_grad, _name(x.dtype)),
+                    (y.numel(), y.requires_grad, _name(y.dtype)),
+                )
 
         return record
 
     handles = [model.get_submodule(f).register_forward_hook(hook(f), with_kwargs=True) for f in plan]
+    handles += _fsdp2_casts(model, *casts)  # output casts after the records: a style sees the output first
     try:
         with torch.device(device):
             model(*_inputs(spec, rows))
@@ -271,6 +304,52 @@ def _traced(case, rows: int):
         for h in handles:
             h.remove()
     return model, plan, seen
+
+
+def _name(dtype: torch.dtype) -> str:
+    """A floating dtype's printed name (fp32, bf16, fp16); another's torch name (token ids: no
+    style's collective carries them)."""
+    from fsdp_verify.dtypes import canonical
+
+    name = str(dtype).removeprefix("torch.")
+    return canonical(name) if dtype.is_floating_point else name
+
+
+def _fsdp2_casts(model: nn.Module, param_dtype, output_dtype, cast_forward_inputs: bool, units) -> list:
+    """What FSDP2's mixed precision does to the dtypes of a forward, on a plain model: every
+    parameter in param_dtype (each unit computes with its unsharded param_dtype copy), each
+    unit's floating inputs cast to param_dtype first (`FSDPState._cast_forward_inputs`, a
+    pre-hook prepended before any other), its floating outputs to `output_dtype` last
+    (`_cast_output_dtype`, in its post-forward hook). Returns the hooks' handles."""
+    from fsdp_verify.dtypes import to_torch
+
+    if param_dtype is not None:
+        low = to_torch(param_dtype)
+        for module in model.modules():
+            for n, p in list(module._parameters.items()):
+                if p is not None and p.is_floating_point():
+                    module._parameters[n] = nn.Parameter(p.detach().to(low), requires_grad=p.requires_grad)
+
+    def cast(dtype):
+        def to(t):
+            return t.to(dtype) if isinstance(t, torch.Tensor) and t.is_floating_point() else t
+
+        return lambda tree: torch.utils._pytree.tree_map(to, tree)
+
+    handles = []
+    for unit in units:
+        module = model.get_submodule(unit)
+        if cast_forward_inputs and param_dtype is not None:
+            inputs = cast(to_torch(param_dtype))
+            handles.append(
+                module.register_forward_pre_hook(
+                    lambda _m, a, k, f=inputs: (f(a), f(k)), prepend=True, with_kwargs=True
+                )
+            )
+        if output_dtype is not None:
+            outputs = cast(to_torch(output_dtype))
+            handles.append(module.register_forward_hook(lambda _m, _a, out, f=outputs: f(out)))
+    return handles
 
 
 def _inputs(spec, rows: int) -> tuple:
