@@ -942,9 +942,9 @@ def group_candidates(case: Case) -> list[tuple[str, ...]]:
 def unit_groups(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case` with one unit over several modules in a third of the draws where the plan has
     candidates (`group_candidates`), for an engine that takes `groups`; drawn after everything
-    else, so that a seed's earlier draws stay what they were. Not beside tp, ep or pp (the Case
-    refuses those), nor where the plan was pinned."""
-    if "wrap" in pins or case.tp > 1 or case.ep > 1 or case.pp > 1:
+    else, so that a seed's earlier draws stay what they were. Not beside tp, ep, pp or prefetch
+    (the Case refuses those), nor where the plan was pinned."""
+    if "wrap" in pins or case.tp > 1 or case.ep > 1 or case.pp > 1 or case.prefetch is not None:
         return case
     candidates = group_candidates(case)
     if not candidates or draw(st.integers(0, 2)) != 0:
@@ -958,7 +958,7 @@ def unit_groups(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         if u not in chosen:
             plan.append(u)
     try:
-        return case.with_(wrap=plan)
+        return case.with_(wrap=tuple(plan))
     except CaseError:
         return case
 

@@ -102,6 +102,7 @@ KNOB_CASES = {
     "prefetch": {"prefetch": 1},
     "experts": {"model": ModelSpec(kind="mlp", widths=(16, 33, 17, 8), experts=2)},
     "compile": {"compile": "units"},
+    "groups": {"wrap": ("layers.0+layers.1", "")},
 }
 
 

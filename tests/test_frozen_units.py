@@ -8,9 +8,10 @@ from dataclasses import replace
 import pytest
 from hypothesis import find, given, settings
 
-from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec, _owner
+from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.models import is_frozen
 from fsdp_verify.properties.strategies import _param_names, cases
+from fsdp_verify.units import owner_of_module as _owner
 from fsdp_verify.validation import CaseError
 from tests.conftest import mlp_case
 

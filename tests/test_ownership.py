@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import fsdp_verify.zoo.mutants
-from fsdp_verify.case import _owner
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
 from fsdp_verify.models import _construct
 from fsdp_verify.sharded.pool import get_pool
+from fsdp_verify.units import owner_of_module as _owner
 from tests.conftest import lm_case, mlp_case
 
 ENGINES = "tests/engines/shared_state.py"

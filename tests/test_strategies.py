@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, ModelSpec, PrecisionSpec, _owner
+from fsdp_verify.case import Case, ModelSpec, PrecisionSpec
 from fsdp_verify.properties.strategies import (
     PinError,
     cases,
@@ -17,6 +17,7 @@ from fsdp_verify.properties.strategies import (
     reshard_values,
     wrap_plans,
 )
+from fsdp_verify.units import owner_of_module as _owner
 from tests.conftest import regression
 
 FAST = settings(max_examples=150, deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])

@@ -9,6 +9,7 @@ from dataclasses import replace
 from torch.distributed.fsdp import OffloadPolicy, fully_shard
 
 from fsdp_verify.engines.capabilities import FSDP2
+from fsdp_verify.units import modules_of
 
 # What each knob's dropping leaves of fully_shard's arguments, or of the case after_sharding reads.
 _ARGUMENT_OFF = {"offload": ("offload_policy", OffloadPolicy()), "shard_placement": ("shard_placement_fn", None)}
@@ -42,6 +43,19 @@ drops_grad_reduction = _dropping("grad_reduction")
 drops_prefetch = _dropping("prefetch")
 drops_experts = _dropping("experts")
 drops_compile = _dropping("compile")  # never calls spec.compile(model)
+
+
+def drops_groups(model, mesh, spec):
+    """Declares `groups` and shards each module of a unit over several modules on its own."""
+    kwargs = spec.fully_shard_kwargs(model, mesh)
+    for fqn in spec.wrap:
+        for module in modules_of(model, fqn):
+            fully_shard(module, **kwargs)
+    spec.after_sharding(model)
+    return model
+
+
+drops_groups.capabilities = FSDP2
 
 
 def drops_ep(model, mesh, spec):

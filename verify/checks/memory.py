@@ -71,10 +71,12 @@ sharded state plus the largest unsharded total seen at a boundary.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 
+from fsdp_verify import units
 from fsdp_verify.case import Case, OptimSpec
 from fsdp_verify.checks.comm import (
     _size,
@@ -140,10 +142,15 @@ class Budget:
             return 0
         return sum(self.unsharded_by_unit.get(u, 0) // rsf for u in set(rec.get("no_backward", [])))
 
-    def allowed_after(self, case: Case, unit: str, done: list[str], microbatch: int = 0, step: int = 1) -> int:
+    def allowed_after(
+        self, case: Case, unit: str, done: list[str], microbatch: int = 0, step: int = 1, opened: Iterable[str] = ()
+    ) -> int:
         """Unsharded bytes allowed right after `unit`'s forward, `done` the units whose forward
-        finished before it in this micro-batch."""
-        live = {v for v in self.unsharded_by_unit if v != unit and (v == "" or unit.startswith(v + "."))}
+        finished before it in this micro-batch, `opened` the units over several modules whose
+        first member has run and whose last has not (unsharded from their pre-forward on, as a
+        unit is while it computes: torchtitan's tied `[tok_embeddings, norm, lm_head]` stays
+        unsharded through every block)."""
+        live = {v for v in self.unsharded_by_unit if units.inside(unit, v)} | (set(opened) - {unit})
         # still unsharded from the previous backward, their forward to come
         live |= self.held_now(case, microbatch, step) - set(done) - {unit}
         rsf = case.reshard_after_forward
@@ -375,7 +382,8 @@ def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, 
     out = []
     done: list[str] = []
     last = None
-    for step, m, where, held, shapes, _other in rec["boundaries"]:
+    opened = rec.get("open", {})  # a group open across other units' forwards (verify/probes/memory.py)
+    for index, (step, m, where, held, shapes, _other) in enumerate(rec["boundaries"]):
         if (step, m) != last:
             done, last = [], (step, m)
         if m > 0 and not case.sync_every_microbatch:
@@ -384,7 +392,7 @@ def judged_boundaries(case: Case, b: Budget, rec: dict) -> list[tuple[int, int, 
         if where.startswith(prefix):
             unit = where.removeprefix(prefix)
             unit = "" if unit == "<root>" else unit
-            allowed = b.allowed_after(case, unit, done, m, step)
+            allowed = b.allowed_after(case, unit, done, m, step, opened.get(str(index), ()))
             done.append(unit)
             out.append((step, m, where, held, shapes, allowed, unit or "<root>"))
         else:

@@ -19,9 +19,9 @@ from fsdp_verify.case import Case, ModelSpec
 from fsdp_verify.compare.finding import Finding
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.engines.tensor_parallel import split_parameters
-from fsdp_verify.models import _construct, is_ignored
+from fsdp_verify.models import _construct, is_ignored, module_names
 from fsdp_verify.trace import Trace
-from fsdp_verify.units import owner_of_module
+from fsdp_verify.units import members, owner_of_module
 
 COMPARATOR = "OwnershipCheck"
 
@@ -72,7 +72,10 @@ def check_map(case: Case, ownership: OwnershipMap, expected: list[str], ties: li
     findings: list[Finding] = []
     aliases = {alias: names[0] for names in ties for alias in names[1:]}
     plan = case.wrap_plan
-    module_units = all(u in plan for o in ownership.params.values() for u in o.units)
+    # Units named by modules (FSDP2's, a group's members joined by '+'), not by FlatParameters:
+    # each parameter's is held to the plan's
+    modules = module_names(case.model)
+    module_units = all(m in modules for o in ownership.params.values() for u in o.units for m in members(u))
     ignored = getattr(case, "ignored", ())
     for name in ownership.unmanaged:
         if is_ignored(ignored, name):

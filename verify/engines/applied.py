@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines.capabilities import TAKEABLE
-from fsdp_verify.units import modules_of
+from fsdp_verify.units import is_group, modules_of
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
@@ -224,6 +224,21 @@ def _tp(case: Case, model: nn.Module) -> str:
     return ""
 
 
+def _groups_applied(case: Case, model: nn.Module) -> str:
+    """Each unit over several modules one FSDP2 state: `fully_shard` called on the list, not on
+    each member (their states would differ)."""
+    for fqn in case.wrap_plan:
+        if not is_group(fqn):
+            continue
+        states = []
+        for module in modules_of(model, fqn):
+            get_state = getattr(module, "_get_fsdp_state", None)
+            states.append(get_state() if callable(get_state) else None)
+        if any(s is None for s in states) or len({id(s) for s in states}) > 1:
+            return f"the modules of {fqn!r} are not one unit (each sharded on its own, or not at all)"
+    return ""
+
+
 _READERS = {
     "ep": _ep,
     "tp": _tp,
@@ -234,4 +249,5 @@ _READERS = {
     "prefetch": _prefetch,
     "experts": _experts,
     "compile": _compile,
+    "groups": _groups_applied,
 }

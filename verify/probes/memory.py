@@ -53,7 +53,7 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
-from fsdp_verify.units import modules_of
+from fsdp_verify.units import is_group, members
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
 # Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.
@@ -175,7 +175,10 @@ class MemoryProbe(Probe):
             "boundaries": [],
             "no_backward": [],
             "where": {"sharded": [], "grads": [], "optim": []},
+            "open": {},  # boundary index -> units over several modules open there (see `_after`)
         }
+        self.group_left: dict[str, set[str]] = {}  # per group, its members yet to run in this pass
+        self.open_groups: set[str] = set()
         self.model: nn.Module | None = None
         self.view: EngineView | None = None
         self.optimizer: torch.optim.Optimizer | None = None
@@ -269,27 +272,59 @@ class MemoryProbe(Probe):
         self.sharded_params = list(view.parameters().values())
         self.record["sharded"] = self._bytes(self.sharded_params)
         self._where("sharded", self.sharded_params)
-        probe = weakref.ref(self)
         for unit in self.case.wrap_plan:
-            # A unit over several modules reshards after its last member's forward (members in
-            # the model's order, which the Case asks of a group: verify/units.py).
-            module = modules_of(model, unit)[-1]
-            module = getattr(module, "_fsdp_wrapped_module", module)
+            for member in members(unit):
+                module = model.get_submodule(member)
+                module = getattr(module, "_fsdp_wrapped_module", module)
+                if is_group(unit):
+                    module.register_forward_pre_hook(eager_hook(self.case, self._opening(unit)))
+                module.register_forward_hook(eager_hook(self.case, self._after(unit, member)))
 
-            def after_unit(_m: nn.Module, _a: Any, output: Any, _unit: str = unit) -> None:
-                p = probe()
-                if p is not None and p.step == p.first_step:  # first step only (see the module docstring)
-                    p._boundary(f"after forward of {_unit or '<root>'}")
-                    if p.microbatch == 0 and not _needs_backward(output):
-                        p.record["no_backward"].append(_unit)
+    def _opening(self, unit: str):
+        """A unit over several modules is unsharded from its first member's forward on (FSDP2's
+        pre-forward fires per member, unsharding at the first): open until its last has run."""
+        probe = weakref.ref(self)
 
-            module.register_forward_hook(eager_hook(self.case, after_unit))
+        def hook(_m: nn.Module, _a: Any) -> None:
+            p = probe()
+            if p is not None:
+                p.open_groups.add(unit)
+
+        return hook
+
+    def _after(self, unit: str, member: str):
+        """The boundary after `unit`'s forward: at once for a unit of one module, after the last
+        of a group's members to run in this pass (torch's `_register_group_forward_hooks` runs
+        the post-forward, and reshards, when every member has run), with the groups still open
+        then recorded beside it (`open`: their parameters are legitimately unsharded there)."""
+        probe = weakref.ref(self)
+
+        def hook(_m: nn.Module, _a: Any, output: Any) -> None:
+            p = probe()
+            if p is None:
+                return
+            if is_group(unit):
+                left = p.group_left.setdefault(unit, set(members(unit)))
+                left.discard(member)
+                if left:
+                    return
+                del p.group_left[unit]
+                p.open_groups.discard(unit)
+            if p.step == p.first_step:  # first step only (see the module docstring)
+                p._boundary(f"after forward of {unit or '<root>'}")
+                if p.open_groups:
+                    p.record["open"][str(len(p.record["boundaries"]) - 1)] = sorted(p.open_groups)
+                if p.microbatch == 0 and not _needs_backward(output):
+                    p.record["no_backward"].append(unit)
+
+        return hook
 
     def after_optimizer(self, optimizer: torch.optim.Optimizer, view: EngineView) -> None:
         self.optimizer = optimizer
 
     def before_forward(self, step: int, microbatch: int) -> None:
         self.step, self.microbatch = step, microbatch
+        self.group_left, self.open_groups = {}, set()
         if self.first_step is None:
             self.first_step = self.record["first_step"] = step
         if microbatch == 0 and step == self.first_step:

@@ -82,6 +82,14 @@ ZOO: list[ZooBug] = [
         pins=dict(_CHEAP),
     ),
     ZooBug(
+        "group_sharded_module_by_module",
+        _mutant("group_sharded_module_by_module"),
+        "a unit over several modules sharded as one unit a module",
+        "torchtitan's fully_shard([norm, lm_head]) walked module by module (issue 49)",
+        ("build",),
+        pins={**_CHEAP, "wrap": ("layers.0+layers.1", ""), "model.widths": (8, 6, 5, 4)},
+    ),
+    ZooBug(
         "grads_not_averaged",
         _mutant("grads_not_averaged"),
         "gradients summed over ranks, never divided by the world size",

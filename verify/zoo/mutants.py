@@ -49,6 +49,14 @@ def grads_divided_twice(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> 
     return model
 
 
+def group_sharded_module_by_module(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """A unit over several modules ("norm+output") sharded as one unit a module: `fully_shard`
+    called on each member, the group's one all-gather and reduce-scatter become one a module
+    (an engine that walks a framework's plan module by module)."""
+    split = replace(spec, wrap=tuple(m for unit in spec.wrap for m in members(unit)))
+    return fully_shard_engine(model, mesh, split)
+
+
 def grad_sync_off_for_one_unit(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Leaves gradient sync off for the first wrapped module (a `no_sync` that never ended)."""
     fully_shard_engine(model, mesh, spec)

@@ -1,0 +1,152 @@
+"""One FSDP2 unit over several modules (`fully_shard([norm, output])`, spelled "norm+output" in a
+wrap plan: verify/units.py), as torchtitan shards its `[norm, lm_head]` and, tied, its
+`[tok_embeddings, norm, lm_head]`: one unit everywhere (ownership, both contracts, the knobs check,
+the draw, zoom), read from what the engine built, and refused where it is not modelled."""
+
+from __future__ import annotations
+
+import pytest
+from hypothesis import find, settings
+
+from fsdp_verify import units
+from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.properties.strategies import PinError, cases, group_candidates
+from fsdp_verify.sharded.pool import get_pool
+from fsdp_verify.validation import CaseError
+from tests.in_process import run_cli
+
+PLAIN = "examples/engine/my_engine.py:shard"
+EVERYTHING = "examples/engine/my_engine.py:shard_everything"
+MLP = ModelSpec(kind="mlp", widths=(8, 6, 5, 4))
+LM = ModelSpec(kind="transformer", vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, seq_len=4)
+FIND = settings(database=None, max_examples=400, derandomize=True)
+
+
+def _case(world: int, model: ModelSpec = MLP, **changes) -> Case:
+    return Case(model=model, world_size=world, steps=2, data=DataSpec(batch_size=2 * world)).with_(**changes)
+
+
+# ---- the spelling and what is refused ---------------------------------------------------------------
+def test_a_group_is_one_unit_owning_every_member():
+    plan = ("layers.0.linear", "tok_embeddings+norm+output", "")
+    assert units.members("norm+output") == ("norm", "output") and units.members("") == ("",)
+    assert units.owner_of_param(plan, "output.weight") == "tok_embeddings+norm+output"
+    assert units.owner_of_param(plan, "layers.0.linear.weight") == "layers.0.linear"
+    assert units.owner_of_param(plan, "layers.1.linear.weight") == ""
+    assert units.inside("layers.0.linear+layers.0.dropout", "layers.0")
+    assert not units.inside("layers.0+layers.1", "layers.0")
+
+
+@pytest.mark.parametrize(
+    ("wrap", "changes", "expected"),
+    [
+        (("layers.1+layers.0", ""), {}, "a group's modules in the model's order"),
+        (("layers.0+layers.0.linear", ""), {}, "a group of modules none inside another"),
+        (("layers.0+", ""), {}, "other than the root"),
+        (("layers.0+nope", ""), {}, "module names of the model other than the root"),
+        (("layers.0+layers.1", "layers.0", ""), {}, "each module at most once"),
+        (("layers.0+layers.1", ""), {"prefetch": 1}, "units of one module each beside prefetch"),
+    ],
+)
+def test_a_group_the_toolkit_cannot_model_is_refused_naming_the_plan(wrap, changes, expected):
+    with pytest.raises(CaseError) as e:
+        _case(2, wrap=wrap, **changes)
+    assert e.value.field_path == "wrap" and expected in str(e.value), str(e.value)
+
+
+def test_a_group_beside_tensor_parallelism_is_refused():
+    with pytest.raises(CaseError, match="units of one module each beside tp"):
+        _case(4, LM, wrap=("norm+output", ""), tp=2)
+
+
+def test_an_engine_that_does_not_declare_groups_is_refused_them_and_never_drawn():
+    r = run_cli(["check", "--model", "mlp", "--widths", "8,6,5,4", "--engine", PLAIN, "--wrap", "layers.0+layers.1"])
+    assert r.returncode == 2, r.stdout + r.stderr
+    assert "wrap: expected units of one module each: engine" in r.stderr and "`groups`" in r.stderr, r.stderr
+    with pytest.raises(PinError, match="wrap: expected units of one module each"):
+        cases(engine=PLAIN, wrap=("layers.0+layers.1", ""), model="mlp")
+    with pytest.raises(Exception, match="Unsatisfiable|No examples"):  # noqa: B017 (hypothesis's own)
+        find(cases(engine=PLAIN), lambda c: any(units.is_group(u) for u in c.wrap_plan), settings=FIND)
+
+
+# ---- the draw --------------------------------------------------------------------------------------
+def test_the_draw_groups_sibling_units_and_torchtitans_tied_unit():
+    mlp = find(cases(model_kinds=("mlp",)), lambda c: any(units.is_group(u) for u in c.wrap_plan), settings=FIND)
+    group = next(u for u in mlp.wrap_plan if units.is_group(u))
+    parents = {m.rpartition(".")[0] for m in units.members(group)}
+    assert len(parents) == 1, group  # siblings
+    tied = find(
+        cases(model_kinds=("transformer",)),
+        lambda c: c.model.tie_embeddings and any(units.is_group(u) for u in c.wrap_plan),
+        settings=FIND,
+    )
+    assert any(u.startswith("tok_embeddings+") and u.endswith("+output") for u in tied.wrap_plan), tied.wrap_plan
+    assert find(cases(engine=EVERYTHING), lambda c: any(units.is_group(u) for u in c.wrap_plan), settings=FIND)
+
+
+def test_candidates_are_runs_of_siblings_next_to_each_other():
+    case = _case(2, LM, wrap=("layers.0", "layers.1", "norm", "output", ""))
+    found = group_candidates(case)
+    assert ("layers.0", "layers.1") in found and ("norm", "output") in found
+    assert ("layers.1", "norm") not in found  # not siblings
+
+
+# ---- real runs ----------------------------------------------------------------------------------------
+GROUPED = [
+    pytest.param(_case(3, wrap=("layers.0+layers.1", ""), precision=PrecisionSpec("bf16", "fp32")), id="mlp-3-bf16"),
+    pytest.param(_case(4, LM, wrap=("layers.0", "layers.1", "norm+output", ""), mesh_shape=(2, 2)), id="lm-hsdp"),
+    pytest.param(
+        _case(3, LM.__class__(**{**LM.__dict__, "tie_embeddings": True}), wrap=("tok_embeddings+norm+output", "")),
+        id="lm-tied-torchtitan",
+    ),
+    pytest.param(
+        _case(2, wrap=("layers.0+layers.1", ""), reshard_after_forward=False, microbatches=2), id="mlp-kept-2mb"
+    ),
+]
+
+
+@pytest.mark.parametrize("case", GROUPED)
+def test_fsdp2_with_a_group_is_equivalent(fsdp_check, case):
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    checked = {f.comparator for f in verdict.findings if f.kind == "check"}
+    assert {"OwnershipCheck", "CommContract", "MemoryContract"} <= checked, checked
+
+
+@pytest.mark.parametrize("case", [GROUPED[0].values[0], GROUPED[2].values[0]], ids=["mlp", "tied"])
+def test_the_map_names_the_group_as_the_engine_built_it(case):
+    got = get_pool(case.world_size).run(case)
+    ownership = OwnershipMap.from_json(got.meta["ownership"])
+    assert check_map(case, ownership, expected_params(case), expected_ties(case)) == []
+    group = next(u for u in case.wrap_plan if units.is_group(u))
+    owned = [n for n, own in ownership.params.items() if own.units == (group,)]
+    assert owned and all(units.covers(group, n.rpartition(".")[0]) for n in owned), ownership.params
+
+
+def test_a_group_sharded_module_by_module_is_caught_before_the_first_step(fsdp_check):
+    """The engine declares `groups` and shards each member on its own: the knobs check names it
+    (the run stops); the ownership check, on the map such an engine builds, names the units."""
+    case = _case(3, wrap=("layers.0+layers.1", ""), engine="fsdp_verify.zoo.mutants:group_sharded_module_by_module")
+    verdict = fsdp_check(case)
+    first = verdict.first_divergence
+    assert (first.step, first.phase, first.name) == (0, "build", "<wrap>"), verdict.summary()
+    assert "the modules of 'layers.0+layers.1' are not one unit" in first.message
+    split = OwnershipMap.from_json(get_pool(3).run(_case(3, wrap=("layers.0", "layers.1", ""))).meta["ownership"])
+    found = check_map(case, split, expected_params(case), expected_ties(case))
+    assert any("owned by 'layers.0', but the wrap plan puts it in 'layers.0+layers.1'" in f.message for f in found)
+
+
+def test_the_memory_contract_still_catches_an_unsharded_copy_beside_a_group(fsdp_check):
+    """A group held unsharded across the blocks (tied) is allowed exactly while it is open: an
+    engine that keeps the root's unsharded parameters is still caught."""
+    tied = LM.__class__(**{**LM.__dict__, "tie_embeddings": True})
+    case = _case(
+        3,
+        tied,
+        wrap=("tok_embeddings+norm+output", "layers.0", ""),
+        engine="fsdp_verify.zoo.mutants:retains_full_params",
+    )
+    verdict = fsdp_check(case)
+    assert not verdict.ok and any(f.phase == "memory" for f in verdict.failures), verdict.summary()
