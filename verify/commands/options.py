@@ -145,7 +145,19 @@ def add_case_arguments(p: argparse.ArgumentParser) -> None:
     the Case nests them); shared by every command that builds a case."""
     p.add_argument("--case", type=Path, help="a Case JSON file (default: the built-in default case)")
     add_trust_argument(p)
+    add_framework_argument(p)
     case_flags.add_flags(p)
+
+
+def add_framework_argument(p: argparse.ArgumentParser) -> None:
+    from fsdp_verify.frameworks import FRAMEWORKS
+
+    p.add_argument(
+        "--framework",
+        choices=FRAMEWORKS,
+        help="a framework's own FSDP2 code as the engine: --framework torchtitan --model llama3:debugmodel sets its"
+        " model, units, engine, loss and reduction (docs/frameworks/torchtitan.md); other flags apply on top",
+    )
 
 
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
@@ -206,11 +218,29 @@ def case_from_args(args: argparse.Namespace) -> Case:
     if args.case and not Path(args.case).is_file():
         raise CaseError("--case", "a Case JSON file", str(args.case))
     case = load_case(args.case, None, args) if args.case else Case()
+    if getattr(args, "framework", None):
+        case = case.with_(**framework_fields(args))
     flags = case_flags.given(args)
     try:
         return _apply_flags(case, args, flags)
     except CaseError as e:
         raise case_flags.name_flag(e, flags) from None
+
+
+def framework_fields(args: argparse.Namespace) -> dict:
+    """The case fields `--framework` and `--model MODEL:FLAVOR` stand for (verify/frameworks/);
+    `--model-kwargs` adds to the factory's keywords. The model flags are then spent."""
+    import json
+
+    from fsdp_verify.frameworks import preset
+    from fsdp_verify.validation import CaseError
+
+    kwargs = json.loads(args.model_kwargs) if getattr(args, "model_kwargs", None) else {}
+    if not isinstance(kwargs, dict):
+        raise CaseError("model.kwargs", "a JSON object", args.model_kwargs)
+    fields = preset(args.framework, getattr(args, "model", None), kwargs, getattr(args, "seq_len", None))
+    args.model = args.model_kwargs = None
+    return fields
 
 
 def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:

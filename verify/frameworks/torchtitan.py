@@ -1,0 +1,181 @@
+"""torchtitan's own FSDP2 code under test: its models from its registry, its `ParallelDims` and
+`parallelize_*` functions (so `apply_fsdp_to_decoder`, with its `[norm, lm_head]` unit and its
+gradient division turned off), its loss, unchanged. The toolkit runs them as a user's engine
+(`fsdp-verify check --framework torchtitan`: verify/frameworks/__init__.py), against its one-device
+reference, with every record and contract.
+
+What differs from a torchtitan run, and why, each a CPU substitute named in the verdict's case:
+
+- attention: torchtitan's language models are registered with FlexAttention (its registry refuses
+  `attn_backend="sdpa"`), which has no CPU backward; each block's `inner_attention` is replaced by
+  torchtitan's own `ScaledDotProductAttention` (`attention="sdpa"`, the factory's default).
+- the device: torchtitan picks its device type once, at import, and without an accelerator it is
+  "cuda" (`torchtitan.tools.utils.device_type`); `ParallelDims.build_mesh` is run with the mesh's
+  own device type instead (the ranks' "cpu").
+- gloo: with FSDP2's gradient division off torchtitan's reduce-scatter is a plain sum, which gloo
+  takes only as `set_force_sum_reduction_for_comms(True)` (torchtitan sets it for symmetric memory
+  only); it is set on every unit after torchtitan's parallelize.
+- `n_layers` and `seq_len` shrink a flavor (its first blocks kept, RoPE's cache sized to the
+  sequence) so that a case stays cheap on a CPU; the flavor's width, heads and vocabulary stay.
+
+The loss is torchtitan's `cross_entropy_loss` (a sum over the valid tokens), normalised as its
+trainer normalises it, by the step's global number of valid tokens, and the gradients summed over
+the data-parallel ranks (`grad_reduction: sum`, as `disable_fsdp_gradient_division` makes FSDP2
+do). The toolkit's loop applies that scale as it applies every scale (each micro-batch's sum times
+dp / global tokens, then / dp for the sum: torchtitan's value to an ulp), so that the reference
+emulates it bit for bit.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_verify.engines.capabilities import Capabilities
+from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.integrations import require
+from fsdp_verify.validation import CaseError
+
+SPMD_BACKEND = "partial_dtensor"
+
+
+def llama3(
+    flavor: str = "debugmodel", n_layers: int | None = None, seq_len: int | None = None, attention: str = "sdpa"
+):
+    """torchtitan's Llama 3 `flavor` from its registry, built as torchtitan builds it (its
+    `param_init`s draw from the global generator, seeded by the toolkit), with the substitutes
+    above."""
+    require("torchtitan", "torchtitan")
+    from torchtitan.models.llama3 import model_registry
+
+    config = model_registry(flavor, attn_backend="flex").model
+    if n_layers is not None:
+        config.layers = config.layers[:n_layers]
+    if seq_len is not None:
+        for block in config.layers:
+            block.attention.rope.max_seq_len = seq_len
+    model = config.build()
+    _cpu_attention(model, attention)
+    return model
+
+
+class _Parallelism:
+    """What `update_from_config` reads of a trainer's config outside a trainer: its parallelism."""
+
+    def __init__(self, parallelism):
+        self.parallelism = parallelism
+
+
+def _cpu_attention(model: nn.Module, attention: str) -> None:
+    if attention == "flex":
+        return
+    if attention != "sdpa":
+        raise ValueError(f"attention: expected 'sdpa' or 'flex', got {attention!r}")
+    from torchtitan.models.common.attention import ScaledDotProductAttention
+
+    for block in model.layers.values():
+        block.attention.inner_attention = ScaledDotProductAttention(None)
+
+
+def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """torchtitan's own cross-entropy: the sum over the valid tokens (ignore index -100)."""
+    from torchtitan.components.loss import cross_entropy_loss
+
+    return cross_entropy_loss(logits, targets)
+
+
+def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's `parallelize_llama` on a `ParallelDims` of the case's degrees, its world mesh
+    built by torchtitan (`build_mesh`), then gloo's forced sum on every unit."""
+    require("torchtitan", "torchtitan")
+    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.distributed import parallel_dims as dims_module
+    from torchtitan.distributed import utils as dist_utils
+    from torchtitan.models.llama3 import parallelize_llama
+
+    case = spec.case
+    replicate, shard = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])
+    training = TrainingConfig(
+        mixed_precision_param=_dtype(case.precision.param_dtype), mixed_precision_reduce="float32"
+    )
+    parallelism = ParallelismConfig(
+        data_parallel_replicate_degree=replicate,
+        data_parallel_shard_degree=shard,
+        fsdp_reshard_after_forward="default" if case.reshard_after_forward else "never",
+        spmd_backend=SPMD_BACKEND,
+    )
+    dims = dims_module.ParallelDims.from_config(parallelism, case.world_size)  # as torchtitan's trainer
+    dims_module.device_type = mesh.device_type  # torchtitan's import-time guess: "cuda" without one
+    dims.build_mesh()
+    dist_utils.set_spmd_backend(parallelism.spmd_backend)  # torchtitan's trainer does, first
+    with tempfile.TemporaryDirectory() as dump:
+        parallelize_llama(
+            model,
+            parallel_dims=dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=CompileConfig(enable=False),
+            ac_config=None,
+            dump_folder=dump,
+        )
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG, and the division is off
+    return model
+
+
+def _dtype(name: str | None) -> str:
+    if name in (None, "fp32"):
+        return "float32"
+    if name == "bf16":
+        return "bfloat16"
+    raise ValueError(f"precision.param_dtype: torchtitan trains in float32 or bfloat16, got {name!r}")
+
+
+parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"))
+
+
+FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}
+# A case's default sequence length for torchtitan's models (its RoPE cache sized to it): short,
+# as a CPU check wants; --seq-len sets another.
+SEQ_LEN = 16
+
+
+def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
+    """The case fields of a torchtitan run of `model` ("llama3:debugmodel"): its factory with
+    the flavor (and `kwargs`: `n_layers`, ...), torchtitan's units for that model, this engine,
+    its loss, division off (a sum over the data-parallel ranks), and its MixedPrecisionPolicy's
+    `cast_forward_inputs=False`."""
+    from fsdp_verify.models import ModelSpec
+    from fsdp_verify.models.custom import info
+
+    name, _, flavor = model.partition(":")
+    if name not in FACTORIES or not flavor:
+        raise CaseError("model", f"MODEL:FLAVOR with --framework torchtitan, MODEL one of {sorted(FACTORIES)}", model)
+    seq_len = seq_len or SEQ_LEN  # the data's length, and RoPE's cache sized to it
+    spec = ModelSpec(
+        kind="custom", factory=FACTORIES[name], kwargs={"flavor": flavor, "seq_len": seq_len, **kwargs}, seq_len=seq_len
+    )
+    return {
+        "model": spec,
+        "wrap": plan_of(info(spec).classes, tied=bool(info(spec).tied)),
+        "engine": "fsdp_verify.frameworks.torchtitan:parallelize",
+        "loss": "fsdp_verify.frameworks.torchtitan:loss",
+        "grad_reduction": "sum",
+        "precision.cast_forward_inputs": False,
+    }
+
+
+def plan_of(modules: dict[str, str], tied: bool = False) -> tuple[str, ...]:
+    """The units `apply_fsdp_to_decoder` makes (torchtitan 0.3.0), from the model's module names
+    (a meta-device build's: verify/models/custom.py), children first: the token embeddings (or,
+    tied, one unit of embeddings, norm and head), each block, `[norm, lm_head]`, the root."""
+    blocks = tuple(n for n in modules if n.startswith("layers.") and n.count(".") == 1)
+    if tied:
+        return ("tok_embeddings+norm+lm_head", *blocks, "")
+    return ("tok_embeddings", *blocks, "norm+lm_head", "")
