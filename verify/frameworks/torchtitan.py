@@ -38,6 +38,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.engines.view import EngineView
 from fsdp_verify.integrations import require
 from fsdp_verify.validation import CaseError
 
@@ -126,7 +127,21 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modul
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG, and the division is off
+    model.verify_view = lambda: TorchtitanView(model)
     return model
+
+
+class TorchtitanView(EngineView):
+    """FSDP2's view, with torchtitan's own clip: `torchtitan.distributed.utils.clip_grad_norm_`
+    over the model's parameters, as its trainer calls it (foreach, no pp mesh, no ep); the
+    total norm it returns, whole."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = [p for p in self.module.parameters()]
+        norm = clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
 def _dtype(name: str | None) -> str:

@@ -34,10 +34,20 @@ class ZooBug:
     model_kinds: tuple[str, ...] = ("mlp",)
     pins: dict[str, Any] = field(default_factory=dict)
     needs: tuple[str, ...] = ()  # parts of the toolkit a torch may lack (torch_support: ZOO_COMM)
+    # A bug around a framework's own code (verify/zoo/torchtitan.py): (framework, its model as
+    # `--model` spells it there, the factory's keywords); its case fields come from the
+    # framework's preset when the strategy is built, not at import.
+    framework: tuple[str, str, tuple[tuple[str, Any], ...]] | None = None
 
     def off_here(self) -> str | None:
         """Why this torch cannot show the bug (a part it needs is off: its mutant cannot be built,
-        or the contract that catches it is off), or None."""
+        or the contract that catches it is off; the framework it is planted in is not
+        installed), or None."""
+        if self.framework is not None:
+            import importlib.util
+
+            if importlib.util.find_spec(self.framework[0]) is None:
+                return f"{self.framework[0]} is not installed (pip install 'fsdp-verify[{self.framework[0]}]')"
         needs = self.needs + ((COMM_CONTRACT,) if "comm" in self.catchers else ())
         return next((why for why in map(part_off_note, needs) if why), None)
 
@@ -48,12 +58,18 @@ class ZooBug:
         sizes = tuple(w for w in self.world_sizes if world_sizes is None or w in world_sizes)
         if not sizes:
             raise ValueError(f"{self.name}: none of world sizes {world_sizes} can show it (needs {self.world_sizes})")
+        pins = dict(self.pins)
+        if self.framework is not None:
+            from fsdp_verify.frameworks import preset
+
+            name, model, kwargs = self.framework
+            pins = {**{k: v for k, v in preset(name, model, dict(kwargs)).items() if k != "engine"}, **pins}
         return cases(
             engine=self.engine,
             world_sizes=sizes,
             precisions=self.precisions,
             model_kinds=self.model_kinds,
-            **self.pins,
+            **pins,
         )
 
 
@@ -893,6 +909,46 @@ ZOO += [
         ("resumed",),
         model_kinds=("transformer",),  # every block of one shape: the other stage's loads without complaint
         pins={**_PIPELINE, "resume": True, "resume_pp": 2},
+    ),
+]
+BY_NAME = {bug.name: bug for bug in ZOO}
+
+
+# Bugs planted around torchtitan's own code (issue 49): its debug Llama cut to two blocks.
+_TITAN = ("torchtitan", "llama3:debugmodel", (("n_layers", 2),))
+ZOO += [
+    ZooBug(
+        "titan_division_left_on",
+        "fsdp_verify.zoo.torchtitan:titan_division_left_on",
+        "torchtitan's FSDP with FSDP2's gradient division back on while the loss is normalised by the global tokens",
+        "global-token normalisation added to a loop that kept FSDP's average (torchtitan's own migration)",
+        ("build",),  # the knobs check: `grad_reduction: sum` declared, the divide factor not 1.0
+        world_sizes=(2,),
+        precisions=("fp32",),
+        pins=dict(_CHEAP),
+        framework=_TITAN,
+    ),
+    ZooBug(
+        "titan_norm_head_over_the_shard_dim",
+        "fsdp_verify.zoo.torchtitan:titan_norm_head_over_the_shard_dim",
+        "torchtitan's [norm, lm_head] unit sharded over the HSDP mesh's shard dim alone: never reduced over replicas",
+        "a unit over several modules given a mesh of its own (torchtitan's separate [norm, lm_head] call)",
+        ("grads",),
+        world_sizes=(4,),
+        precisions=("fp32",),
+        pins={**_CHEAP, "mesh_shape": (2, 2)},
+        framework=_TITAN,
+    ),
+    ZooBug(
+        "titan_loss_normalised_per_rank",
+        "fsdp_verify.zoo.torchtitan:titan_loss_normalised_per_rank",
+        "torchtitan's FSDP with each rank's loss divided by its own valid tokens instead of the global count",
+        "per-rank token normalisation in a data-parallel loop (torchtitan's loss before global-token scaling)",
+        ("loss", "grads"),
+        world_sizes=(2,),
+        precisions=("fp32",),
+        pins={**_CHEAP, "data.padded": True},
+        framework=_TITAN,
     ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}

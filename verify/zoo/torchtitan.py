@@ -1,0 +1,68 @@
+"""Bugs planted around torchtitan's own code (verify/frameworks/torchtitan.py): each mutant calls
+torchtitan's `parallelize_llama` unchanged and changes one thing before or after it, as the zoo's
+FSDP2 mutants change one thing around `fully_shard`. No torchtitan source is copied. Registered
+here, beside their definitions; the catalog adds them (verify/zoo/catalog.py)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule
+
+from fsdp_verify.engines.spec import ShardSpec
+from fsdp_verify.frameworks import torchtitan as titan
+
+
+def titan_division_left_on(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's FSDP, then FSDP2's gradient division turned back on (the data-parallel size),
+    while the loss is still normalised by the global token count: a loop that kept FSDP's average
+    after moving to global-token normalisation (torchtitan's own change): every gradient 1/dp."""
+    titan.parallelize(model, mesh, spec)
+    dp = spec.case.dp_size
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(float(dp))
+    return model
+
+
+def titan_norm_head_over_the_shard_dim(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's FSDP with its `[norm, lm_head]` unit handed the shard dim of the HSDP mesh
+    alone (a plan that builds that unit's mesh apart from the blocks'): its gradients are never
+    reduced over the replicas, which then train apart."""
+    with _group_mesh(lambda m: m["fsdp"] if "dp_replicate" in (m.mesh_dim_names or ()) else m):
+        return titan.parallelize(model, mesh, spec)
+
+
+def titan_loss_normalised_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's FSDP with each rank's loss divided by its own valid tokens (times the ranks)
+    instead of the step's global count: right only where every rank holds as many real tokens."""
+    titan.parallelize(model, mesh, spec)
+    model.loss_scale = lambda microbatch_items, rank_items, global_items, dp_size: 1.0 / rank_items
+    return model
+
+
+@contextlib.contextmanager
+def _group_mesh(choose) -> Iterator[None]:
+    """While torchtitan shards, a unit over several modules (a list given to `fully_shard`) gets
+    the mesh `choose` picks instead of the one torchtitan passes."""
+    from torchtitan.distributed import fsdp as titan_fsdp
+
+    original = titan_fsdp.fully_shard
+
+    def fully_shard(module, *args, **kwargs):
+        if isinstance(module, list) and "mesh" in kwargs:
+            kwargs = {**kwargs, "mesh": choose(kwargs["mesh"])}
+        return original(module, *args, **kwargs)
+
+    titan_fsdp.fully_shard = fully_shard
+    try:
+        yield
+    finally:
+        titan_fsdp.fully_shard = original
+
+
+for _mutant in (titan_division_left_on, titan_norm_head_over_the_shard_dim, titan_loss_normalised_per_rank):
+    _mutant.capabilities = titan.parallelize.capabilities
