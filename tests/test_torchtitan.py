@@ -1,0 +1,79 @@
+"""torchtitan's own FSDP2 code under test (verify/frameworks/torchtitan.py): its debug Llama from
+its registry, its ParallelDims and `parallelize_llama` (so `apply_fsdp_to_decoder`: one unit over
+`[norm, lm_head]`, gradient division off), its loss and its clip, unchanged, against the
+one-device reference. The bugs planted around it are the zoo's (verify/zoo/torchtitan.py,
+tests/test_zoo.py runs them)."""
+
+from __future__ import annotations
+
+import pytest
+
+from fsdp_verify.case import Case
+from fsdp_verify.engines.ownership import OwnershipMap
+from fsdp_verify.frameworks import preset
+from fsdp_verify.sharded.pool import get_pool
+from tests.in_process import run_cli
+
+pytest.importorskip("torchtitan")
+
+TWO_BLOCKS = {"n_layers": 2}
+
+
+def titan_case(world: int, **changes) -> Case:
+    fields = preset("torchtitan", "llama3:debugmodel", TWO_BLOCKS)
+    batch = changes.pop("batch", 2 * world)
+    return Case(world_size=world, steps=2).with_(**fields, **{"data.batch_size": batch}, **changes)
+
+
+def test_the_preset_is_torchtitans_units_engine_loss_and_reduction():
+    case = titan_case(2)
+    assert case.wrap_plan == ("tok_embeddings", "layers.0", "layers.1", "norm+lm_head", "")
+    assert case.engine == "fsdp_verify.frameworks.torchtitan:parallelize" and case.grad_reduction == "sum"
+    assert case.model.kwargs == {"flavor": "debugmodel", "seq_len": 16, "n_layers": 2}
+    assert case.loss == "fsdp_verify.frameworks.torchtitan:loss" and not case.precision.cast_forward_inputs
+
+
+def test_torchtitans_fsdp_is_equivalent_and_its_norm_head_unit_is_one_unit(fsdp_check):
+    case = titan_case(2)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    checked = {f.comparator for f in verdict.findings if f.kind == "check"}
+    assert {"OwnershipCheck", "CommContract", "MemoryContract"} <= checked, checked
+    owned = OwnershipMap.from_json(get_pool(2).run(case).meta["ownership"]).params
+    assert owned["lm_head.weight"].units == ("norm+lm_head",) and owned["norm.weight"].units == ("norm+lm_head",)
+
+
+def test_hsdp_with_torchtitans_clip_gives_the_references_norm(fsdp_check):
+    """pytorch/torchtitan#2318 reports grad norms a factor apart between FSDP and HSDP: here the
+    total norm torchtitan's `clip_grad_norm_` returns on a (2, 2) mesh is the reference's, bit for
+    bit, with bf16 parameters and fp32 reduction (torchtitan 0.3.0, torch 2.13, gloo)."""
+    case = titan_case(
+        4, mesh_shape=(2, 2), clip_norm=1e-3, **{"precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"}
+    )
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    norms = [f for f in verdict.findings if f.phase == "grad_norm"]
+    assert norms and all(f.ok and f.max_abs == 0 for f in norms), norms
+
+
+def test_one_command_runs_it():
+    r = run_cli(
+        [
+            "check",
+            "--framework",
+            "torchtitan",
+            "--model",
+            "llama3:debugmodel",
+            "--model-kwargs",
+            '{"n_layers": 1}',
+            "--steps",
+            "1",
+        ]
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "EQUIVALENT: fsdp_verify.frameworks.torchtitan:parallelize" in r.stdout
+
+
+def test_a_model_torchtitan_does_not_have_is_bad_input():
+    r = run_cli(["check", "--framework", "torchtitan", "--model", "gpt9:huge"])
+    assert r.returncode == 2 and "model: expected MODEL:FLAVOR with --framework torchtitan" in r.stderr, r.stderr
