@@ -243,6 +243,15 @@ def framework_fields(args: argparse.Namespace) -> dict:
     return fields
 
 
+def framework_draw_pins(fields: dict) -> dict:
+    """A framework's fields as a draw's pins, and what its code fixes: torchtitan trains in fp32
+    or bf16 with an fp32 reduction and no output cast (`TrainingConfig`'s mixed_precision_*), so
+    that is all the draw varies of the precision."""
+    if not fields:
+        return {}
+    return {**fields, "precision.reduce_dtype": "fp32", "precision.output_dtype": None}
+
+
 def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
     """`case` with the flags in `flags` (field path -> value) applied."""
     changes = {
@@ -366,6 +375,7 @@ def add_draw_arguments(p: argparse.ArgumentParser) -> None:
         " --model takes your own",
     )
     add_model_arguments(p)
+    add_framework_argument(p)
     case_flags.add_draw_flags(p)
     p.add_argument(
         "--resume",
@@ -458,15 +468,17 @@ def strategy_from_args(args: argparse.Namespace, **options):
         from fsdp_verify.properties.strategies import PinError
 
         raise PinError(f"--world-sizes: expected positive integers, got {args.world_sizes}")
-    resolve_engine(args.engine)
-    model = model_from_args(args, sizes=False)
+    framework = framework_fields(args) if getattr(args, "framework", None) else {}
+    engine = args.engine = framework.pop("engine", args.engine)  # what the report names too
+    resolve_engine(engine)
+    model = framework.pop("model", None) or model_from_args(args, sizes=False)
     custom = model if model is not None and model.is_custom else None
     try:
-        pins = {**case_flags.draw_pins(args), **pins_from_args(args.pin)}
+        pins = {**framework_draw_pins(framework), **case_flags.draw_pins(args), **pins_from_args(args.pin)}
     except CaseError as e:
         raise case_flags.name_flag(e, {e.field_path: None}) from None
     return cases(
-        engine=args.engine,
+        engine=engine,
         world_sizes=_mesh_world_sizes(args, pins),
         precisions=args.precisions,
         model_kinds=[model.kind] if model is not None and custom is None else args.models,
