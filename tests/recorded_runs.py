@@ -1,12 +1,21 @@
 """Recorded runs as a user makes them: a script run on one process and under real torchrun, and
-`fsdp-verify compare` on two runs (tests/test_recorder.py, the integrations' tests)."""
+`fsdp-verify compare` on two runs (tests/test_recorder.py, the integrations' tests).
+
+`single` and `sharded` launch the command a user types, one run each; `single_many` and
+`sharded_many` run several runs of one script in one launch (tests/fixtures/run_each.py: one
+interpreter per rank importing torch and the toolkit once, one torchrun), for the runs a test
+needs besides the pair it shows as a user makes it.
+"""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 from fsdp_verify import launch
@@ -21,6 +30,8 @@ ENV = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", "PYTHONPATH"
 # A launch takes 4-30 s here (alone to loaded); one still running after this is hung, and is
 # ended with each process's Python stack (fsdp_verify.launch).
 TIMEOUT_S = 120
+RUN_EACH = ROOT / "tests" / "fixtures" / "run_each.py"
+TORCHRUN = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node"]
 
 
 # gloo's teardown at a process's exit, after the script's last line: torch 2.13 aborted a rank there
@@ -31,16 +42,32 @@ TIMEOUT_S = 120
 TEARDOWN_ABORT = "terminate called without an active exception"
 
 
-def run(cmd: list[str], env: dict | None = None, out: Path | None = None) -> subprocess.CompletedProcess:
+def run(
+    cmd: list[str], env: dict | None = None, out: Path | Sequence[Path] = (), timeout: float = TIMEOUT_S
+) -> subprocess.CompletedProcess:
+    """`cmd` to its end, which must be a success; `out`: the run directories it writes, emptied
+    before the one retry a teardown abort gets."""
+    outs = [out] if isinstance(out, Path) else list(out)
+
     def once() -> subprocess.CompletedProcess:
-        return launch.run(cmd, timeout=TIMEOUT_S, env={**ENV, **(env or {})}, cwd=ROOT)
+        return launch.run(cmd, timeout=timeout, env={**ENV, **(env or {})}, cwd=ROOT)
 
     r = once()
-    if r.returncode != 0 and out is not None and TEARDOWN_ABORT in r.stderr:
-        shutil.rmtree(out, ignore_errors=True)
+    if r.returncode != 0 and outs and TEARDOWN_ABORT in r.stderr:
+        for o in outs:
+            shutil.rmtree(o, ignore_errors=True)
         r = once()
-    assert r.returncode == 0, f"{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
+    assert r.returncode == 0, f"{_which_run(r.stderr)}{cmd}\n{r.stdout}\n{r.stderr[-3000:]}"
     return r
+
+
+def _which_run(stderr: str) -> str:
+    """For a launch of run_each.py: the run that failed (its own line), or else the last one begun."""
+    said = [line for line in stderr.splitlines() if line.startswith("run_each: run ")]
+    failed = [line for line in said if " failed (rank " in line]
+    if failed:
+        return "\n".join(failed) + "\n"
+    return f"{said[-1]} (the last run begun; it ended without a Python error)\n" if said else ""
 
 
 def single(script: Path, out: Path, *extra: str, env: dict | None = None) -> None:
@@ -48,8 +75,36 @@ def single(script: Path, out: Path, *extra: str, env: dict | None = None) -> Non
 
 
 def sharded(script: Path, out: Path, *extra: str, ranks: int = 2) -> None:
-    torchrun = [str(BIN / "torchrun"), "--standalone", "--nproc-per-node", str(ranks)]
-    run([*torchrun, str(script), "--out", str(out), *extra], out=out)
+    run([*TORCHRUN, str(ranks), str(script), "--out", str(out), *extra], out=out)
+
+
+# A run of a batch: its directory, its arguments after `--out DIR`, and the variables it runs with
+# besides ENV (set for it alone).
+BatchRun = tuple[Path, Sequence[str]] | tuple[Path, Sequence[str], dict]
+
+
+def single_many(script: Path, runs: Sequence[BatchRun]) -> None:
+    """Each run as `python SCRIPT --out DIR ARGS` would make it, in turn, all in one process."""
+    _many([sys.executable], script, runs)
+
+
+def sharded_many(script: Path, runs: Sequence[BatchRun], ranks: int = 2) -> None:
+    """Each run as `torchrun --standalone --nproc-per-node RANKS SCRIPT --out DIR ARGS` would make
+    it, in turn, all in one torchrun launch (each rank one process for all the runs)."""
+    _many([*TORCHRUN, str(ranks)], script, runs)
+
+
+def _many(launcher: list[str], script: Path, runs: Sequence[BatchRun]) -> None:
+    config = {
+        "script": str(script),
+        "runs": [
+            {"out": str(r[0]), "args": [str(a) for a in r[1]], "env": dict(r[2]) if len(r) > 2 else {}} for r in runs
+        ],
+    }
+    with tempfile.TemporaryDirectory(prefix="run_each-") as tmp:
+        path = Path(tmp) / "runs.json"
+        path.write_text(json.dumps(config, indent=1))
+        run([*launcher, str(RUN_EACH), str(path)], out=[r[0] for r in runs], timeout=TIMEOUT_S * len(runs))
 
 
 def compare(*args, capsys) -> tuple[int, str]:

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify.recorder.store import Run
-from tests.recorded_runs import ROOT, compare, sharded, single
+from tests.recorded_runs import ROOT, compare, sharded, sharded_many, single
 
 SCRIPT = ROOT / "examples" / "hf" / "train_accelerate.py"
 pytest.importorskip("accelerate")
@@ -42,11 +42,13 @@ def test_the_fsdp_plugin_on_cpu_falls_back_to_ddp_and_is_not_sharded(runs, tmp_p
 
 @pytest.fixture(scope="module")
 def more_runs(runs) -> Path:
+    """The correct FSDP2 twin as a user types it; the plugin without cpu=True and DDP in one launch."""
     d = runs
     single(SCRIPT, d / "ref-perturbed", env={"FSDP_VERIFY_PERTURB": "1"})
     sharded(SCRIPT, d / "own", "--fsdp", "own")
-    sharded(SCRIPT, d / "plugin-without-cpu", "--fsdp", "plugin-without-cpu")
-    sharded(SCRIPT, d / "ddp", "--fsdp", "none")
+    sharded_many(
+        SCRIPT, [(d / "plugin-without-cpu", ["--fsdp", "plugin-without-cpu"]), (d / "ddp", ["--fsdp", "none"])]
+    )
     return d
 
 

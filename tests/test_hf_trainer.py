@@ -20,7 +20,7 @@ import pytest
 
 from fsdp_verify import launch
 from fsdp_verify.recorder.store import Run
-from tests.recorded_runs import ENV, ROOT, compare, sharded, single
+from tests.recorded_runs import ENV, ROOT, compare, sharded, sharded_many, single, single_many
 
 SCRIPT = ROOT / "examples" / "hf" / "train_trainer.py"
 pytest.importorskip("accelerate")  # the Trainer runs on it: fsdp-verify[hf,accelerate]
@@ -93,14 +93,25 @@ print(repr([float(x) for x in seen]))
 
 @pytest.fixture(scope="module")
 def more_runs(runs) -> Path:
+    """Two launches: the one-process runs in one, the 2-rank runs in another (tests/recorded_runs.py)."""
     d = runs
-    single(SCRIPT, d / "ref-perturbed", env={"FSDP_VERIFY_PERTURB": "1"})
-    sharded(SCRIPT, d / "trainer-fsdp", "--fsdp", "trainer")
-    single(SCRIPT, d / "ref-per-rank-mean", "--bug", "per-rank-mean")
-    sharded(SCRIPT, d / "own-per-rank-mean", "--fsdp", "own", "--bug", "per-rank-mean")
-    sharded(SCRIPT, d / "ddp-per-rank-mean", "--bug", "per-rank-mean")
-    sharded(SCRIPT, d / "own-accumulate-2", "--fsdp", "own", "--grad-accum", "2")
-    sharded(SCRIPT, d / "ddp", "--fsdp", "none")
+    single_many(
+        SCRIPT,
+        [
+            (d / "ref-perturbed", [], {"FSDP_VERIFY_PERTURB": "1"}),
+            (d / "ref-per-rank-mean", ["--bug", "per-rank-mean"]),
+        ],
+    )
+    sharded_many(
+        SCRIPT,
+        [
+            (d / "trainer-fsdp", ["--fsdp", "trainer"]),
+            (d / "own-per-rank-mean", ["--fsdp", "own", "--bug", "per-rank-mean"]),
+            (d / "ddp-per-rank-mean", ["--bug", "per-rank-mean"]),
+            (d / "own-accumulate-2", ["--fsdp", "own", "--grad-accum", "2"]),
+            (d / "ddp", ["--fsdp", "none"]),
+        ],
+    )
     return d
 
 

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify.recorder.store import Run
-from tests.recorded_runs import ROOT, compare, sharded, single
+from tests.recorded_runs import ROOT, compare, sharded, sharded_many, single
 
 SCRIPT = ROOT / "examples" / "lightning" / "train_lightning.py"
 pytest.importorskip("lightning")
@@ -56,12 +56,19 @@ def test_a_configure_model_that_never_shards_is_not_sharded(more_runs, tmp_path,
 
 @pytest.fixture(scope="module")
 def more_runs(runs) -> Path:
+    """The 2-rank runs in one launch (tests/recorded_runs.py; Lightning leaves the process group
+    to an atexit hook: run_each.py destroys it after each run)."""
     d = runs
     single(SCRIPT, d / "ref-perturbed", env={"FSDP_VERIFY_PERTURB": "1"})
-    lightning(d / "no-fully-shard", "--strategy", "fsdp2", "--bug", "no-fully-shard")
-    lightning(d / "ddp", "--strategy", "ddp")
-    lightning(d / "unsharded-sampler", "--strategy", "fsdp2", "--bug", "unsharded-sampler")
-    lightning(d / "accumulate-2", "--strategy", "fsdp2", "--accumulate", "2")
+    sharded_many(
+        SCRIPT,
+        [
+            (d / "no-fully-shard", ["--ranks", "2", "--strategy", "fsdp2", "--bug", "no-fully-shard"]),
+            (d / "ddp", ["--ranks", "2", "--strategy", "ddp"]),
+            (d / "unsharded-sampler", ["--ranks", "2", "--strategy", "fsdp2", "--bug", "unsharded-sampler"]),
+            (d / "accumulate-2", ["--ranks", "2", "--strategy", "fsdp2", "--accumulate", "2"]),
+        ],
+    )
     return d
 
 

@@ -29,29 +29,55 @@ from tests import recorded_runs
 from tests.recorded_runs import BIN, ENV, ROOT, compare
 
 EXAMPLES = ROOT / "examples" / "loop"
-
-
-def single(out: Path, *extra: str, env: dict | None = None) -> None:
-    recorded_runs.single(EXAMPLES / "train_single.py", out, *extra, env=env)
-
-
-def sharded(out: Path, *extra: str, ranks: int = 2) -> None:
-    recorded_runs.sharded(EXAMPLES / "train_fsdp.py", out, *extra, ranks=ranks)
+SINGLE, FSDP = EXAMPLES / "train_single.py", EXAMPLES / "train_fsdp.py"
+PERTURB = {"FSDP_VERIFY_PERTURB": "1"}
 
 
 # ---- end to end: the example scripts under torchrun ------------------------------------------------
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory) -> Path:
-    """The reference, its perturbed rerun, the correct sharded twin and two planted bugs."""
-    d = tmp_path_factory.mktemp("runs")
-    single(d / "ref", "--full-steps", "0", "1")
-    single(d / "ref-perturbed", "--full-steps", "0", "1", env={"FSDP_VERIFY_PERTURB": "1"})
-    sharded(d / "sharded", "--full-steps", "0", "1")
-    sharded(d / "unsharded-sampler", "--bug", "unsharded-sampler")
-    sharded(d / "grad-noise", "--bug", "grad-noise")
+def recorded(tmp_path_factory) -> Path:
+    """Every run of the end-to-end tests below (the fixtures that follow name them), in five
+    launches: the correct pair as a user types it (runs/ref, runs/sharded); the other one-process
+    runs in one process, the other 2-rank runs in one torchrun, and after them (the saving run
+    resumed/a is among those) the 1-rank resumed runs in another (tests/recorded_runs.py)."""
+    d = tmp_path_factory.mktemp("recorded")
+    runs, unsharded, resumed, bf16 = d / "runs", d / "unsharded", d / "resumed", d / "bf16"
+    recorded_runs.single(SINGLE, runs / "ref", "--full-steps", "0", "1")
+    recorded_runs.sharded(FSDP, runs / "sharded", "--full-steps", "0", "1")
+    recorded_runs.single_many(
+        SINGLE,
+        [
+            (runs / "ref-perturbed", ["--full-steps", "0", "1"], PERTURB),
+            (bf16 / "ref", ["--bf16"]),
+            (bf16 / "ref-perturbed", ["--bf16"], PERTURB),
+        ],
+    )
+    recorded_runs.sharded_many(
+        FSDP,
+        [
+            (runs / "unsharded-sampler", ["--bug", "unsharded-sampler"]),
+            (runs / "grad-noise", ["--bug", "grad-noise"]),
+            (unsharded / "ddp-fallback", ["--bug", "ddp-fallback"]),
+            (unsharded / "not-sharded", ["--bug", "not-sharded"]),
+            (unsharded / "ddp", ["--ddp"]),
+            (bf16 / "sharded", ["--bf16"]),
+            (bf16 / "grad-noise", ["--bf16", "--bug", "grad-noise"]),
+            (resumed / "a", ["--save-after", "2", "--checkpoint", resumed / "ckpt"]),
+        ],
+    )
+    resume = ["--resume-from", resumed / "ckpt", "--recorded-before", resumed / "a"]
+    recorded_runs.sharded_many(
+        FSDP, [(resumed / "b", resume), (resumed / "b-fresh-adam", [*resume, "--bug", "optimizer-not-loaded"])], ranks=1
+    )
     return d
+
+
+@pytest.fixture(scope="module")
+def runs(recorded) -> Path:
+    """The reference, its perturbed rerun, the correct sharded twin and two planted bugs."""
+    return recorded / "runs"
 
 
 def test_the_correct_pair_is_equivalent_and_every_rule_is_reported(runs, tmp_path, capsys):
@@ -113,15 +139,11 @@ def test_a_gradient_moved_by_2e_6_on_one_rank_is_caught_at_step_1(runs, tmp_path
 
 # ---- a run recorded as sharded that is not (verify/recorder/sharding.py) ------------------------------
 @pytest.fixture(scope="module")
-def unsharded_runs(tmp_path_factory) -> Path:
+def unsharded_runs(recorded) -> Path:
     """train_fsdp.py under DDP instead of fully_shard (the silent fallback of Accelerate and the
     Trainer on CPU), with nothing applied (each rank its own copy), and under DDP on purpose
     (recorded with sharded=False)."""
-    d = tmp_path_factory.mktemp("unsharded")
-    sharded(d / "ddp-fallback", "--bug", "ddp-fallback")
-    sharded(d / "not-sharded", "--bug", "not-sharded")
-    sharded(d / "ddp", "--ddp")
-    return d
+    return recorded / "unsharded"
 
 
 def test_a_ddp_fallback_is_not_sharded_though_every_record_agrees(runs, unsharded_runs, tmp_path, capsys):
@@ -225,15 +247,11 @@ def test_parameters_left_out_of_sharding_are_a_note_and_held_to_the_replica_rule
 
 # ---- a sharded run that saved, stopped and resumed (docs/resume.md) ----------------------------------
 @pytest.fixture(scope="module")
-def resumed_runs(runs, tmp_path_factory) -> Path:
-    """train_fsdp.py on 2 ranks saving a DCP checkpoint after step 2 and stopping, then resumed
-    from it on 1 rank (resharded on load) through step 4: correctly, and with the optimizer not
-    loaded (a fresh Adam)."""
-    d = tmp_path_factory.mktemp("resumed")
-    sharded(d / "a", "--save-after", "2", "--checkpoint", str(d / "ckpt"))
-    for name, bug in (("b", ()), ("b-fresh-adam", ("--bug", "optimizer-not-loaded"))):
-        sharded(d / name, "--resume-from", str(d / "ckpt"), "--recorded-before", str(d / "a"), *bug, ranks=1)
-    return d
+def resumed_runs(recorded) -> Path:
+    """train_fsdp.py on 2 ranks saving a DCP checkpoint after step 2 and stopping (resumed/a), then
+    resumed from it on 1 rank (resharded on load) through step 4: correctly (b), and with the
+    optimizer not loaded (b-fresh-adam: a fresh Adam)."""
+    return recorded / "resumed"
 
 
 def test_a_resumed_sharded_run_is_judged_against_the_run_never_stopped(runs, resumed_runs, tmp_path, capsys):
@@ -280,16 +298,11 @@ def test_a_resume_that_does_not_load_the_optimizer_is_caught_at_the_load(runs, r
 
 
 @pytest.fixture(scope="module")
-def bf16_runs(tmp_path_factory) -> Path:
+def bf16_runs(recorded) -> Path:
     """The example pair with --bf16: the reference under fully_shard on a one-rank mesh with the
     sharded twin's MixedPrecisionPolicy (bf16 parameters, fp32 reduce), its perturbed rerun, the
     correct twin and the grad-noise bug (rank 1's gradient shards scaled by 1 + 2e-2)."""
-    d = tmp_path_factory.mktemp("bf16")
-    single(d / "ref", "--bf16")
-    single(d / "ref-perturbed", "--bf16", env={"FSDP_VERIFY_PERTURB": "1"})
-    sharded(d / "sharded", "--bf16")
-    sharded(d / "grad-noise", "--bf16", "--bug", "grad-noise")
-    return d
+    return recorded / "bf16"
 
 
 def test_a_bf16_pair_under_the_same_policy_is_judged_equivalent(bf16_runs, tmp_path, capsys):
@@ -335,8 +348,7 @@ def test_a_gradient_that_cancels_across_ranks_is_held_to_the_magnitudes_rounded(
     recorded) and passes u(bf16) x S; a rank's loss off by 2% is still caught there."""
     loop = ROOT / "tests" / "fixtures" / "cancelling_loop.py"
     recorded_runs.single(loop, tmp_path / "ref")
-    recorded_runs.sharded(loop, tmp_path / "sharded")
-    recorded_runs.sharded(loop, tmp_path / "bad", "--bug")
+    recorded_runs.sharded_many(loop, [(tmp_path / "sharded", []), (tmp_path / "bad", ["--bug"])])
     code, out = compare(tmp_path / "ref", tmp_path / "sharded", "--out", tmp_path / "ok", capsys=capsys)
     assert code == 0, out
     records = json.loads((tmp_path / "ok" / "report.json").read_text())["compare"]["records"]
