@@ -35,7 +35,7 @@ EXIT_QUERY = "echo $?"
 
 
 def doc_files() -> list[Path]:
-    return [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+    return [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]  # docs/frameworks/ too
 
 
 @dataclass
