@@ -12,6 +12,7 @@ import sys
 import pytest
 from hypothesis import HealthCheck, given, settings
 
+from fsdp_verify import units
 from fsdp_verify.case import Case, CaseError, DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
@@ -91,9 +92,11 @@ def test_tied_parameters_must_share_a_unit():
 @given(cases(custom_model=ModelSpec(kind="custom", factory=f"{USER}:user_lm", kwargs={"n_layers": 3})))
 def test_generated_user_model_cases_draw_plans_from_its_tree(case):
     assert case.model.factory.endswith(":user_lm") and case.init == "eager"
-    assert set(case.wrap or ("",)) <= {"", "UserBlock", "LayerNorm", "Linear", "Embedding", "embed", "head"} | {
+    tree = {"", "UserBlock", "LayerNorm", "Linear", "Embedding", "embed", "head"} | {
         f"blocks.{i}{leaf}" for i in range(3) for leaf in ("", ".norm", ".up", ".down")
     }
+    # a unit over several modules (verify/units.py): each member from the tree
+    assert {m for entry in case.wrap or ("",) for m in units.members(entry)} <= tree
 
 
 def test_padded_batches_hold_different_token_counts_and_pad_with_ignore_index():

@@ -149,9 +149,9 @@ def ranks_apart(ref: Trace, got: Trace, keys: list[Key], limit: float = 0.0) -> 
     )
 
 
-def factor(ref: torch.Tensor, got: torch.Tensor) -> float | None:
-    """c with got = c x ref, to `FIT` of the record's norm; None if no single factor fits (or
-    the reference is zero)."""
+def factor(ref: torch.Tensor, got: torch.Tensor, fit: float | None = None) -> float | None:
+    """c with got = c x ref, to `fit` (default `fit_of` the records) of the record's norm; None if
+    no single factor fits (or the reference is zero)."""
     a, b = ref.detach().double().flatten(), got.detach().double().flatten()
     if a.shape != b.shape:
         return None
@@ -159,11 +159,23 @@ def factor(ref: torch.Tensor, got: torch.Tensor) -> float | None:
     if denom == 0:
         return None
     c = a.dot(b).item() / denom
-    return c if (b - c * a).norm().item() <= FIT * a.norm().item() else None
+    fit = fit_of(ref.dtype, got.dtype) if fit is None else fit
+    return c if (b - c * a).norm().item() <= fit * a.norm().item() else None
 
 
-def near(x: float, value: float) -> bool:
-    return abs(x - value) <= FIT * abs(value)
+def fit_of(*dtypes: torch.dtype | None) -> float:
+    """How closely a factor must fit: `FIT`, or where the arithmetic ran in bf16 or fp16 (the
+    records' dtype, or the reduction's: its gradients are recorded in fp32) two of that dtype's
+    unit roundoffs, since a gradient scaled there (a `/ 3` in bf16) is rounded again, each element
+    off by up to u of itself: `FIT` alone read that as no factor (a sweep's bf16 case at 3 ranks
+    split one cause in two, every gradient but one 1/3 of the reference's, the factors 0.3332 to
+    0.3336)."""
+    u = max((torch.finfo(d).eps / 2 for d in dtypes if d in LOWER_PRECISIONS), default=0.0)
+    return max(FIT, 2 * u)
+
+
+def near(x: float, value: float, fit: float = FIT) -> bool:
+    return abs(x - value) <= fit * abs(value)
 
 
 def step_dp_size(got: Trace, step: int) -> int | None:

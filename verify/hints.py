@@ -7,6 +7,7 @@ import torch
 from fsdp_verify import evidence
 from fsdp_verify.case import Case
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.dtypes import to_torch
 from fsdp_verify.sharded.collect import rank_rows
 from fsdp_verify.trace import Key, Trace
 from fsdp_verify.training.resume import FRESH_PARAM_GROUPS
@@ -278,7 +279,7 @@ def hint(
         else:
             ranks = evidence.step_dp_size(got, first.step) or world_size
             groups = evidence.Groups(world=ranks, dp=ranks)
-        said = _gradient_hint(first, ref, got, groups)
+        said = _gradient_hint(first, ref, got, groups, _arithmetic_fit(case))
         if said:
             return said
     c = evidence.factor(a, b)
@@ -319,18 +320,26 @@ def _ranks_only(ref: Trace, got: Trace, first: Finding) -> tuple[list[int], list
     return apart.right, apart.wrong
 
 
-def _gradient_hint(first: Finding, ref: Trace, got: Trace, groups: evidence.Groups) -> str:
+def _arithmetic_fit(case: Case | None) -> float:
+    """How closely a gradient factor must fit, from the dtypes the case reduces and computes in."""
+    if case is None:
+        return evidence.FIT
+    p = case.precision
+    return evidence.fit_of(*(to_torch(d) for d in (p.reduce_dtype, p.param_dtype)))
+
+
+def _gradient_hint(first: Finding, ref: Trace, got: Trace, groups: evidence.Groups, fit: float = evidence.FIT) -> str:
     """A gradient that is a multiple of the reference's: is it every gradient of the step (or,
     under ep, the experts' alone), and is the factor the size of a group of the ranks that ran
     the step? A group is named only where the factor is its size; where it is two groups' (1/2 at
     data-parallel 2 x tp 2), both are named."""
     a, b = ref.records[first.key], got.records[first.key]
-    c = evidence.factor(a, b)
+    c = evidence.factor(a, b, max(fit, evidence.fit_of(a.dtype, b.dtype)))
     if c is None:
         return ""
     keys = [k for k in ref.records if k[0] == first.step and k[1] == "grads" and k in got.records]
     considered = [k for k in keys if ref.records[k].shape == got.records[k].shape and bool(ref.records[k].any())]
-    alike = [k for k in considered if _has_factor(ref.records[k], got.records[k], c)]
+    alike = [k for k in considered if _has_factor(ref.records[k], got.records[k], c, fit)]
     every = len(alike) == len(considered)
     which = "every gradient of the step is" if every else f"the gradient {first.name} is"
     others = "" if every else f" ({len(alike)} of the step's {len(considered)} gradients are; the others are not)"
@@ -456,9 +465,12 @@ def _said_with_causes(head: str, causes: list[tuple[str, str]]) -> str:
     return f"{head}: {said}; at these sizes the records cannot tell which"
 
 
-def _has_factor(ref: torch.Tensor, got: torch.Tensor, c: float) -> bool:
-    found = evidence.factor(ref, got)
-    return found is not None and (evidence.near(found, c) if c != 0 else abs(found) < 1e-6)
+def _has_factor(ref: torch.Tensor, got: torch.Tensor, c: float, fit: float = evidence.FIT) -> bool:
+    """`got` is c x `ref` (to `fit`, or the records' own dtype's: two factors each that far
+    from the true one are up to twice it apart)."""
+    fit = max(fit, evidence.fit_of(ref.dtype, got.dtype))
+    found = evidence.factor(ref, got, fit)
+    return found is not None and (evidence.near(found, c, 2 * fit) if c != 0 else abs(found) < 1e-6)
 
 
 def loss_hint(first: Finding, got: Trace) -> str:
