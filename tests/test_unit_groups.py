@@ -115,8 +115,10 @@ def test_fsdp2_with_a_group_is_equivalent(fsdp_check, case):
     assert {"OwnershipCheck", "CommContract", "MemoryContract"} <= checked, checked
 
 
-@pytest.mark.parametrize("case", [GROUPED[0].values[0], GROUPED[2].values[0]], ids=["mlp", "tied"])
-def test_the_map_names_the_group_as_the_engine_built_it(case):
+def test_the_map_names_the_group_as_the_engine_built_it():
+    """(The equivalence runs' ownership check holds every parameter to the plan's unit; here the
+    map itself, on the tied Transformer's torchtitan unit.)"""
+    case = GROUPED[2].values[0]
     got = get_pool(case.world_size).run(case)
     ownership = OwnershipMap.from_json(got.meta["ownership"])
     assert check_map(case, ownership, expected_params(case), expected_ties(case)) == []
