@@ -152,3 +152,26 @@ def test_the_memory_contract_still_catches_an_unsharded_copy_beside_a_group(fsdp
     )
     verdict = fsdp_check(case)
     assert not verdict.ok and any(f.phase == "memory" for f in verdict.failures), verdict.summary()
+
+
+# ---- each unit's reshard_after_forward, as the engine built it ------------------------------------------
+TITAN_LIKE = "tests/engines/torchtitan_like.py:shard"
+
+
+@pytest.mark.parametrize("world, mesh", [(2, None), (3, None), (4, (2, 2))], ids=["2", "3", "2x2"])
+def test_the_contracts_take_each_units_reshard_as_built(fsdp_check, world, mesh):
+    """torchtitan's way (blocks resharded, `[norm, output]` and the root not): before each unit
+    was read from its state the comm contract expected `norm+output`'s backward all-gather
+    ("expected all_gather ... none issued")."""
+    case = _case(world, LM, wrap=("tok_embeddings", "layers.0", "layers.1", "norm+output", ""), engine=TITAN_LIKE)
+    verdict = fsdp_check(case.with_(mesh_shape=mesh) if mesh else case)
+    assert verdict.ok, verdict.summary()
+    checked = {f.comparator for f in verdict.findings if f.kind == "check"}
+    assert {"CommContract", "MemoryContract"} <= checked, checked
+
+
+def test_an_engine_that_ignores_reshard_after_forward_is_named(fsdp_check):
+    case = _case(2, reshard_after_forward=False, engine="tests/engines/torchtitan_like.py:always_reshards")
+    first = fsdp_check(case).first_divergence
+    assert (first.step, first.phase, first.name) == (0, "build", "<reshard_after_forward>"), first
+    assert "unit 'layers.0' was built with True, the case asks False" in first.message

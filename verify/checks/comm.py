@@ -319,11 +319,34 @@ def held_after_backward(
     (`recomputed_in_backward`)."""
     from fsdp_verify.probes.memory import forward_facts
 
-    rsf = case.reshard_after_forward
     facts = forward_facts(got)
-    if rsf is False or (rsf is not True and rsf == 1) or facts is None or unfrozen_at(case, step):  # True == 1
+    if facts is None or unfrozen_at(case, step):
         return set(units)
-    return set(units) - facts[1] | recomputed_in_backward(case, facts[1])
+    # a unit kept unsharded after forward (False, or an int 1) is held whatever backward does
+    kept = {u for u, rsf in unit_reshards(case, got).items() if rsf is False or (rsf is not True and rsf == 1)}
+    return (set(units) - facts[1]) | recomputed_in_backward(case, facts[1]) | (kept & set(units))
+
+
+def unit_reshards(case: Case, got: Trace) -> dict[str, bool | int]:
+    """Each unit's `reshard_after_forward`: as the engine built it (FSDP2's states, recorded by
+    the loop: verify/engines/fsdp2_ownership.py `built_reshards`), where recorded, else the
+    case's. A framework sets it per unit: torchtitan reshards its blocks, not its `[norm,
+    lm_head]`, and leaves the root to FSDP2's default (no reshard); the contracts model each
+    unit by its own."""
+    from fsdp_verify.engines.fsdp2_ownership import BUILT_RESHARDS
+
+    built = got.meta.get(BUILT_RESHARDS) or {}
+    return {u: built.get(u, case.reshard_after_forward) for u in case.wrap_plan}
+
+
+def backward_group_of(rsf: bool | int, shard: int) -> int | None:
+    """Over how many ranks a unit is all-gathered again in backward: the shard group where it was
+    resharded after forward, its post-forward group under an int, none where it was kept."""
+    if rsf is True or rsf == shard:
+        return shard
+    if rsf is False or rsf == 1:  # an int 1 reshards to one rank: nothing to gather (FSDP2)
+        return None
+    return int(rsf)
 
 
 def expected_collectives(case: Case, got: Trace) -> list[Collective]:
@@ -332,13 +355,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     hsdp = len(case.mesh) == 2  # FSDP2's HSDPMeshInfo: an all-reduce even over one replica
     param_dtype = case.precision.param_dtype or "fp32"
     reduce_dtype = case.precision.reduce_dtype or param_dtype
-    rsf = case.reshard_after_forward
-    if rsf is True or rsf == shard:
-        backward_group: int | None = shard
-    elif rsf is False or rsf == 1:  # an int 1 reshards to one rank: nothing to gather (FSDP2)
-        backward_group = None
-    else:
-        backward_group = int(rsf)
+    backward_groups = {u: backward_group_of(rsf, shard) for u, rsf in unit_reshards(case, got).items()}
     tp = getattr(case, "tp", 1) > 1
     # the groups' mesh dims, in a tp case (a group of one rank is named by none: verify/probes/comm.py)
     on = {d: (d if tp and size > 1 else "") for d, size in (("shard", shard), ("replicate", replicas))}
@@ -363,14 +380,16 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
             # reshard_after_backward_last: the units the previous micro-batch's backward left unsharded
             kept = m > 0 and getattr(case, "reshard_after_backward_last", False)
             held = held_after_backward(case, units, got, step) if kept else set()
-            # a unit left in its post-forward shards (int k) is gathered over k
-            start = backward_group if kept and backward_group else shard
             # under `prefetch`, FSDP2's forward replayed in run order (verify/checks/prefetch.py):
             # which units its forward gathers, over which group, and which gathers stay pending
             # into backward (a unit whose own pre-backward then copies out the forward's gather)
-            fp = prefetched_forward(case, units, got, held, start != shard)
+            int_kept = kept and any(g not in (None, shard) for g in backward_groups.values())
+            fp = prefetched_forward(case, units, got, held, int_kept)
             for unit, params in units.items():
                 name = unit or "<root>"
+                backward_group = backward_groups.get(unit)
+                # a unit left in its post-forward shards (int k) is gathered over k
+                start = backward_group if kept and backward_group else shard
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
                 grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
                 if shard > 1 and shards:

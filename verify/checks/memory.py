@@ -85,6 +85,7 @@ from fsdp_verify.checks.comm import (
     params_by_unit,
     placement_dims,
     unfrozen_at,
+    unit_reshards,
 )
 from fsdp_verify.checks.prefetch import Boundary, ForwardPass, forward_pass
 from fsdp_verify.compare.finding import Finding
@@ -125,6 +126,12 @@ class Budget:
     forward_lists: dict[str, list[str]] = field(default_factory=dict)
     # replica_sync_last: step -> the partial reduce outputs kept between micro-batches
     partial_sums: dict[int, int] = field(default_factory=dict)
+    # each unit's reshard_after_forward as the engine built it (verify/checks/comm.py `unit_reshards`)
+    reshards: dict[str, bool | int] = field(default_factory=dict)
+
+    def kept_after_forward(self, case: Case, unit: str) -> bool:
+        rsf = self.reshards.get(unit, case.reshard_after_forward)
+        return rsf is False or (rsf is not True and rsf == 1)  # True == 1 in Python
 
     @property
     def per_rank(self) -> int:
@@ -137,10 +144,12 @@ class Budget:
     def post_forward_left(self, case: Case, rec: dict) -> int:
         """Bytes of the post-forward shards FSDP2 leaves on units no backward ran through (see
         the module docstring), allowed as *other* storage between steps."""
-        rsf = case.reshard_after_forward
-        if isinstance(rsf, bool) or not 1 < rsf < self.shard:
-            return 0
-        return sum(self.unsharded_by_unit.get(u, 0) // rsf for u in set(rec.get("no_backward", [])))
+        left = 0
+        for u in set(rec.get("no_backward", [])):
+            rsf = self.reshards.get(u, case.reshard_after_forward)
+            if not isinstance(rsf, bool) and 1 < rsf < self.shard:
+                left += self.unsharded_by_unit.get(u, 0) // rsf
+        return left
 
     def allowed_after(
         self, case: Case, unit: str, done: list[str], microbatch: int = 0, step: int = 1, opened: Iterable[str] = ()
@@ -153,9 +162,7 @@ class Budget:
         live = {v for v in self.unsharded_by_unit if units.inside(unit, v)} | (set(opened) - {unit})
         # still unsharded from the previous backward, their forward to come
         live |= self.held_now(case, microbatch, step) - set(done) - {unit}
-        rsf = case.reshard_after_forward
-        if rsf is False or (rsf is not True and rsf == 1):  # True == 1 in Python
-            live |= set(done) | {unit}
+        live |= {v for v in (*done, unit) if self.kept_after_forward(case, v)}
         return sum(self.unsharded_by_unit.get(v, 0) for v in live)
 
     def other_after(self, case: Case, boundary: Boundary, microbatch: int, step: int) -> int:
@@ -247,7 +254,20 @@ def budget(case: Case, got: Trace) -> Budget:
             )
     grouped = frozenset(u for u, params in units.items() if params)
     return Budget(
-        sharded, grads, optim, by_unit, full, full_grads, shard, held, unfrozen, order, grouped, lists, partial
+        sharded,
+        grads,
+        optim,
+        by_unit,
+        full,
+        full_grads,
+        shard,
+        held,
+        unfrozen,
+        order,
+        grouped,
+        lists,
+        partial,
+        unit_reshards(case, got),
     )
 
 

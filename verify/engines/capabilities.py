@@ -145,6 +145,11 @@ class Capabilities:
     # Whether an int `reshard_after_forward` must divide the shard dimension (FSDP2's
     # `_get_post_forward_mesh_info` raises otherwise; FSDP1 and the flat engine take an int as True).
     reshard_int_divides_shard: bool = True
+    # Whether it decides each unit's `reshard_after_forward` itself (a framework's policy:
+    # torchtitan's blocks reshard, its `[norm, lm_head]` and root do not). The contracts take each
+    # unit's as the engine built it either way; an engine that does not declare this is held to
+    # the case's value on every unit (the knobs check names a unit built otherwise).
+    reshard_per_unit: bool = False
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):

@@ -108,3 +108,33 @@ def ownership_from(per_rank: list[tuple[bool, dict, list[str]]]) -> OwnershipMap
             padding=tuple(other[name][3] if name in other else 0 for other in helds),
         )
     return OwnershipMap(params=params, unmanaged=tuple(unmanaged))
+
+
+# The sharded trace's meta key for `built_reshards` (verify/checks/comm.py `unit_reshards` reads it).
+BUILT_RESHARDS = "reshard_after_forward"
+
+
+def built_reshards(root: nn.Module) -> dict[str, bool | int]:
+    """Each unit's `reshard_after_forward` as FSDP2 will run it, read from the states the engine
+    built (frameworks set it per unit: torchtitan shards its blocks with True, `[norm, lm_head]`
+    with False and the root with FSDP2's default). From the parameter group's
+    `post_forward_mesh_info`: None is False, the group's own mesh info True, another one an int
+    (its shard size); a state left to FSDP2's default (`_auto_reshard_after_forward`) that is the
+    root's does not reshard (FSDP2's lazy init sets it so). Private names, feature-tested: {} where
+    this release lacks them (the contracts then take the case's value)."""
+    out: dict[str, bool | int] = {}
+    for unit, state in unit_states(root):
+        groups = _param_groups(state)
+        if not groups:
+            continue
+        group = groups[0]
+        if not hasattr(group, "post_forward_mesh_info") or not hasattr(group, "mesh_info"):
+            return {}
+        root_default = unit == "" and getattr(state, "_auto_reshard_after_forward", False)
+        if root_default or group.post_forward_mesh_info is None:
+            out[unit] = False
+        elif group.post_forward_mesh_info is group.mesh_info:
+            out[unit] = True
+        else:
+            out[unit] = int(group.post_forward_mesh_info.shard_mesh_size)
+    return out

@@ -152,7 +152,9 @@ def _dtype(name: str | None) -> str:
     raise ValueError(f"precision.param_dtype: torchtitan trains in float32 or bfloat16, got {name!r}")
 
 
-parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"))
+# torchtitan decides each unit's reshard_after_forward (its "default" policy: the blocks reshard,
+# [norm, lm_head] and the root do not); the case's True or False picks "default" or "never".
+parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"), reshard_per_unit=True)
 
 
 FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor
 
 from fsdp_verify.case import Case
 from fsdp_verify.engines import ShardSpec, resolve_engine
+from fsdp_verify.engines.fsdp2_ownership import BUILT_RESHARDS, built_reshards
 from fsdp_verify.engines.view import EngineView, view_of
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
@@ -84,6 +85,10 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
+    if trace is not None:  # each unit's reshard_after_forward as the engine built it (the contracts read it)
+        built = built_reshards(sharded)
+        if built:
+            trace.meta[BUILT_RESHARDS] = built
     # Its aux loss and router bias count over the data-parallel ranks: set on the module the engine
     # returns (the flat engine builds its own from the case under meta init).
     for moe in moe_layers(sharded):
