@@ -13,7 +13,7 @@ from typing import Any
 
 from fsdp_verify.validation import CaseError
 
-FRAMEWORKS = ("torchtitan",)
+FRAMEWORKS = ("torchtitan", "accelerate")
 
 
 def preset(
@@ -22,6 +22,10 @@ def preset(
     """The case fields `--framework framework --model model` stands for (field path -> value)."""
     if framework not in FRAMEWORKS:
         raise CaseError("--framework", f"one of {list(FRAMEWORKS)}", framework)
+    if framework == "accelerate":
+        from fsdp_verify.frameworks import accelerate
+
+        return accelerate.preset(model, kwargs or {}, seq_len)
     from fsdp_verify.frameworks import torchtitan
 
     return torchtitan.preset(model or "llama3:debugmodel", kwargs or {}, seq_len)
