@@ -517,7 +517,8 @@ def _cases(
     # (Drawn here, where the dict below drew it first: a seed draws what it drew.)
     # Beside tp, True or False: an int below the shard group hangs FSDP2 on a sub-mesh (Case
     # refuses it; tests/upstream/test_fsdp2_int_reshard_on_a_submesh.py).
-    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else dp) if tp == 1 else st.booleans())
+    ints = tp == 1 and _takes_reshard_ints(engine)
+    rsf = field("reshard_after_forward", reshard_values(mesh[-1] if mesh else dp) if ints else st.booleans())
     values = {
         "model": model,
         "wrap": wrap,
@@ -1298,6 +1299,14 @@ def _reshard_int_worlds(engine: str, world_sizes: tuple[int, ...], pins: dict[st
             f" or draw world sizes that are multiples of {rsf} (--reshard-after-forward, --world-sizes)"
         )
     return kept
+
+
+def _takes_reshard_ints(engine: str) -> bool:
+    """Whether the engine takes an int reshard_after_forward (verify/engines/capabilities.py,
+    `reshard_ints`); one that does not is drawn True or False."""
+    from fsdp_verify.engines import engine_capabilities
+
+    return engine_capabilities(engine).reshard_ints
 
 
 def _takes_2d_meshes(engine: str, pins: dict[str, Any]) -> bool:

@@ -149,7 +149,7 @@ def test_the_zoo_leaves_out_what_this_torch_cannot_build_or_catch(monkeypatch, c
 
     comm_caught = [b.name for b in BY_NAME.values() if "comm" in b.catchers]
     assert {"all_gather_in_fp32", "all_reduce_instead_of_reduce_scatter"} < set(comm_caught)
-    assert all(b.off_here() is None for b in BY_NAME.values())
+    assert all(b.off_here() is None for b in BY_NAME.values() if b.framework is None)  # a framework may be absent
     monkeypatch.delattr(collectives, "DefaultAllGather")
     assert "DefaultAllGather" in BY_NAME["all_gather_in_fp32"].off_here()
     assert BY_NAME["grads_divided_twice"].off_here() is None

@@ -42,7 +42,7 @@ def test_the_readme_starts_with_its_two_commands_unchanged():
     )
     assert tests == (
         "python3 -m venv .venv && . .venv/bin/activate && pip install torch==2.13.0 && "
-        "pip install -e '.[dev,hf,accelerate,lightning]' && pip install --no-deps torchtitan==0.3.0 && pytest -n auto"
+        "pip install -e '.[dev,hf,accelerate,lightning]' && pip install --no-deps torchtitan==0.3.0 verl==0.9.1 && pytest -n auto"
     )
     text = (ROOT / "README.md").read_text()
     assert text.index(main) < text.index(tests) < text.index("## ")  # first, before any section
@@ -62,7 +62,7 @@ def test_ci_runs_the_readme_test_command_after_the_docs_and_the_wheel():
     assert at("pip install -q torch==2.13.0") < at("pip install -q -e '.[dev,hf,accelerate,lightning]'")
     order = [
         at("pip install -q -e '.[dev,hf,accelerate,lightning]'"),
-        at("pip install -q --no-deps torchtitan==0.3.0"),
+        at("pip install -q --no-deps torchtitan==0.3.0 verl==0.9.1"),
         at("mkdocs build --strict"),
         at("bash .ci/wheel"),
         at("pytest -n auto"),

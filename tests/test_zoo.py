@@ -17,6 +17,8 @@ BUDGET = 20  # generated cases per bug
 @pytest.mark.parametrize("name", [bug.name for bug in ZOO])
 def test_zoo_bug_is_caught_within_the_budget(name):
     bug = BY_NAME[name]
+    if bug.framework is not None and bug.off_here():  # a bug planted in a framework not installed here
+        pytest.skip(bug.off_here())
     # World size 2, or the smallest the bug can show at (a (2, 2) hybrid mesh needs 4 ranks).
     result = hunt(bug, BUDGET, world_sizes=(2,) if 2 in bug.world_sizes else (min(bug.world_sizes),))
     assert result.status == "caught", f"{name}: {result.status} after {result.examples} cases: {result.detail}"
@@ -38,9 +40,8 @@ def test_every_bug_of_the_issue_is_in_the_zoo():
         "frozen_params_move",
     }
     assert required <= set(BY_NAME)
-    # each mutant where it is defined: the FSDP2 ones, or those planted around a framework's code
-    homes = ("fsdp_verify.zoo.mutants", *(f"fsdp_verify.zoo.{bug.framework[0]}" for bug in ZOO if bug.framework))
-    assert all(bug.engine in {f"{home}:{bug.name}" for home in homes} for bug in ZOO)
+    # a bug planted around a framework's code lives beside its framework (verify/zoo/torchtitan.py, ...)
+    assert all(bug.engine == f"fsdp_verify.zoo.{(bug.framework or ['mutants'])[0]}:{bug.name}" for bug in ZOO)
 
 
 def test_a_bug_whose_mutant_does_not_exist_is_reported_missing_not_passed():

@@ -150,6 +150,9 @@ class Capabilities:
     # unit's as the engine built it either way; an engine that does not declare this is held to
     # the case's value on every unit (the knobs check names a unit built otherwise).
     reshard_per_unit: bool = False
+    # Whether it takes an int `reshard_after_forward` at all (Accelerate's FSDP2 plugin takes a
+    # bool only: verify/frameworks/accelerate.py).
+    reshard_ints: bool = True
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -177,6 +180,8 @@ class Capabilities:
                 expected = knob.expected or repr(knob.off)
                 raise CaseError(knob.field, f"{expected}: {not_declared(engine, knob.name)}", knob.value(case))
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
+        if not self.reshard_ints and not isinstance(rsf, bool):
+            raise CaseError("reshard_after_forward", f"true or false: what engine {engine!r} takes", rsf)
         if self.reshard_int_divides_shard and not isinstance(rsf, bool) and shard % rsf:
             raise CaseError(
                 "reshard_after_forward",

@@ -9,19 +9,27 @@ any case does, so a case file or a repro needs no framework to replay. Flags giv
 
 from __future__ import annotations
 
+import importlib
 from typing import Any
 
 from fsdp_verify.validation import CaseError
 
-FRAMEWORKS = ("torchtitan",)
+# Each framework's module here (torchtitan.py, ...), with how to install the release it was run
+# with beside the toolkit: torchtitan and verl without their declared dependencies (their training
+# stacks'; docs/frameworks/), what their FSDP2 code imports coming from the toolkit's extras.
+FRAMEWORKS = {
+    "torchtitan": "pip install 'fsdp-verify[torchtitan]' && pip install --no-deps torchtitan==0.3.0",
+    "accelerate": "pip install 'fsdp-verify[accelerate]'",
+    "verl": "pip install 'fsdp-verify[hf]' && pip install --no-deps verl==0.9.1",
+}
 
 
 def preset(
     framework: str, model: str | None, kwargs: dict[str, Any] | None = None, seq_len: int | None = None
 ) -> dict[str, Any]:
-    """The case fields `--framework framework --model model` stands for (field path -> value)."""
+    """The case fields `--framework framework --model model` stands for (field path -> value);
+    without `model`, the framework's default (torchtitan's llama3:debugmodel, the tiny Llama)."""
     if framework not in FRAMEWORKS:
         raise CaseError("--framework", f"one of {list(FRAMEWORKS)}", framework)
-    from fsdp_verify.frameworks import torchtitan
-
-    return torchtitan.preset(model or "llama3:debugmodel", kwargs or {}, seq_len)
+    module = importlib.import_module(f"fsdp_verify.frameworks.{framework}")
+    return module.preset(model or module.DEFAULT_MODEL, kwargs or {}, seq_len)

@@ -163,6 +163,10 @@ FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}
 SEQ_LEN = 16
 
 
+# `--framework torchtitan` without `--model`
+DEFAULT_MODEL = "llama3:debugmodel"
+
+
 def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
     """The case fields of a torchtitan run of `model` ("llama3:debugmodel"): its factory with
     the flavor (and `kwargs`: `n_layers`, ...), torchtitan's units for that model, this engine,

@@ -47,7 +47,9 @@ class ZooBug:
             import importlib.util
 
             if importlib.util.find_spec(self.framework[0]) is None:
-                return f"{self.framework[0]} is not installed (pip install 'fsdp-verify[{self.framework[0]}]')"
+                from fsdp_verify.frameworks import FRAMEWORKS
+
+                return f"{self.framework[0]} is not installed ({FRAMEWORKS[self.framework[0]]})"
         needs = self.needs + ((COMM_CONTRACT,) if "comm" in self.catchers else ())
         return next((why for why in map(part_off_note, needs) if why), None)
 
@@ -949,6 +951,64 @@ ZOO += [
         precisions=("fp32",),
         pins={**_CHEAP, "data.padded": True},
         framework=_TITAN,
+    ),
+]
+BY_NAME = {bug.name: bug for bug in ZOO}
+
+
+# Bugs planted around Accelerate's own FSDP2 preparation (issue 49): the tiny Llama, every unit
+# kept unsharded after forward as Accelerate keeps its [norm, head] (docs/frameworks/accelerate.md).
+_ACCEL = ("accelerate", "fsdp_verify.models.hf:tiny_llama", ())
+_ACCEL_PINS = {**_CHEAP, "reshard_after_forward": False}
+ZOO += [
+    ZooBug(
+        "accel_rope_buffer_left_zero",
+        "fsdp_verify.zoo.accelerate:accel_rope_buffer_left_zero",
+        "Accelerate's FSDP2 with RoPE's inv_freq left at transformers' zero placeholder on the ranks other than 0",
+        "cpu_ram_efficient_loading: the non-persistent buffers are not in the state dict Accelerate broadcasts"
+        " (fsdp2_prepare_model keeps each rank's own), and a model's _init_weights that does not recompute them",
+        ("buffers",),
+        world_sizes=(2, 3),
+        pins=dict(_ACCEL_PINS),
+        framework=_ACCEL,
+    ),
+    ZooBug(
+        "accel_full_state_dict_stale",
+        "fsdp_verify.zoo.accelerate:accel_full_state_dict_stale",
+        "Accelerate's fsdp2_load_full_state_dict broadcasting a stale copy of rank 0's weights",
+        "a full state dict copied before the checkpoint (or initialisation) replaced the factory's weights",
+        ("init",),
+        world_sizes=(2, 3),
+        precisions=("fp32",),
+        pins=dict(_ACCEL_PINS),
+        framework=_ACCEL,
+    ),
+    ZooBug(
+        "accel_mixed_precision_dropped",
+        "fsdp_verify.zoo.accelerate:accel_mixed_precision_dropped",
+        "Accelerate's FSDP2 plugin reaching fsdp2_prepare_model without its mixed precision: fp32 throughout",
+        "an FSDP2 plugin forced past Accelerate's device check without the branch's set_mixed_precision",
+        ("precision", "logits", "loss"),
+        world_sizes=(2, 3),
+        precisions=("bf16",),
+        pins=dict(_ACCEL_PINS),
+        framework=_ACCEL,
+    ),
+]
+
+
+# A bug planted around verl's own FSDP2 code (issue 49): the tiny Llama (docs/frameworks/verl.md).
+ZOO += [
+    ZooBug(
+        "verl_clip_by_local_norm",
+        "fsdp_verify.zoo.verl:verl_clip_by_local_norm",
+        "verl's FSDP2 with each rank's gradients clipped by its local shards' norm, not the DTensor's",
+        "a clip handed grad.to_local() (unwrapped before the norm): verl's fsdp2_clip_grad_norm_ reads the DTensors",
+        ("grad_norm",),
+        world_sizes=(2, 3),
+        precisions=("fp32",),
+        pins={**_CHEAP, "clip_norm": st.sampled_from((1e-3, 1e-2))},
+        framework=("verl", "fsdp_verify.models.hf:tiny_llama", ()),
     ),
 ]
 BY_NAME = {bug.name: bug for bug in ZOO}
