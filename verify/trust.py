@@ -34,7 +34,9 @@ TOOLKIT = "fsdp_verify"
 # callable there must be one of the toolkit's models. Anywhere else a toolkit function is called
 # with tensors, modules or the Case, never with a string the file chose; as a factory, one that
 # imports by name (`fsdp_verify.engines:resolve_engine` with `{"name": "evil.py:x"}`) would not be.
-TOOLKIT_FACTORIES = "fsdp_verify.models"
+# torchtitan's model factory is one too: its kwargs are a flavor looked up in torchtitan's registry,
+# layer and sequence counts and an attention choice ("sdpa" | "flex"), none of them imported.
+TOOLKIT_FACTORIES = ("fsdp_verify.models", "fsdp_verify.frameworks.torchtitan")
 _NOT_CODE = ("model.kwargs",)  # JSON values handed to the factory, never imported
 
 
@@ -120,7 +122,7 @@ def is_toolkit(field: str, name: str) -> bool:
     where, attr = name.rsplit(":", 1)
     if where.endswith(".py") or not (where == TOOLKIT or where.startswith(TOOLKIT + ".")) or not attr.isidentifier():
         return False
-    if field == "model.factory" and not (where == TOOLKIT_FACTORIES or where.startswith(TOOLKIT_FACTORIES + ".")):
+    if field == "model.factory" and not any(where == f or where.startswith(f + ".") for f in TOOLKIT_FACTORIES):
         return False
     try:  # a toolkit module runs only the toolkit's code; one that does not import names nothing
         obj = getattr(importlib.import_module(where), attr, None)

@@ -34,7 +34,8 @@ and `foreach_reduce`): at S = 1 ((W, 1), world size 1) no all-gather or reduce-s
 test the shard group's size and copy locally. The all-reduce is decided by the mesh's shape,
 not by R: a 2-D mesh makes an HSDPMeshInfo, whose replicate group `foreach_reduce` all-reduces
 over whatever its size, so (1, W) and (1, 1) issue an all-reduce over one rank per unit (a
-no-op in values, still a call) and a 1-D mesh none. The clip's all-reduce is what
+no-op in values, still a call) and a 1-D mesh none; that one-rank call is optional (a framework
+builds (1, S) as a 1-D mesh: torchtitan's ParallelDims with dp_replicate 1). The clip's all-reduce is what
 `clip_grad_norm_` on DTensors does in torch 2.13: the per-parameter norms, stacked (seed 001
 pictures one scalar), partial over the shard dimension; DTensor skips it where S = 1.
 
@@ -420,7 +421,10 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 if replicas_synced and grad_shards and hsdp:
                     ar = grad_shards * _size(reduce_dtype)
                     arc = Collective(step, m, "backward", "all_reduce", reduce_dtype, replicas, ar, name)
-                    out.append(replace(arc, over=on["replicate"]))
+                    # over one replica the call moves nothing: FSDP2 on a (1, S) mesh issues it, an
+                    # engine that builds that case as plain FSDP over S (torchtitan: dp_replicate 1
+                    # makes a 1-D mesh) does not; either is the same training
+                    out.append(replace(arc, over=on["replicate"], optional=replicas == 1))
         out += _routing_counts(case, step)
         if case.world_size > 1:  # the loop's all-reduce of each ignored gradient, after the last backward
             for n, shape in ignored_params(case, got):
