@@ -112,15 +112,23 @@ def cmdline(pid: int) -> str:
 
 
 def end_all(pids: list[int], dump_first: bool) -> None:
-    """SIGABRT each (faulthandler prints its stacks) and wait a little when `dump_first`; then
+    """When `dump_first`, each process prints its stacks in turn (faulthandler on SIGABRT): all are
+    stopped first, so that none reacts to another's death (torchrun ends its other workers when
+    one dies, before they could print), then each, children first, is aborted and resumed and
+    waited for before the next, so that the stacks on the shared stderr do not interleave. Then
     SIGKILL whatever is left, children before their parents."""
     if dump_first:
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGSTOP)
+        deadline = time.monotonic() + 5.0
         for pid in reversed(pids):
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGABRT)
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline and any(_alive(p) for p in pids):
-            time.sleep(0.05)
+                os.kill(pid, signal.SIGCONT)
+            each = min(deadline, time.monotonic() + 2.0)
+            while time.monotonic() < each and _alive(pid):
+                time.sleep(0.02)
     for pid in reversed(pids):
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.kill(pid, signal.SIGKILL)
