@@ -97,7 +97,11 @@ def import_fsdp_utils():
 def _package(name: str, path: str, why: str) -> None:
     module = types.ModuleType(name)
     module.__path__ = [path]
-    module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=True)
+    # a spec as the real package's (its origin and folder): find_spec("verl") after this reads
+    # the same root, so a second import (fsdp_utils dropped from sys.modules) finds verl again
+    spec = importlib.machinery.ModuleSpec(name, None, origin=os.path.join(path, "__init__.py"), is_package=True)
+    spec.submodule_search_locations = [path]
+    module.__spec__ = spec
     sys.modules[name] = module
     STUBBED.append(f"{name} (package __init__ skipped: {why})")
 

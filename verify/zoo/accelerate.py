@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 import torch
 from torch import nn
@@ -77,11 +78,8 @@ def _full_state_dict(replace) -> Iterator[None]:
             full_sd = replace(full_sd)
         return original(accelerator, model, full_sd, *args, **kwargs)
 
-    fsdp_utils.fsdp2_load_full_state_dict = load
-    try:
+    with mock.patch.object(fsdp_utils, "fsdp2_load_full_state_dict", load):
         yield
-    finally:
-        fsdp_utils.fsdp2_load_full_state_dict = original
 
 
 for _mutant in (accel_rope_buffer_left_zero, accel_full_state_dict_stale, accel_mixed_precision_dropped):

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from unittest import mock
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -57,11 +58,8 @@ def _group_mesh(choose) -> Iterator[None]:
             kwargs = {**kwargs, "mesh": choose(kwargs["mesh"])}
         return original(module, *args, **kwargs)
 
-    titan_fsdp.fully_shard = fully_shard
-    try:
+    with mock.patch.object(titan_fsdp, "fully_shard", fully_shard):
         yield
-    finally:
-        titan_fsdp.fully_shard = original
 
 
 for _mutant in (titan_division_left_on, titan_norm_head_over_the_shard_dim, titan_loss_normalised_per_rank):
