@@ -19,7 +19,7 @@ from fsdp_verify.validation import CaseError
 # stacks'; docs/frameworks/), what their FSDP2 code imports coming from the toolkit's extras.
 FRAMEWORKS = {
     "torchtitan": "pip install 'fsdp-verify[torchtitan]' && pip install --no-deps torchtitan==0.3.0",
-    "accelerate": "pip install 'fsdp-verify[accelerate]'",
+    "accelerate": "pip install 'fsdp-verify[accelerate,hf]'",
     "verl": "pip install 'fsdp-verify[hf]' && pip install --no-deps verl==0.9.1",
 }
 

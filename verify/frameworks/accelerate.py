@@ -307,6 +307,7 @@ def preset(model: str | None, kwargs: dict[str, Any], seq_len: int | None = None
         # (fsdp_utils.py: "Tail gets False"), and the case has one reshard_after_forward for every
         # unit: with False the case describes every unit Accelerate builds, so the communication
         # and memory contracts hold it; --reshard-after-forward true runs Accelerate's default, its
-        # blocks resharded, and the contracts then name that unit (docs/frameworks/accelerate.md).
+        # blocks resharded and its tail not, which the contracts take per unit as it built them
+        # (Capabilities(reshard_per_unit=True); docs/frameworks/accelerate.md).
         "reshard_after_forward": False,
     }

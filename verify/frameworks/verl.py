@@ -68,6 +68,7 @@ def import_fsdp_utils():
     to the CPU one. Raises ImportError naming the install when verl is not there."""
     if "verl.utils.fsdp_utils" in sys.modules:
         return sys.modules["verl.utils.fsdp_utils"]
+    STUBBED.clear()  # what this import takes (a second import, fsdp_utils dropped, takes it again)
     spec = importlib.util.find_spec("verl")
     if spec is None or spec.origin is None:
         raise ImportError(f"verl is not installed: pip install --no-deps verl=={VERSION} (docs/frameworks/verl.md)")
