@@ -155,10 +155,9 @@ def add_framework_argument(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--framework",
         choices=tuple(FRAMEWORKS),
-        help="a framework's own FSDP2 code as the engine: --framework torchtitan --model llama3:debugmodel sets its"
-        " model, units, engine, loss and reduction (docs/frameworks/torchtitan.md); --framework accelerate runs"
-        " Accelerate's fsdp2_prepare_model on a transformers model (default the tiny Llama:"
-        " docs/frameworks/accelerate.md); other flags apply on top",
+        help="a framework's own FSDP2 code as the engine: sets the model (--model picks one: torchtitan's"
+        " llama3:FLAVOR, or a transformers factory), the framework's units, its engine, loss and reduction;"
+        " other flags apply on top (docs/frameworks/NAME.md)",
     )
 
 

@@ -289,16 +289,15 @@ def plan_of(model_spec, classes: list[str] | None = None) -> tuple[str, ...]:
     return (*blocks, *embed, *((group(tail),) if tail else ()), "")
 
 
-def preset(model: str | None, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
+def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
     """The case fields of an Accelerate run of `model` (an import path of a transformers
     factory; default the tiny Llama): its factory and kwargs, Accelerate's units for it, this
     engine, `reshard_after_forward` false. The loss, the reduction (FSDP2's average: Accelerate
     leaves the divide factor alone) and the precision are the case's."""
     from fsdp_verify.models import ModelSpec
 
-    spec = ModelSpec(kind="custom", factory=model or DEFAULT_MODEL, kwargs=dict(kwargs))
-    if seq_len is not None:
-        spec = ModelSpec(kind="custom", factory=spec.factory, kwargs=spec.kwargs, seq_len=seq_len)
+    length = {} if seq_len is None else {"seq_len": seq_len}
+    spec = ModelSpec(kind="custom", factory=model, kwargs=dict(kwargs), **length)
     return {
         "model": spec,
         "wrap": plan_of(spec),

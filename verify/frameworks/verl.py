@@ -240,13 +240,13 @@ def plan_of(model_spec) -> tuple[str, ...]:
     return (*units, "")
 
 
-def preset(model: str | None, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
+def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> dict[str, Any]:
     """The case fields of a verl run of `model` (a transformers factory; default the tiny Llama):
     its factory, verl's units, this engine, verl's MixedPrecisionPolicy's `cast_forward_inputs`
     and its absent output_dtype."""
     from fsdp_verify.models import ModelSpec
 
-    spec = ModelSpec(kind="custom", factory=model or DEFAULT_MODEL, kwargs=dict(kwargs), **_seq(seq_len))
+    spec = ModelSpec(kind="custom", factory=model, kwargs=dict(kwargs), **_seq(seq_len))
     return {
         "model": spec,
         "wrap": plan_of(spec),
