@@ -12,13 +12,13 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-import math
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fsdp_verify import dtypes, units
+from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
@@ -1045,22 +1045,28 @@ class Case:
         return tuple(self.mesh_shape) if self.mesh_shape is not None else (self.dp_size,)
 
     @property
+    def parallel(self) -> ParallelDims:
+        """The one owner of the degrees, the data-parallel size, each rank's coordinates and the
+        mesh (verify/dims/parallel_dims.py): everything that needs them asks it."""
+        return ParallelDims.of(self)
+
+    @property
     def dp_size(self) -> int:
         """The data-parallel ranks: every rank, or under pipeline parallelism each stage's ranks (the
         stages of one data-parallel rank take one batch), under tensor parallelism every tp group."""
-        parts = [d for d in (self.pp, self.tp) if is_int(d) and d >= 1]
-        return self.world_size // math.prod(parts) if parts else self.world_size
+        pp, tp = (d if is_int(d) and d >= 1 else 1 for d in (self.pp, self.tp))
+        return self.world_size // (pp * tp)
 
     @property
     def _parallel_degrees(self) -> str:
         """The degrees that divide the world into data-parallel ranks, as a message says them
         ("tp=2", "pp=2"), "" without."""
-        return " x ".join(f"{n}={d}" for n, d in (("pp", self.pp), ("tp", self.tp)) if is_int(d) and d > 1)
+        return " x ".join(f"{n}={d}" for n, d in self.parallel.dividing)
 
     @property
     def device_mesh_shape(self) -> tuple[int, ...]:
-        """Every rank's mesh: the data-parallel mesh, with `tp` last when there is tensor parallelism."""
-        return self.mesh + ((self.tp,) if self.tp > 1 else ())
+        """Every rank's mesh (`parallel.shape`): the stages, the data-parallel mesh, tp."""
+        return self.parallel.shape
 
     @property
     def wrap_plan(self) -> tuple[str, ...]:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.sharded.collect import rank_rows
 from fsdp_verify.trace import Key, Trace
 
@@ -204,9 +205,11 @@ class Groups:
 
     def text(self) -> str:
         """ "the world size 4: data-parallel 2 x tp 2": how the world is made up, outermost first."""
-        parts = [f"pp {self.pp}"] if self.pp > 1 else []
-        parts += [f"data-parallel {self.dp}"] + ([f"tp {self.tp}"] if self.tp > 1 else [])
-        return f"the world size {self.world}: {' x '.join(parts)}" + (f"; ep {self.ep}" if self.ep > 1 else "")
+        return f"the world size {self.world}: {self.dims.describe()}"
+
+    @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(self.world, (self.dp,), self.pp, self.tp, self.ep)
 
 
 def step_groups(case, got: Trace, step: int) -> Groups:
@@ -218,4 +221,5 @@ def step_groups(case, got: Trace, step: int) -> Groups:
         from fsdp_verify.models import module_classes
 
         experts = tuple(n for n, cls in module_classes(case.model).items() if cls == "GroupedExperts")
-    return Groups(case.world_size, case.dp_size, case.tp, case.pp, case.ep, experts, case.microbatches)
+    dims = case.parallel
+    return Groups(dims.world_size, dims.dp_size, dims.tp, dims.pp, dims.ep, experts, case.microbatches)

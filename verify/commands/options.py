@@ -6,6 +6,7 @@ Free of torch, so the pytest plugin can use it while pytest parses its command l
 from __future__ import annotations
 
 import argparse
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -13,6 +14,7 @@ from typing import TYPE_CHECKING
 from fsdp_verify import dtypes
 from fsdp_verify.commands import case_flags
 from fsdp_verify.commands.case_flags import _items, dtype
+from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.trust import add_trust_argument, typed
 
 if TYPE_CHECKING:
@@ -265,9 +267,8 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
         changes["mesh_shape"] = flags["mesh_shape"]
         shape = flags["mesh_shape"] or ()
         if "world_size" not in flags and shape and all(isinstance(d, int) for d in shape):
-            pp = flags.get("pp", case.pp)  # the mesh is the data-parallel part: times the stages and tp
-            stages = pp if isinstance(pp, int) and pp > 0 else 1
-            changes["world_size"] = _product(shape) * stages * (tp if isinstance(tp, int) and tp >= 1 else 1)
+            # the mesh is the data-parallel part: times the stages and tp
+            changes["world_size"] = ParallelDims.over(tuple(shape), pp=flags.get("pp", case.pp), tp=tp).world_size
     if "world_size" in flags:
         changes["world_size"] = flags["world_size"]
         changes.setdefault("mesh_shape", None)
@@ -289,13 +290,6 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
         per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
     return case.with_(**changes) if changes else case
-
-
-def _product(shape) -> int:
-    prod = 1
-    for d in shape:
-        prod *= d
-    return prod
 
 
 def _wrap_plan(entries: list[str]) -> tuple[str, ...] | None:
@@ -426,7 +420,7 @@ def _mesh_world_sizes(args: argparse.Namespace, pins: dict) -> list[int]:
 
     if getattr(args, "mesh_shape", None) is None:
         return args.world_sizes
-    sizes = sorted({_product(m) for m in args.mesh_shape if m})
+    sizes = sorted({math.prod(m) for m in args.mesh_shape if m})
     if not sizes:
         return args.world_sizes
     if args.world_sizes is not DEFAULT_WORLD_SIZES:

@@ -102,7 +102,8 @@ def _tied_copies(case, model: nn.Module, dp_mesh: DeviceMesh, pipe: Pipeline) ->
     if case.model.kind != "transformer" or not case.model.tie_embeddings:
         return None
     dp, last = case.dp_size, case.pp - 1
-    group, _ = dist.new_subgroups_by_enumeration([[d, last * dp + d] for d in range(dp)])
+    dims = case.parallel
+    group, _ = dist.new_subgroups_by_enumeration([[dims.rank_of(0, d), dims.rank_of(last, d)] for d in range(dp)])
     if pipe.first:
         return group, model.tok_embeddings, "weight"
     if pipe.last:
@@ -121,7 +122,7 @@ class PipelineView(EngineView):
         from fsdp_verify.models import parameter_names
 
         case, rank = self.module.pipeline.case, dist.get_rank()
-        sent = {n: t.detach().cpu() for n, t in mine.items()} if rank % case.dp_size == 0 else {}
+        sent = {n: t.detach().cpu() for n, t in mine.items()} if case.parallel.coords(rank).dp_rank == 0 else {}
         got: list[Any] | None = [None] * dist.get_world_size() if rank == 0 else None
         dist.gather_object(sent, got, dst=0)
         if got is None:

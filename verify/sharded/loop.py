@@ -114,7 +114,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         _record_params_and_state(records, 0, view, {}, initial=True)
     # A data-parallel rank's stream, the same on every rank of its tp group: replicated activations
     # draw the same dropout mask there (docs/tensor-parallel.md).
-    torch.manual_seed(dropout_seed(case, ctx.rank // case.tp))
+    torch.manual_seed(dropout_seed(case, case.parallel.dp_rank(ctx.rank)))
     run_steps = _user_steps if case.step is not None else _pipeline_steps if case.pp > 1 else _toolkit_steps
     dtypes, items = run_steps(case, ctx, sharded, view, (optimizer, scheduler), params, probes, records)
     for probe in probes:
@@ -166,7 +166,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
         position += 1
         inputs, targets = global_batch(case, position)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
-        dp_rank = ctx.rank // case.tp  # the ranks of a tp group take one batch
+        dp_rank = case.parallel.dp_rank(ctx.rank)  # the ranks of a tp group take one batch
         slices = microbatch_slices(case, dp_rank)
         counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
         items[str(step)] = counts
@@ -245,7 +245,7 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
     records them; then the optimizer step, as `_toolkit_steps` does."""
     optimizer, scheduler = optimizers
     pipe = sharded.pipeline
-    dp_rank, m_count = ctx.rank % case.dp_size, case.microbatches
+    dp_rank, m_count = case.parallel.dp_rank(ctx.rank), case.microbatches
     group = pipe.stages[0].group
     last = dist.get_global_rank(group, case.pp - 1)  # the last stage of this rank's pipeline
     dtypes: dict[str, str] = {}

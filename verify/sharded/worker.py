@@ -20,13 +20,15 @@ import threading
 import time
 import traceback
 from collections.abc import Iterator
+from dataclasses import replace
 from multiprocessing.connection import Connection
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.case import Case
+from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.library_warnings import Tally, collecting
 from fsdp_verify.sharded.allocator import keep_freed_memory
 from fsdp_verify.sharded.arena import arena, release_arenas
@@ -72,36 +74,26 @@ def device_for(local_rank: int) -> tuple[torch.device, str]:
 
 
 class MeshCache:
-    """Device meshes by shape; a new 2-D mesh makes new process groups, so make each once."""
+    """Device meshes by their degrees; a new mesh makes new process groups, so make each once.
+    The mesh itself is the case's `ParallelDims` (verify/dims/parallel_dims.py)."""
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple[tuple[int, ...], int, int, int], DeviceMesh] = {}
+        self._meshes: dict[tuple, DeviceMesh] = {}
 
     def get(self, shape: tuple[int, ...], ep: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
-        """The data-parallel mesh `shape`, its dims named (shard,) or (replicate, shard); with
-        `ep` > 1 its shard dim unflattened into ("efsdp", "ep") (verify/engines/expert_parallel.py);
-        with `pp` > 1 a "pp" dim of that many stages before it (verify/engines/pipeline_parallel.py);
-        with `tp` > 1 a last "tp" dim (docs/tensor-parallel.md): made here, once, as its groups
-        outlive a case. The compositions are not drawn together (verify/case.py)."""
-        key = (tuple(shape), ep, pp, tp)
-        if key not in self._meshes:
-            names = ("shard",) if len(shape) == 1 else ("replicate", "shard")
-            if ep > 1:
-                from fsdp_verify.engines.expert_parallel import expert_mesh
+        """The mesh of the data-parallel mesh `shape` with those degrees (`ParallelDims.build`)."""
+        return self.dims(ParallelDims.over(tuple(shape), pp=pp, tp=tp, ep=ep))
 
-                self._meshes[key] = expert_mesh(self.get(shape), ep)
-            elif pp > 1:
-                self._meshes[key] = init_device_mesh(self.device_type, (pp, *shape), mesh_dim_names=("pp", *names))
-            elif tp > 1:
-                self._meshes[key] = init_device_mesh(self.device_type, (*shape, tp), mesh_dim_names=(*names, "tp"))
-            else:
-                self._meshes[key] = init_device_mesh(self.device_type, shape, mesh_dim_names=names)
-        return self._meshes[key]
+    def dims(self, dims: ParallelDims) -> DeviceMesh:
+        if dims.key not in self._meshes:
+            plain = self.dims(replace(dims, ep=1)) if dims.ep > 1 else None  # the dense parameters' mesh
+            self._meshes[dims.key] = dims.build(self.device_type, plain)
+        return self._meshes[dims.key]
 
     def of(self, case: Case) -> DeviceMesh:
         """The case's mesh: every rank's."""
-        return self.get(case.mesh, case.ep, case.pp, case.tp)
+        return self.dims(case.parallel)
 
 
 def _die_with_parent() -> None:

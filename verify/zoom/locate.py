@@ -317,12 +317,13 @@ def place(case: Case, rank: int, expert: int | None = None, module: str | None =
     rank holding it, which computed the rows of `rank`); under pipeline parallelism the stage
     holding the module (a pass's rank is its data-parallel index there)."""
     if case.tp > 1:
-        return f"tp rank {rank % case.tp} of data-parallel rank {rank // case.tp}"
+        at = case.parallel.coords(rank)
+        return f"tp rank {at.tp_rank} of data-parallel rank {at.dp_rank}"
     if case.pp > 1 and module is not None:
         stage = stage_of_module(case, module)
         if stage is None:
             return ""
-        holder = (stage % case.pp) * case.dp_size + rank  # pp is the outer dim; a pass's rank is its dp index
+        holder = case.parallel.rank_of(stage=stage % case.pp, dp_rank=rank)  # a pass's rank is its dp index
         return f"stage {stage}, on rank {holder} (data-parallel rank {rank})"
     if expert is None:
         return ""

@@ -46,7 +46,7 @@ class ZoomProbe(Probe):
         """A stage's forward and backward of one micro-batch, each its pass's (see the module
         docstring): private to torch's schedules, feature-tested (Case refuses a zoom beside a
         pipeline where they are missing: `stage_chunks`, verify/engines/pipeline_parallel.py)."""
-        dp_rank = self.rank % self.case.dp_size
+        dp_rank = self.case.parallel.dp_rank(self.rank)
         for name, forwarding in (("forward_one_chunk", True), ("backward_one_chunk", False)):
             chunk = getattr(stage, name)
 

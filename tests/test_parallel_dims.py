@@ -1,0 +1,116 @@
+"""The one owner of the degrees and the mesh (verify/dims/parallel_dims.py): a rank's coordinates
+are the ones the mesh it builds gives that rank, for every layout, combined ones included."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from fsdp_verify.case import CaseError
+from fsdp_verify.dims.parallel_dims import ParallelDims
+from tests.conftest import mlp_case
+from tests.test_tensor_parallel import tp_case
+
+LAYOUTS = [
+    ParallelDims(1, (1,)),
+    ParallelDims(3, (3,)),
+    ParallelDims(4, (2, 2)),
+    ParallelDims(4, (2,), tp=2),
+    ParallelDims(4, (2,), pp=2),
+    ParallelDims(8, (2,), pp=2, tp=2),  # torchtitan's 3-D
+    ParallelDims(8, (1, 2), pp=2, tp=2),
+    ParallelDims(8, (2, 2), tp=2),
+    ParallelDims(4, (4,), ep=2),
+]
+
+
+@pytest.mark.parametrize("dims", LAYOUTS, ids=lambda d: d.describe().replace(" ", ""))
+def test_a_ranks_coordinates_are_its_place_in_the_mesh_row_major(dims):
+    grid = torch.arange(dims.world_size).view(dims.shape)
+    names = dims.names
+    assert not dims.problems()
+    for rank in range(dims.world_size):
+        at = dims.coords(rank)
+        where = dict(zip(names, (int(i) for i in (grid == rank).nonzero()[0]), strict=True))
+        dp = where.get("replicate", 0) * dims.dp[-1] + where["shard"] if len(dims.dp) == 2 else where["shard"]
+        assert (at.stage, at.dp_rank, at.tp_rank) == (where.get("pp", 0), dp, where.get("tp", 0))
+        assert dims.rank_of(at.stage, at.dp_rank, at.tp_rank) == rank
+        assert dims.dp_rank(rank) == dp
+
+
+def test_what_does_not_fit_is_said():
+    assert ParallelDims(8, (2,), pp=2, tp=3).problems() == [
+        "the data-parallel mesh (2,) times pp=2 x tp=3 is 12 ranks, not the world's 8"
+    ]
+    assert ParallelDims(4, (4,), ep=3).problems() == ["ep=3 does not divide the shard dim (4 ranks)"]
+    with pytest.raises(ValueError, match="rank 4 is not in a world of 4"):
+        ParallelDims(4, (4,)).coords(4)
+
+
+def test_the_case_asks_it():
+    case = tp_case(world_size=8, mesh_shape=(2, 2))
+    assert case.parallel == ParallelDims(8, (2, 2), tp=2)
+    assert (case.dp_size, case.device_mesh_shape) == (4, (2, 2, 2))
+    assert ParallelDims.over((2, 2), pp=2, tp=2).world_size == 16
+    assert mlp_case(4, pp=2, microbatches=2, sync_every_microbatch=False).parallel.shape == (2, 2)
+    with pytest.raises(CaseError, match="mesh_shape"):  # the Case words the misfit, naming its field
+        tp_case(world_size=8, mesh_shape=(2, 3))
+
+
+def _groups_of_the_built_mesh(dims: ParallelDims) -> dict[int, dict[str, list[int]]]:
+    """Each rank's groups in the mesh `dims.build` makes, dim by dim, on PyTorch's threaded process
+    group (ranks are threads: this is the mesh's layout, not a collective under test)."""
+    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
+
+    torch._C._distributed_c10d._set_thread_isolation_mode(True)
+    _install_threaded_pg()
+    store, got, errors = dist.HashStore(), {}, []
+
+    def rank_main(rank: int) -> None:
+        try:
+            dist.init_process_group("threaded", rank=rank, world_size=dims.world_size, store=store)
+            mesh = dims.build("cpu")
+            got[rank] = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in mesh.mesh_dim_names}
+            dist.destroy_process_group()
+        except BaseException as e:  # noqa: BLE001 - reported below, after every thread ends
+            errors.append(e)
+
+    try:
+        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(dims.world_size)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(60)
+    finally:
+        _uninstall_threaded_pg()
+        torch._C._distributed_c10d._set_thread_isolation_mode(False)
+    if errors:
+        raise errors[0]
+    return got
+
+
+@pytest.mark.parametrize("dims", [LAYOUTS[5], LAYOUTS[6], LAYOUTS[8]], ids=lambda d: d.describe().replace(" ", ""))
+def test_the_built_meshs_groups_are_the_coordinates_groups(dims):
+    """A rank's tp group is the ranks of its stage and data-parallel rank; its shard group the
+    ranks of its stage, replica and tp rank; its pp group its data-parallel and tp rank's stages
+    (a mesh built with two dims swapped fails here)."""
+    got = _groups_of_the_built_mesh(dims)
+    assert sorted(got) == list(range(dims.world_size))
+    for rank, groups in got.items():
+        at = dims.coords(rank)
+        if "tp" in groups:
+            assert groups["tp"] == [dims.rank_of(at.stage, at.dp_rank, t) for t in range(dims.tp)]
+        if "pp" in groups:
+            assert groups["pp"] == [dims.rank_of(s, at.dp_rank, at.tp_rank) for s in range(dims.pp)]
+        if dims.ep > 1:
+            assert set(groups) == {"efsdp", "ep"}
+            group_start = at.dp_rank - at.dp_rank % dims.ep  # the ep ranks: consecutive ranks of the shard dim
+            assert groups["ep"] == [dims.rank_of(at.stage, group_start + e, at.tp_rank) for e in range(dims.ep)]
+            continue
+        shard, replica = dims.dp[-1], at.dp_rank // dims.dp[-1]
+        assert groups["shard"] == [
+            dims.rank_of(at.stage, replica * shard + s, at.tp_rank) for s in range(shard)
+        ], groups

@@ -1,0 +1,2 @@
+"""The parallelism dimensions of a case, and the one owner of their degrees and mesh
+(`parallel_dims.ParallelDims`)."""
