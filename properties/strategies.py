@@ -28,7 +28,6 @@ from torch import nn
 from fsdp_verify import units
 from fsdp_verify.case import (
     GRAD_REDUCTIONS,
-    NOT_MODELLED_BESIDE,
     OPTIMIZERS,
     SCHEDULES,
     Case,
@@ -39,10 +38,9 @@ from fsdp_verify.case import (
     OptimSpec,
     PrecisionSpec,
     check_field_value,
-    not_modelled_with_compile,
 )
+from fsdp_verify.dims.together import beside_another, drawn_off, not_modelled_beside, pinned_beside
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
-from fsdp_verify.engines.compositions import beside_another, off_beside, pinned_beside
 from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.models import _construct
 from fsdp_verify.properties.profiles import profile_compile_rate
@@ -610,8 +608,8 @@ def _cases(
 def compile_scopes(case: Case, rate: float) -> SearchStrategy[str | None]:
     """None, or a compile scope with probability `rate` (the profile's: `profiles.COMPILE_RATES`):
     "units" where the plan has a unit besides the root, else "model". None where the case cannot
-    be compiled (`case.NOT_WITH_COMPILE`: Case refuses them). Shrinks to None."""
-    if rate <= 0 or not_modelled_with_compile(case) is not None:
+    be compiled (verify/dims/together.py: Case refuses them). Shrinks to None."""
+    if rate <= 0 or not_modelled_beside(case, "compile") is not None:
         return st.just(None)
     scopes = ("units", "model") if len(case.wrap_plan) > 1 else ("model",)
     hundredths = round(100 * min(rate, 1.0))
@@ -1010,7 +1008,7 @@ def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     if not grouped.frozen:
         changes["unfreeze_step"] = None
     if ep > 1:
-        changes.update(off_beside("ep"))
+        changes.update(drawn_off("ep"))
         if case.wrap is not None and "moe.experts" not in case.wrap_plan:
             changes["wrap"] = _order(set(case.wrap_plan[:-1]) | {"moe.experts"})
     try:
@@ -1047,7 +1045,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
     pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
-    # A case drawn expert-parallel stays so (verify/engines/compositions.py).
+    # A case drawn expert-parallel stays so (verify/dims/together.py).
     if pinned_on or "mesh_shape" in pins or beside_another("pp", case):
         degrees = []
     pp = draw(
@@ -1088,7 +1086,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         "sync_every_microbatch": False,
         # an int the stage's smaller shard group does not divide (not pinned: see above): True
         "reshard_after_forward": rsf if isinstance(rsf, bool) or shard % rsf == 0 else True,
-        **off_beside("pp"),
+        **drawn_off("pp"),
     }
     if not model.frozen:
         changes["unfreeze_step"] = None
@@ -1116,10 +1114,9 @@ def _schedule_fits(schedule: str, pp: int, blocks: int, microbatches: int) -> bo
 
 # ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------
 def _parallel_pins(parallelism: str) -> dict[str, Any]:
-    """What the strategies draw that is not modelled beside `parallelism` (verify/case.py,
-    `NOT_MODELLED_BESIDE`, the one table), each field pinned to its value when off."""
-    rows = next(rows for (name, _), rows in NOT_MODELLED_BESIDE.items() if name == parallelism)
-    return {row.field: row.off for row in rows if row.drawn}
+    """What the strategies draw that is not modelled beside `parallelism` (verify/dims/together.py,
+    the one table), each field pinned to its value when off."""
+    return drawn_off(parallelism)
 
 
 def _tp_draws(

@@ -44,13 +44,14 @@ EVERYTHING = "examples/engine/my_engine.py:shard_everything"
         ({"compile": "units", "compile_backend": "tvm"}, "compile_backend"),
         ({"compile_backend": "aot_eager"}, "compile_backend"),
         ({"compile": "units", "wrap": ("",)}, "compile"),
-        ({"compile": "units", "model": ModelSpec(kind="mlp", experts=2)}, "compile"),
+        # a pair not modelled together names the other field (verify/dims/together.py, the one table)
+        ({"compile": "units", "model": ModelSpec(kind="mlp", experts=2)}, "model.experts"),
         ({"compile": "model", "compile_fullgraph": True}, "compile_fullgraph"),  # units inside the model
         (
             {"compile": "units", "compile_fullgraph": True, "wrap": ("layers.0.linear", "layers.0", "")},
             "compile_fullgraph",
         ),
-        ({"compile": "units", "zoom": "1"}, "compile"),
+        ({"compile": "units", "zoom": "1"}, "zoom"),
     ],
 )
 def test_a_bad_compile_is_refused_naming_the_field(changes, field):

@@ -1,5 +1,7 @@
-"""The one owner of the degrees and the mesh (verify/dims/parallel_dims.py): a rank's coordinates
-are the ones the mesh it builds gives that rank, for every layout, combined ones included."""
+"""The dimensions' two shared parts (verify/dims/): the one owner of the degrees and the mesh
+(`parallel_dims.py`: a rank's coordinates are the ones the mesh it builds gives that rank, for
+every layout, combined ones included) and the one table of what is not modelled together
+(`together.py`: read alike by the Case's refusals and the draws)."""
 
 from __future__ import annotations
 
@@ -111,6 +113,71 @@ def test_the_built_meshs_groups_are_the_coordinates_groups(dims):
             assert groups["ep"] == [dims.rank_of(at.stage, group_start + e, at.tp_rank) for e in range(dims.ep)]
             continue
         shard, replica = dims.dp[-1], at.dp_rank // dims.dp[-1]
-        assert groups["shard"] == [
-            dims.rank_of(at.stage, replica * shard + s, at.tp_rank) for s in range(shard)
-        ], groups
+        assert groups["shard"] == [dims.rank_of(at.stage, replica * shard + s, at.tp_rank) for s in range(shard)], (
+            groups
+        )
+
+
+# ---- what is not modelled together: one table (verify/dims/together.py) ---------------------------
+def _plain_case(**on):
+    """A stand-in with every dimension and every row's field off, then `on`."""
+    from types import SimpleNamespace
+
+    from fsdp_verify.dims.together import DIMENSIONS, NOT_MODELLED_TOGETHER
+
+    fields = {d.field: d.off for d in DIMENSIONS.values()}
+    model = {}
+    for rows in NOT_MODELLED_TOGETHER.values():
+        for row in rows:
+            head, _, rest = row.field.partition(".")
+            if rest:
+                model[rest] = row.off
+            else:
+                fields[head] = row.off
+    for name, value in on.items():
+        head, _, rest = name.partition(".")
+        if rest:
+            model[rest] = value
+        else:
+            fields[head] = value
+    return SimpleNamespace(**fields, model=SimpleNamespace(**model))
+
+
+@pytest.mark.parametrize("dimension", ["tp", "ep", "pp", "compile"])
+def test_every_row_of_the_one_table_is_refused_naming_its_field_and_drawn_off(dimension):
+    from fsdp_verify.dims.together import (
+        DIMENSIONS,
+        NOT_MODELLED_TOGETHER,
+        beside_another,
+        check_together,
+        drawn_off,
+        not_modelled_beside,
+    )
+
+    on = {"tp": 2, "ep": 2, "pp": 2, "compile": "units"}
+    check_together(_plain_case(**{dimension: on[dimension]}), dimension)  # the dimension alone: a case
+    for row in NOT_MODELLED_TOGETHER[dimension]:
+        value = on.get(row.field, "on")
+        case = _plain_case(**{dimension: on[dimension], row.field: value})
+        with pytest.raises(CaseError) as e:
+            check_together(case, dimension)
+        assert e.value.field_path == row.field and f"beside {DIMENSIONS[dimension].what} is not modelled" in str(
+            e.value
+        )
+        assert not_modelled_beside(case, dimension) == row.why
+        assert beside_another(dimension, case) == (row.field in DIMENSIONS)
+        if row.drawn:
+            assert drawn_off(dimension)[row.field] == row.off
+    check_together(_plain_case(**{row.field: "on" for row in NOT_MODELLED_TOGETHER[dimension]}), dimension)  # off
+
+
+def test_a_pair_modelled_together_is_a_row_removed(monkeypatch):
+    """The Case asks the table and nothing else: without tp's offload row, tp beside offload is a case."""
+    from fsdp_verify.dims import together
+
+    with pytest.raises(CaseError, match=r"^offload: expected False with tp=2: CPU offload of 2-D parameters beside tp"):
+        tp_case(offload=True)
+    rows = tuple(r for r in together.NOT_MODELLED_TOGETHER["tp"] if r.field != "offload")
+    monkeypatch.setitem(together.NOT_MODELLED_TOGETHER, "tp", rows)
+    assert tp_case(offload=True).offload
+    assert "offload" not in together.drawn_off("tp")

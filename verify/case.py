@@ -12,13 +12,14 @@ import contextlib
 import dataclasses
 import hashlib
 import json
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from fsdp_verify import dtypes, units
 from fsdp_verify.dims.parallel_dims import ParallelDims
+from fsdp_verify.dims.together import check_together
 from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
 from fsdp_verify.validation import CaseError, check, is_int, is_number
@@ -32,49 +33,6 @@ INIT_MODES = ("eager", "meta")
 # torch.compile (docs/compile.md): what is compiled (Case.compile) and by which backend.
 COMPILE_SCOPES = ("units", "model")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
-
-
-@dataclass(frozen=True)
-class NotModelled:
-    """A setting the reference does not model beside a parallelism composed with FSDP: `field`
-    (dotted for nested ones) must hold `off`. `drawn`: the case strategies draw the field, so they
-    pin it off where the parallelism is drawn (properties/strategies.py, `_parallel_pins`)."""
-
-    field: str
-    off: Any
-    why: str
-    drawn: bool = True
-
-    def value(self, case: Case) -> Any:
-        head, _, rest = self.field.partition(".")
-        value = getattr(case, head)
-        return getattr(value, rest) if rest else value
-
-
-# What is not modelled beside each parallelism composed with FSDP, by the Case field that turns
-# it on and that field's value when off. The one place both the Case's refusal (naming the field,
-# exit 2) and the draws read; a parallelism added beside tp (expert, pipeline, compile) adds a
-# row here, and a combination modelled later is a row removed.
-NOT_MODELLED_BESIDE: dict[tuple[str, Any], tuple[NotModelled, ...]] = {
-    ("tp", 1): (
-        NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
-        NotModelled("ignored", (), "ignored parameters (the loop's all-reduce is over every rank)"),
-        NotModelled("shard_placement", "dim0", "Shard(1) placements of 2-D parameters"),
-        NotModelled("offload", False, "CPU offload of 2-D parameters"),
-        NotModelled("model.experts", 0, "routed experts"),
-        NotModelled(
-            "model.tie_embeddings",
-            False,
-            "tied embeddings (the embedding is split by rows, the head by columns: one tensor cannot be both)",
-        ),
-        # Drawn apart: loss scaling only with fp16 (refused beside tp by the strategies' `_tp_draws`).
-        NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
-        # The other compositions (verify/engines/compositions.py, `NOT_WITH_COMPILE`): not tried together.
-        NotModelled("ep", 1, "expert parallelism"),
-        NotModelled("pp", 1, "pipeline parallelism"),
-        NotModelled("compile", None, "torch.compile"),
-    ),
-}
 
 
 @dataclass(frozen=True)
@@ -761,7 +719,7 @@ class Case:
         rtp = self.resume_tp
         check(rtp is None or (is_int(rtp) and rtp >= 1), "resume_tp", "null or a positive integer (1: no tp)", rtp)
         if rtp is not None and rtp != self.tp:
-            # Pipeline stages beside tp are refused by the case (NOT_MODELLED_BESIDE); a user's step
+            # Pipeline stages beside tp are refused by the case (verify/dims/together.py); a user's step
             # is not modelled beside tp on either side of the resume.
             check(self.step is None, "resume_tp", "null with a user's step (not modelled beside tp)", rtp)
             world = rws if rws is not None else self.world_size
@@ -982,23 +940,12 @@ class Case:
             "'model' or null for a wrap plan of the root alone ('units' compiles each unit but the root)",
             self.compile,
         )
-        beside = not_modelled_with_compile(self)
-        check(beside is None, "compile", f"null with {beside}", self.compile)
+        check_together(self, "compile")
 
     def _validate_modelled_together(self) -> None:
-        """Refuse, naming the field, a setting not modelled beside a parallelism the case asks for
-        (`NOT_MODELLED_BESIDE`)."""
-        for (name, off), rows in NOT_MODELLED_BESIDE.items():
-            asked = getattr(self, name)
-            if asked == off:
-                continue
-            for row in rows:
-                check(
-                    row.value(self) == row.off,
-                    row.field,
-                    f"{row.off!r} with {name}={asked}: {row.why} beside {name} is not modelled",
-                    row.value(self),
-                )
+        """Refuse, naming the field, a setting not modelled beside tp (verify/dims/together.py,
+        the one table; ep, pp and compile are checked there too, after their own fields)."""
+        check_together(self, "tp")
 
     def _validate_tp(self) -> None:
         """Tensor parallelism's fields (docs/tensor-parallel.md): a degree, a plan that splits the
@@ -1226,41 +1173,6 @@ def check_field_value(name: str, value: Any) -> None:
             raise
     except TypeError:
         pass  # a value of the wrong kind altogether: the Case it is drawn into names it
-
-
-# What the compiled runs do not model, in one place: validation refuses a compiled case that has
-# one (`Case._validate_compile`) and the draw never compiles one (properties/strategies.py
-# `compile_scopes`). A Case field not modelled beside compile (a new parallelism) adds a row:
-# (what, whether the case has it).
-NOT_WITH_COMPILE: tuple[tuple[str, Callable[[Case], bool]], ...] = (
-    # Each count of samples routed to an expert is a shape of its own: the graphs a rank and the
-    # reference (which meets every rank's counts in one process) compile would differ.
-    (
-        "routed experts (data-dependent routing: a graph per count of routed samples)",
-        lambda case: bool(case.model.experts),
-    ),
-    (
-        "a user's step (its reference, reference/user_step.py, runs eagerly)",
-        lambda case: case.step is not None,
-    ),
-    (
-        "a zoom (per-module and per-op probes cannot see inside a compiled graph)",
-        lambda case: case.zoom is not None,
-    ),
-    (
-        "pipeline parallelism (compiled stages were not tried: docs/pipeline-parallel.md)",
-        lambda case: getattr(case, "pp", 1) > 1,
-    ),
-    (
-        "tensor parallelism (compiled tp plans were not tried: docs/tensor-parallel.md)",
-        lambda case: getattr(case, "tp", 1) > 1,
-    ),
-)
-
-
-def not_modelled_with_compile(case: Case) -> str | None:
-    """The first thing `case` has that compile is not modelled beside (NOT_WITH_COMPILE), or None."""
-    return next((what for what, has in NOT_WITH_COMPILE if has(case)), None)
 
 
 def fullgraph_breaks(case: Case) -> str | None:

@@ -95,9 +95,9 @@ def check_experts(case) -> None:
             " (tests/upstream/test_fsdp2_divide_factor_shard_group_of_one.py)",
             low,
         )
-    from fsdp_verify.engines.compositions import check_not_beside
+    from fsdp_verify.dims.together import check_together
 
-    check_not_beside(case, EP)
+    check_together(case, EP)
 
 
 # ---- the mesh -----------------------------------------------------------------------------------

@@ -98,11 +98,6 @@ def check_pipeline(case) -> None:
         f"false with pp={pp}: a stage accumulates every micro-batch and reduces once after the last (--sync-last)",
         True,
     )
-    for name, value, off, why in (
-        ("model.experts", model.experts, 0, "routed experts"),
-        ("model.dropout", model.dropout, 0.0, "dropout (each stage's rank draws its own masks)"),
-    ):
-        check(value == off, name, f"{off!r} with pp={pp}: {why} beside pipeline parallelism is not modelled", value)
     if case.zoom is not None:  # the zoom's passes open where a stage runs one micro-batch (verify/zoom/probe.py)
         check(
             stage_chunks(),
@@ -110,9 +105,9 @@ def check_pipeline(case) -> None:
             f"None with pp={pp} on this torch: its pipeline stages lack forward_one_chunk/backward_one_chunk",
             case.zoom,
         )
-    from fsdp_verify.engines.compositions import check_not_beside
+    from fsdp_verify.dims.together import check_together
 
-    check_not_beside(case, PP)
+    check_together(case, PP)
 
 
 def stage_chunks() -> bool:

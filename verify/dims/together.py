@@ -1,0 +1,154 @@
+"""What is not modelled together: one table, of one shape, for every dimension composed with FSDP.
+
+Each dimension (tp, ep, pp, compile) is on when its Case field leaves its off value; its rows are
+the Case fields the reference does not model beside it, each with its value when off and why.
+The Case's validation refuses a row that is on (naming the row's field, exit 2: `check`), and the
+draws read the same rows: a draw of the dimension turns its `drawn` rows off (`drawn_off`), a pin
+that asks for a row draws the dimension off instead (`pinned_beside`), and a row that is itself
+another dimension, already drawn on, keeps this one off (`beside_another`). A pair modelled later
+is a row removed; a dimension added is one entry of `DIMENSIONS` and its rows here.
+
+A pair can sit under both of its dimensions (tp's row "compile" and compile's row "tp"): the
+first dimension validated (`DIMENSIONS`' order) names the field.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fsdp_verify.validation import check
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """A dimension's Case field, its value when off, and how a message calls it."""
+
+    field: str
+    off: Any
+    what: str
+
+
+@dataclass(frozen=True)
+class NotModelled:
+    """A setting the reference does not model beside a dimension: `field` (dotted for nested
+    ones) must hold `off`. `drawn`: the draw of the dimension turns the field off (a row that is
+    not drawn is kept off elsewhere: a user's step is never drawn beside one, fp16 loss scaling
+    only with fp16, which the draws leave out beside tp)."""
+
+    field: str
+    off: Any
+    why: str
+    drawn: bool = True
+
+    def value(self, case) -> Any:
+        head, _, rest = self.field.partition(".")
+        value = getattr(case, head)
+        return getattr(value, rest) if rest else value
+
+
+DIMENSIONS: dict[str, Dimension] = {
+    "tp": Dimension("tp", 1, "tp"),
+    "ep": Dimension("ep", 1, "expert parallelism"),
+    "pp": Dimension("pp", 1, "pipeline parallelism"),
+    "compile": Dimension("compile", None, "torch.compile"),
+}
+
+NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
+    "tp": (
+        NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
+        NotModelled("ignored", (), "ignored parameters (the loop's all-reduce is over every rank)"),
+        NotModelled("shard_placement", "dim0", "Shard(1) placements of 2-D parameters"),
+        NotModelled("offload", False, "CPU offload of 2-D parameters"),
+        NotModelled("model.experts", 0, "routed experts"),
+        NotModelled(
+            "model.tie_embeddings",
+            False,
+            "tied embeddings (the embedding is split by rows, the head by columns: one tensor cannot be both)",
+        ),
+        NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
+        NotModelled("ep", 1, "expert parallelism"),
+        NotModelled("pp", 1, "pipeline parallelism"),
+        NotModelled("compile", None, "torch.compile"),
+    ),
+    "ep": (
+        NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
+        NotModelled("shard_placement", "dim0", "Shard(1) placements of the experts"),
+        NotModelled("clip_norm", None, "a clip (the experts' norm over two meshes is not modelled yet)"),
+        NotModelled("offload", False, "CPU offload of the experts"),
+        NotModelled("compile", None, "torch.compile (routed experts: a graph per count of routed samples)"),
+    ),
+    "pp": (
+        NotModelled("step", None, "a user's step (the schedule runs forward and backward)", drawn=False),
+        NotModelled("model.experts", 0, "routed experts", drawn=False),
+        NotModelled("model.dropout", 0.0, "dropout (each stage's rank draws its own masks)", drawn=False),
+        NotModelled("clip_norm", None, "a clip (the norm over the stages is not modelled yet)"),
+        NotModelled("loss_scaling", None, "fp16 loss scaling"),
+        NotModelled("ignored", (), "ignored parameters"),
+        NotModelled("offload", False, "CPU offload"),
+        NotModelled("shard_placement", "dim0", "Shard(1) placements"),
+        NotModelled("prefetch", None, "explicit prefetching"),
+        NotModelled("replica_sync_last", False, "replica_sync_last (the stage decides what each backward reduces)"),
+        NotModelled("reshard_after_backward_last", False, "reshard_after_backward_last (the stage decides it)"),
+        NotModelled("grad_reduction", "avg", "a sum reduction"),
+        NotModelled("unfreeze_step", None, "unfreezing mid-run"),
+        NotModelled("ep", 1, "expert parallelism"),
+        NotModelled("compile", None, "torch.compile (compiled stages were not tried)"),
+    ),
+    "compile": (
+        # Each count of samples routed to an expert is a shape of its own: the graphs a rank and
+        # the reference (which meets every rank's counts in one process) compile would differ.
+        NotModelled("model.experts", 0, "routed experts (data-dependent routing: a graph per count of routed samples)"),
+        NotModelled("step", None, "a user's step (its reference, reference/user_step.py, runs eagerly)", drawn=False),
+        NotModelled("zoom", None, "a zoom (per-module and per-op probes cannot see inside a compiled graph)"),
+        NotModelled("pp", 1, "pipeline parallelism (compiled stages were not tried: docs/pipeline-parallel.md)"),
+        NotModelled("tp", 1, "tensor parallelism (compiled tp plans were not tried: docs/tensor-parallel.md)"),
+    ),
+}
+
+
+def is_on(case, dimension: str) -> bool:
+    d = DIMENSIONS[dimension]
+    return getattr(case, d.field) != d.off
+
+
+def check_together(case, dimension: str) -> None:
+    """Refuse, naming the row's field, what `case` has on beside `dimension` (when it is on)."""
+    if not is_on(case, dimension):
+        return
+    d = DIMENSIONS[dimension]
+    degree = getattr(case, d.field)
+    for row in NOT_MODELLED_TOGETHER[dimension]:
+        check(
+            row.value(case) == row.off,
+            row.field,
+            f"{row.off!r} with {d.field}={degree!r}: {row.why} beside {d.what} is not modelled",
+            row.value(case),
+        )
+
+
+def not_modelled_beside(case, dimension: str) -> str | None:
+    """Why the first row `case` has on is not modelled beside `dimension`, or None (whether or not
+    the dimension is on: what a draw asks before turning it on)."""
+    return next((row.why for row in NOT_MODELLED_TOGETHER[dimension] if row.value(case) != row.off), None)
+
+
+def drawn_off(dimension: str) -> dict[str, Any]:
+    """What a draw of `dimension` turns off: its drawn rows, field -> value when off."""
+    return {row.field: row.off for row in NOT_MODELLED_TOGETHER[dimension] if row.drawn}
+
+
+def pinned_beside(dimension: str, case, pins: dict[str, Any]) -> bool:
+    """Whether the draw's pins ask for something `dimension` does not take (a row's field pinned
+    on, or any sub-field of it): then the dimension is drawn off."""
+    return any(
+        (row.field in pins and row.value(case) != row.off) or any(k.startswith(row.field + ".") for k in pins)
+        for row in NOT_MODELLED_TOGETHER[dimension]
+    )
+
+
+def beside_another(dimension: str, case) -> bool:
+    """Whether `case` was drawn another dimension that `dimension` is not modelled beside (a row
+    naming a dimension, on): the earlier draw stands, this one is not drawn (turning the other off
+    would draw it less often than its own draw means to)."""
+    return any(row.field in DIMENSIONS and row.value(case) != row.off for row in NOT_MODELLED_TOGETHER[dimension])
