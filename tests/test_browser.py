@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.ranks import spawn
 from tests.report_nights import shared
 
 SHOTS = os.environ.get("FSDP_VERIFY_SCREENSHOTS")  # a folder to keep the screenshots in
@@ -149,9 +150,8 @@ def compare_pages(tmp_path_factory) -> dict[str, Path]:
     train(d / "bad", model=bad)
     assert main(["compare", str(d / "ref"), str(d / "twin"), "--out", str(d / "pass")]) == 0
     assert main(["compare", str(d / "ref"), str(d / "bad"), "--out", str(d / "fail")]) == 1
-    import torch.multiprocessing as mp
 
-    mp.spawn(_train_apart, args=(str(d / "store"), str(d / "apart")), nprocs=2)
+    spawn(_train_apart, args=(str(d / "store"), str(d / "apart")), nprocs=2)
     assert main(["compare", str(d / "ref"), str(d / "apart"), "--out", str(d / "not-sharded")]) == 1
     return {
         "pass": d / "pass" / "report.html",

@@ -14,7 +14,6 @@ import threading
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -23,6 +22,7 @@ from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.sharded.worker import exit_now, leave_process_group
 from fsdp_verify.trace import Trace
+from tests.ranks import spawn
 
 # Rows that do not split evenly: 7 over 3 ranks is 3, 3, 1; 2 over 3 leaves rank 2 empty.
 SHAPES = {"even": (6, 4), "uneven": (7, 3), "empty_on_last": (2, 5), "vector": (5,)}
@@ -133,7 +133,7 @@ def _run(mesh_shape: tuple[int, ...], how: str) -> dict:
         world *= abs(n)
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        mp.spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out, how), nprocs=world)
+        spawn(_rank_main, args=(world, os.path.join(tmp, "init"), mesh_shape, out, how), nprocs=world)
         got = torch.load(out)
         got["left"] = sorted(n for n in os.listdir(tmp) if n.startswith("arena-"))
         return got

@@ -12,10 +12,10 @@ import tempfile
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_verify.case import OptimSpec
 from fsdp_verify.training.optim import foreach_is_exact, make_optimizer
+from tests.ranks import spawn
 
 SPECS = [
     OptimSpec(name="sgd", momentum=0.9, weight_decay=0.01),
@@ -133,5 +133,5 @@ def _rank_main(rank: int, init: str, out: str) -> None:
 def test_on_dtensor_shards_over_real_ranks_too():
     with tempfile.TemporaryDirectory(prefix="fsdp-verify-optim-") as tmp:
         out = os.path.join(tmp, "failures.pt")
-        mp.start_processes(_rank_main, args=(os.path.join(tmp, "init"), out), nprocs=2, start_method="spawn")
+        spawn(_rank_main, args=(os.path.join(tmp, "init"), out), nprocs=2)
         assert torch.load(out) == []

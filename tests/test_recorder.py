@@ -26,6 +26,7 @@ from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
 from fsdp_verify.recorder.store import Run
 from fsdp_verify.reports.schema import SCHEMA_PATH
 from tests import recorded_runs
+from tests.ranks import spawn
 from tests.recorded_runs import BIN, ENV, ROOT, compare
 
 EXAMPLES = ROOT / "examples" / "loop"
@@ -232,10 +233,9 @@ def test_parameters_left_out_of_sharding_are_a_note_and_held_to_the_replica_rule
     """Some parameters plain on every rank (FSDP2's ignored_params, or a module left outside every
     fully_shard unit) is not NOT SHARDED by itself: averaged by the loop, the run is EQUIVALENT
     with a note; averaged by nothing, its replicas part at step 1 and it is NOT SHARDED."""
-    import torch.multiprocessing as mp
 
     train(tmp_path / "ref")
-    mp.spawn(_train_partly_sharded, args=(str(tmp_path / "store"), str(tmp_path / "run"), average), nprocs=2)
+    spawn(_train_partly_sharded, args=(str(tmp_path / "store"), str(tmp_path / "run"), average), nprocs=2)
     code, out = compare(tmp_path / "ref", tmp_path / "run", "--out", tmp_path / "r", capsys=capsys)
     assert "2 of the 4 parameters of" in out and "'out.weight', 'out.bias'" in out, out
     if average:

@@ -19,7 +19,6 @@ from pathlib import Path
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from fsdp_verify import launch
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
@@ -29,6 +28,7 @@ from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe
 from fsdp_verify.sharded.worker import exit_now, leave_process_group
 from fsdp_verify.training.threads import rank_like_threads
 from tests.conftest import lm_case, mlp_case
+from tests.ranks import spawn
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -87,7 +87,7 @@ def _split(rank: int, processes: int, init: str, directory: str, case: Case, out
 def _run_split(case: Case, processes: int = 2, full: bool = False) -> tuple[dict, list[str]]:
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "out.pt")
-        mp.spawn(_split, args=(processes, os.path.join(tmp, "init"), tmp, case, out, full), nprocs=processes)
+        spawn(_split, args=(processes, os.path.join(tmp, "init"), tmp, case, out, full), nprocs=processes)
         got = {f"unsafe.{r}": torch.load(f"{out}.{r}") for r in range(processes) if os.path.exists(f"{out}.{r}")}
         if os.path.exists(out):
             got.update(torch.load(out))

@@ -20,6 +20,7 @@ from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
 from tests.conftest import require
 from tests.in_process import run_cli
+from tests.ranks import spawn
 
 PLAIN = "examples/engine/my_engine.py:shard"
 TINY = ModelSpec(vocab_size=64, dim=16, n_heads=2, ffn_hidden=24, n_layers=1, seq_len=4)
@@ -349,12 +350,11 @@ def test_the_recorder_records_a_tensor_parallel_runs_2d_shards_whole(tmp_path):
     """A colwise weight is `_StridedShard` rows over the data-parallel dims and Shard(0) over tp, a
     rowwise one Shard(1): no block of rows a rank holds. The Recorder gathers them whole (its only
     collective) where it records a plain FSDP2 shard's rows."""
-    import torch.multiprocessing as mp
 
     from fsdp_verify.recorder.store import Run
 
     out = tmp_path / "run"
-    mp.spawn(_recorded_rank, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2)
+    spawn(_recorded_rank, args=(2, str(tmp_path / "rendezvous"), str(out)), nprocs=2)
     run = Run(out, "tp")
     for rank in range(2):
         tensors, header = run.load(rank, 1)

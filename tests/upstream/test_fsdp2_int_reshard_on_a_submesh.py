@@ -26,6 +26,10 @@ import torch.multiprocessing as mp
 
 WAIT_S = 30  # after every rank has reached fully_shard: ample for one Linear on 8 CPU ranks
 
+# The ranks fork from a server that imported torch once (a fresh interpreter per rank costs
+# 1.5-2 s of CPU); the bug does not depend on how the processes start.
+mp.set_forkserver_preload(["torch", "torch.distributed"])
+
 
 def _rank(rank: int, world: int, rendezvous: str, out: str) -> None:
     from torch.distributed.device_mesh import init_device_mesh
@@ -66,7 +70,13 @@ def test_fsdp2_int_reshard_after_forward_on_a_data_parallel_submesh():
     world = 8
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "outcome")
-        context = mp.spawn(_rank, args=(world, os.path.join(tmp, "rendezvous"), out), nprocs=world, join=False)
+        context = mp.start_processes(
+            _rank,
+            args=(world, os.path.join(tmp, "rendezvous"), out),
+            nprocs=world,
+            join=False,
+            start_method="forkserver",
+        )
         try:
             while not all(_read(f"{out}.{r}") for r in range(world)):
                 if any(p.exitcode not in (None, 0) for p in context.processes):

@@ -20,6 +20,10 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+# The ranks fork from a server that imported torch once (a fresh interpreter per rank costs
+# 1.5-2 s of CPU); the bug does not depend on how the processes start.
+mp.set_forkserver_preload(["torch", "torch.distributed"])
+
 
 class _Routed(torch.nn.Module):
     """`a` on every call; `b` only when asked (an expert reached by the last micro-batch only)."""
@@ -75,7 +79,9 @@ def test_fsdp2_no_sync_accumulation_with_a_parameter_first_used_in_the_last_micr
     world = 2
     with tempfile.TemporaryDirectory() as tmp:
         out = os.path.join(tmp, "outcome.txt")
-        mp.spawn(_rank, args=(world, os.path.join(tmp, "rendezvous"), out), nprocs=world)
+        mp.start_processes(
+            _rank, args=(world, os.path.join(tmp, "rendezvous"), out), nprocs=world, start_method="forkserver"
+        )
         with open(out) as f:
             outcome = f.read()
     assert outcome == "torch.float32", outcome  # reduced in the policy's reduce dtype, as `a`'s gradient

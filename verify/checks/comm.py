@@ -171,7 +171,7 @@ def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int
     from fsdp_verify.checks.tp_comm import local_shape
 
     split = tp_split(case)
-    tp = getattr(case, "tp", 1)
+    tp = case.parallel.tp
     units: dict[str, list[tuple[str, list[int]]]] = {u: [] for u in case.wrap_plan}
     for name, shape, *_ in got.meta.get("build", [[]])[0]:
         if not is_ignored(getattr(case, "ignored", ()), name):
@@ -181,7 +181,7 @@ def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int
 
 def tp_split(case: Case) -> dict[str, int]:
     """The parameters the tp plan splits, with their dim (none without tp)."""
-    if getattr(case, "tp", 1) <= 1:
+    if case.parallel.tp <= 1:
         return {}
     from fsdp_verify.engines.tensor_parallel import split_parameters
 
@@ -357,7 +357,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     param_dtype = case.precision.param_dtype or "fp32"
     reduce_dtype = case.precision.reduce_dtype or param_dtype
     backward_groups = {u: backward_group_of(rsf, shard) for u, rsf in unit_reshards(case, got).items()}
-    tp = getattr(case, "tp", 1) > 1
+    tp = case.parallel.tp > 1
     # the groups' mesh dims, in a tp case (a group of one rank is named by none: verify/probes/comm.py)
     on = {d: (d if tp and size > 1 else "") for d, size in (("shard", shard), ("replicate", replicas))}
     units = params_by_unit(case, got)
@@ -496,7 +496,7 @@ def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> li
     compared there, `comparable`)."""
     import fsdp_verify.checks.tp_comm as tp_comm
 
-    if getattr(case, "tp", 1) <= 1 or tp_comm.underivable(case):
+    if case.parallel.tp <= 1 or tp_comm.underivable(case):
         return []
     tp = case.tp
 
@@ -514,7 +514,7 @@ def comparable(case: Case, measured: list[Collective]) -> list[Collective]:
     plan cannot be derived (`tp_comm.underivable`)."""
     import fsdp_verify.checks.tp_comm as tp_comm
 
-    if getattr(case, "tp", 1) > 1 and tp_comm.underivable(case):
+    if case.parallel.tp > 1 and tp_comm.underivable(case):
         return [c for c in measured if c.over != "tp"]
     return measured
 
@@ -651,7 +651,7 @@ def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     expected = expected_collectives(case, got)
     total = sum(c.bytes for c in ranks[0])
     summary = f"{len(expected)} collectives per rank as FSDP2's model implies"
-    if getattr(case, "tp", 1) > 1:
+    if case.parallel.tp > 1:
         why = tp_comm.underivable(case)
         tp = sum(c.over == "tp" for c in expected)
         summary += f" ({tp} of them the tp plan's, per layer)" if not why else f" (over tp: n/a, {why})"

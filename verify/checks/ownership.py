@@ -63,7 +63,7 @@ def check_ownership(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     findings = check_map(case, OwnershipMap.from_json(raw), expected_params(case), ties) if raw is not None else []
     # Under pipeline parallelism a tie across stages is two tensors by design, one on each stage,
     # their gradients summed by the pipeline: a sum left out shows in the gradients.
-    findings += _check_ties(ties, got.meta.get("ties")) if getattr(case, "pp", 1) == 1 else []
+    findings += _check_ties(ties, got.meta.get("ties")) if case.parallel.pp == 1 else []
     return findings + _check_optimizer(got.meta.get("optimizer_params"))
 
 
@@ -124,7 +124,7 @@ def _check_coverage(
     parallelism a replica is its shard group's ranks times the tp ranks (rank (s, t) = s * tp + t):
     a parameter the plan splits is held once by all of them together (2-D shards, the data-
     parallel one a `_StridedShard` of the tp one), any other once by each tp rank's shard group."""
-    shard, tp = case.mesh[-1], getattr(case, "tp", 1)
+    shard, tp = case.mesh[-1], case.parallel.tp
     numel = math.prod(shape)
     if len(local) != case.world_size:
         return [_fail(name, "ownership", f"local sizes for {len(local)} ranks, expected {case.world_size}")]

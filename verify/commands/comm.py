@@ -77,7 +77,7 @@ def report(case, got) -> tuple[list[str], list]:
     )
     if not contracts.comm:
         lines.append(f"contract: n/a for {case.engine} ({contracts.why}); measured only")
-    elif getattr(case, "tp", 1) > 1 and underivable(case):
+    elif case.parallel.tp > 1 and underivable(case):
         lines.append(f"contract over tp: n/a ({underivable(case)}); measured only")
     rows = [["micro-batch", "phase", "unit", "collective", "dtype", "group", "expected B", "measured B", ""]]
     for row in match([e for e in expected if e.step == 1], [g for g in ranks[0] if g.step == 1]):
@@ -118,7 +118,7 @@ def report(case, got) -> tuple[list[str], list]:
         lines.append(f"CONTRACT BROKEN: {len(findings)} finding(s)")
         lines += [f"  step {f.step}: {f.message}" for f in findings]
     elif contracts.comm:
-        tp = getattr(case, "tp", 1) > 1 and not underivable(case)
+        tp = case.parallel.tp > 1 and not underivable(case)
         model = "FSDP2's model and the tp plan imply" if tp else "FSDP2's model implies"
         lines.append(f"contract holds: {len(expected)} collectives per rank, each as {model}")
     return lines, findings

@@ -65,14 +65,14 @@ def _held_to(case) -> Contracts:
     if getattr(case, "step", None) is not None:
         return USER_STEP
     declared = engine_contracts(case.engine)
-    if getattr(case, "pp", 1) > 1 and (declared.comm or declared.memory):
+    if case.parallel.pp > 1 and (declared.comm or declared.memory):
         # The stages' sends and receives, and a stage's units held unsharded across its
         # micro-batches (the schedule turns resharding after backward off): not modelled yet.
         why = (
             "pipeline parallelism's point-to-point sends and a stage's unsharded accumulation are not in the contracts"
         )
         return Contracts(comm=False, memory=False, why="; ".join(w for w in (declared.why, why) if w))
-    if getattr(case, "ep", 1) > 1 and (declared.comm or declared.memory):
+    if case.parallel.ep > 1 and (declared.comm or declared.memory):
         # The token dispatch's all-to-alls carry as many rows as the routing sends each rank, and
         # the experts' shards sit on two meshes (efsdp, ep): neither model describes them yet.
         why = (

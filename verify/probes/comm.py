@@ -211,7 +211,7 @@ class CommProbe(Probe):
         global _log
         _log = None  # a case that crashed may have left its log behind
         self.log = CommLog()
-        if getattr(self.case, "tp", 1) > 1:
+        if self.case.parallel.tp > 1:
             names = ("shard",) if len(self.case.mesh) == 1 else ("replicate", "shard")
             self.log.mesh = (self.case.device_mesh_shape, (*names, "tp"))
         _install_wrappers()

@@ -390,7 +390,7 @@ def forward_facts(trace: Trace) -> tuple[list[str], set[str]] | None:
 def tp_local_shapes(case, model: nn.Module) -> set[tuple[int, ...]]:
     """Each parameter's shape on one tp rank (the plan's split dim divided by tp), in a tp case:
     what FSDP2 all-gathers a unit's parameters back to beside tensor parallelism."""
-    if getattr(case, "tp", 1) <= 1:
+    if case.parallel.tp <= 1:
         return set()
     from fsdp_verify.checks.tp_comm import local_shape
     from fsdp_verify.engines.tensor_parallel import split_parameters
