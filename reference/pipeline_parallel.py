@@ -97,6 +97,23 @@ def stage_of(case) -> dict[str, int]:
     return _STAGES[case.hash]
 
 
+def stages_norm(case, named: list[tuple[str, torch.Tensor]], norm_of) -> torch.Tensor:
+    """A clip's norm as the pipeline clips (verify/engines/pipeline_engine.py,
+    `PipelineView.clip_grad_norm_`, torchtitan's way): each pp rank's norm of its stages'
+    gradients (`norm_of` those (name, parameter) pairs, in the model's order: FSDP2's arithmetic
+    over the shards), squared, summed as gloo sums one element over the pp group, and the root.
+    A tied embedding counts once (the reference holds it once; the last stage's copy is left
+    out of its rank's norm)."""
+    from fsdp_verify.engines.arithmetic import gloo_scalar_sum
+
+    stages = stage_of(case)
+    per_rank = []
+    for r in range(case.pp):
+        mine = [(n, p) for n, p in named if stages[n] % case.pp == r and not (untied(case) and n == TIED_HEAD)]
+        per_rank.append(norm_of(mine).float() if mine else torch.zeros((), dtype=torch.float32))
+    return gloo_scalar_sum([n**2 for n in per_rank]).sqrt()
+
+
 def average(rank_grads, case, reduce_dtype, divide, hsdp_average) -> dict[str, torch.Tensor]:
     """FSDP2's reduction, stage by stage: each stage's units and its own root."""
     stages = stage_of(case)

@@ -37,6 +37,7 @@ from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
 from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
+from fsdp_verify.reference.pipeline_parallel import stages_norm as pp_stages_norm
 from fsdp_verify.reference.tensor_parallel import TensorParallel, tp_locals
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
@@ -613,6 +614,15 @@ class _Run:
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
         elif self.emulate and self.order in ("ring", "rank") and self.tp is not None:  # 2-D gradients
             norm = self.tp.norm([(n, p.grad) for n, p in named], self.case.mesh[-1])
+        elif self.emulate and self.order in ("ring", "rank") and self.case.pp > 1:  # each pp rank's stages, then pp
+            shard = self.case.mesh[-1]
+            norm = pp_stages_norm(
+                self.case,
+                named,
+                lambda mine: _norm_from_shards(
+                    [p.grad for _, p in mine], shard, [_placement_dim(self.case, n, p.shape) for n, p in mine]
+                ),
+            )
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
             dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
             norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks

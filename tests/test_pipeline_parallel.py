@@ -12,7 +12,7 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case, DataSpec, LossScaleSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.contracts import case_contracts
 from fsdp_verify.models import ModelSpec
@@ -99,6 +99,32 @@ def test_tied_embeddings_across_the_first_and_last_stage_are_bit_exact(fsdp_chec
     assert verdict.ok, verdict.summary()
     assert not _inexact(verdict)
     _tolerances_sane(verdict)
+
+
+@pytest.mark.parametrize(
+    ("world", "pp", "schedule", "model", "mesh", "precision"),
+    [
+        pytest.param(6, 3, "1f1b", MLP5, None, None, id="pp3-dp2-mlp"),
+        pytest.param(2, 2, "interleaved1f1b", LM4, None, BF16, id="pp2-interleaved-lm-bf16"),
+        pytest.param(4, 2, "gpipe", replace(LM4, tie_embeddings=True), (1, 2), None, id="pp2-hsdp-tied-lm"),
+    ],
+)
+def test_a_clip_over_the_stages_is_bit_exact(fsdp_check, world, pp, schedule, model, mesh, precision):
+    """Each pp rank's stages' norm squared, summed over the "pp" group, the root (torchtitan's
+    clip under pp; verify/engines/pipeline_engine.py): the reference sums the same per-rank norms
+    as gloo does (reference/pipeline_parallel.py, `stages_norm`), a tied embedding counted once."""
+    case = pp_case(world, pp, schedule, model, mesh, precision, clip_norm=0.05)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    assert any(f.phase == "grad_norm" for f in verdict.findings)  # the norm was recorded and judged
+
+
+def test_a_clip_by_the_own_stages_norm_is_caught_at_the_norm(fsdp_check):
+    case = pp_case(4, 2, m=2, clip_norm=0.05, engine="fsdp_verify.zoo.mutants:pp_clip_norm_of_own_stages")
+    verdict = fsdp_check(case)
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.step, first.phase) == (1, "grad_norm"), verdict.summary()
 
 
 def test_a_stage_root_casts_the_residual_stream_as_fsdp2_does(fsdp_check):
@@ -193,7 +219,11 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"pp_schedule": "zero_bubble"}, "pp_schedule", "one of"),
         ({"microbatches": 1, "data": DataSpec(batch_size=4)}, "microbatches", "at least pp=2 under 1F1B"),
         ({"sync_every_microbatch": True}, "sync_every_microbatch", "reduces once after the last"),
-        ({"clip_norm": 1.0}, "clip_norm", "not modelled"),
+        (
+            {"loss_scaling": LossScaleSpec(), "precision": PrecisionSpec(param_dtype="fp16")},
+            "loss_scaling",
+            "not modelled",
+        ),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4))}, "pp", "as many stages"),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),

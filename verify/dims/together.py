@@ -82,7 +82,6 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
         NotModelled("step", None, "a user's step (the schedule runs forward and backward)", drawn=False),
         NotModelled("model.experts", 0, "routed experts", drawn=False),
         NotModelled("model.dropout", 0.0, "dropout (each stage's rank draws its own masks)", drawn=False),
-        NotModelled("clip_norm", None, "a clip (the norm over the stages is not modelled yet)"),
         NotModelled("loss_scaling", None, "fp16 loss scaling"),
         NotModelled("ignored", (), "ignored parameters"),
         NotModelled("offload", False, "CPU offload"),

@@ -152,6 +152,35 @@ class PipelineView(EngineView):
         """Not read across the stages' roots yet: the ownership check says n/a."""
         return None
 
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Clip by the global norm over every stage, as torchtitan clips under pp: this rank's
+        stages' norm (FSDP2's, over the data-parallel shards), squared, summed over the "pp"
+        group, and the root; each gradient scaled by it. A tied embedding counts once: the last
+        stage's copy (`output.weight`) holds the same gradient as the first's after `sync_tied`,
+        and is clipped without being counted again."""
+        pipe = self.module.pipeline
+        params = self.parameters()
+        clipped = [p for p in params.values() if p.grad is not None]
+        counted = [p.grad for n, p in params.items() if p.grad is not None and n not in tied_head(pipe.case)]
+        norm = self.stages_norm(counted)
+        squared = norm**2
+        dist.all_reduce(squared, group=pipe.stages[0].group)
+        norm = squared.sqrt()
+        torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, norm)
+        return norm
+
+    def stages_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """This rank's stages' norm, a plain float32 tensor (zero without a gradient)."""
+        if not grads:
+            return torch.zeros((), dtype=torch.float32, device=self.module.pipeline.stages[0].device)
+        norm = torch.nn.utils.get_total_norm(grads)
+        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
+
+
+def tied_head(case) -> tuple[str, ...]:
+    """The last stage's copy of a tied embedding, which a norm over the stages counts once."""
+    return ("output.weight",) if case.model.kind == "transformer" and case.model.tie_embeddings else ()
+
 
 def _gathered(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return dict(zip(tensors, gather_full(list(tensors.values()))))

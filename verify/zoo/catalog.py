@@ -871,6 +871,14 @@ ZOO += [
         pins=dict(_PIPELINE),
     ),
     ZooBug(
+        "pp_clip_norm_of_own_stages",
+        _mutant("pp_clip_norm_of_own_stages"),
+        "each pp rank clips by its own stages' norm, never summed over the stages",
+        "a clip written for FSDP alone, kept when the model was split into stages (torchtitan clips over the pp mesh; issue 50)",
+        ("grad_norm",),
+        pins={**_PIPELINE, "clip_norm": 0.05},
+    ),
+    ZooBug(
         "pp_stage_boundary_detached",
         _mutant("pp_stage_boundary_detached"),
         "every stage after the first detaches its input: no gradient reaches the earlier stages",

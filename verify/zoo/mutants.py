@@ -907,6 +907,28 @@ def pp_stage_boundary_detached(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     return model
 
 
+def pp_clip_norm_of_own_stages(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each pp rank clips by the norm of its own stages' gradients, never summed over the "pp"
+    group: every stage clips by a smaller norm than the global one (a clip written for FSDP alone,
+    kept when the model was split into stages)."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.pp == 1:
+        return model
+    from fsdp_verify.engines.pipeline_engine import PipelineView, tied_head
+
+    class OwnStagesClip(PipelineView):
+        def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+            params = self.parameters()
+            clipped = [p for p in params.values() if p.grad is not None]
+            counted = [p.grad for n, p in params.items() if p.grad is not None and n not in tied_head(spec.case)]
+            norm = self.stages_norm(counted)
+            torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, norm)
+            return norm
+
+    model.verify_view = lambda: OwnStagesClip(model)
+    return model
+
+
 def pp_stage_reduces_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """The first stage ignores the schedule's no-sync and reduces on every micro-batch, each
     reduction divided by data-parallel size x micro-batches (a factor meant for one reduction of
