@@ -9,7 +9,6 @@ import os
 import resource
 import signal
 import tempfile
-import threading
 
 import pytest
 import torch
@@ -22,7 +21,7 @@ from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.sharded.worker import exit_now, leave_process_group
 from fsdp_verify.trace import Trace
-from tests.ranks import spawn
+from tests.ranks import on_threads, spawn
 
 # Rows that do not split evenly: 7 over 3 ranks is 3, 3, 1; 2 over 3 leaves rank 2 empty.
 SHAPES = {"even": (6, 4), "uneven": (7, 3), "empty_on_last": (2, 5), "vector": (5,)}
@@ -96,35 +95,12 @@ def _rank_main(rank: int, world: int, init: str, mesh_shape: tuple[int, ...], ou
 def _threads(world: int, mesh_shape: tuple[int, ...]) -> dict:
     """The same on PyTorch's threaded process group (ranks are threads; it has no send/recv, so
     the pieces go by one gather: the path bench/pool_vs_cold.py's comparison takes)."""
-    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    store, out, errors = dist.HashStore(), {}, []
+    def collect(rank: int) -> dict | None:
+        assert dist.get_backend() == "threaded"
+        return _collect(rank, world, mesh_shape)
 
-    def rank_main(rank: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=world, store=store)
-            assert dist.get_backend() == "threaded"
-            got = _collect(rank, world, mesh_shape)
-            if got is not None:
-                out.update(got)
-            dist.destroy_process_group()
-        except BaseException as e:
-            errors.append(e)
-
-    threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(world)]
-    try:
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-    finally:
-        _uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    if errors:
-        raise errors[0]
-    return out
+    return on_threads(world, collect)[0]
 
 
 def _run(mesh_shape: tuple[int, ...], how: str) -> dict:

@@ -5,8 +5,6 @@ every layout, combined ones included) and the one table of what is not modelled 
 
 from __future__ import annotations
 
-import threading
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -14,6 +12,7 @@ import torch.distributed as dist
 from fsdp_verify.case import CaseError
 from fsdp_verify.dims.parallel_dims import ParallelDims
 from tests.conftest import mlp_case
+from tests.ranks import on_threads
 from tests.test_tensor_parallel import tp_case
 
 LAYOUTS = [
@@ -65,33 +64,12 @@ def test_the_case_asks_it():
 def _groups_of_the_built_mesh(dims: ParallelDims) -> dict[int, dict[str, list[int]]]:
     """Each rank's groups in the mesh `dims.build` makes, dim by dim, on PyTorch's threaded process
     group (ranks are threads: this is the mesh's layout, not a collective under test)."""
-    from torch.testing._internal.distributed.multi_threaded_pg import _install_threaded_pg, _uninstall_threaded_pg
 
-    torch._C._distributed_c10d._set_thread_isolation_mode(True)
-    _install_threaded_pg()
-    store, got, errors = dist.HashStore(), {}, []
+    def groups(rank: int) -> dict[str, list[int]]:
+        mesh = dims.build("cpu")
+        return {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in mesh.mesh_dim_names}
 
-    def rank_main(rank: int) -> None:
-        try:
-            dist.init_process_group("threaded", rank=rank, world_size=dims.world_size, store=store)
-            mesh = dims.build("cpu")
-            got[rank] = {n: dist.get_process_group_ranks(mesh.get_group(n)) for n in mesh.mesh_dim_names}
-            dist.destroy_process_group()
-        except BaseException as e:  # noqa: BLE001 - reported below, after every thread ends
-            errors.append(e)
-
-    try:
-        threads = [threading.Thread(target=rank_main, args=(r,)) for r in range(dims.world_size)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join(60)
-    finally:
-        _uninstall_threaded_pg()
-        torch._C._distributed_c10d._set_thread_isolation_mode(False)
-    if errors:
-        raise errors[0]
-    return got
+    return on_threads(dims.world_size, groups)
 
 
 @pytest.mark.parametrize("dims", [LAYOUTS[5], LAYOUTS[6], LAYOUTS[8]], ids=lambda d: d.describe().replace(" ", ""))
