@@ -1,2 +1,2 @@
-"""The parallelism dimensions of a case, and the one owner of their degrees and mesh
-(`parallel_dims.ParallelDims`)."""
+"""The parallelism dimensions of a case: the one owner of their degrees and mesh
+(`parallel_dims.ParallelDims`) and the one table of what is not modelled together (`together.py`)."""

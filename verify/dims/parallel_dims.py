@@ -12,7 +12,7 @@ once and is the mesh `init_device_mesh` builds: a rank's coordinates are its ind
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
@@ -35,8 +35,8 @@ class Coords:
 class ParallelDims:
     """The degrees of a world of `world_size` ranks: `dp` the data-parallel mesh, (shard,) or
     (replicate, shard); `pp` stages, `tp` ranks of a tensor-parallel group; `ep` ranks of an
-    expert group, inside the shard dim. Build with `of(case)` or directly; `problems()` says what
-    does not fit, for the Case's validation to word."""
+    expert group, inside the shard dim. Build with `of(case)`, `over(...)` or directly; frozen and
+    hashable, so that it keys the meshes a worker keeps (verify/sharded/worker.py)."""
 
     world_size: int
     dp: tuple[int, ...]
@@ -49,8 +49,7 @@ class ParallelDims:
         """The case's degrees; the data-parallel mesh is `mesh_shape`, or else one dim of every
         rank the stages and tp leave."""
         pp, tp, ep = (_degree(getattr(case, n, 1)) for n in (PP, TP, "ep"))
-        dp = tuple(case.mesh_shape) if case.mesh_shape is not None else (case.world_size // (pp * tp),)
-        return cls(case.world_size, dp, pp, tp, ep)
+        return cls(case.world_size, tuple(case.mesh), pp, tp, ep)
 
     @classmethod
     def over(cls, dp: tuple[int, ...], pp=1, tp=1, ep=1) -> ParallelDims:
@@ -81,19 +80,6 @@ class ParallelDims:
         """The degrees that divide the world into data-parallel ranks, outermost first, those above 1."""
         return tuple((n, d) for n, d in ((PP, self.pp), (TP, self.tp)) if d > 1)
 
-    def problems(self) -> list[str]:
-        """What does not fit, each a sentence; empty when the degrees make the world."""
-        out = []
-        if self.dp_size * self.pp * self.tp != self.world_size:
-            out.append(
-                f"the data-parallel mesh {self.dp} times "
-                + " x ".join(f"{n}={d}" for n, d in ((PP, self.pp), (TP, self.tp)))
-                + f" is {self.dp_size * self.pp * self.tp} ranks, not the world's {self.world_size}"
-            )
-        if self.ep > 1 and self.dp[-1] % self.ep:
-            out.append(f"ep={self.ep} does not divide the shard dim ({self.dp[-1]} ranks)")
-        return out
-
     # ---- a rank's place -------------------------------------------------------------------
     def coords(self, rank: int) -> Coords:
         """`rank`'s stage, data-parallel rank and tp rank: its index in the world mesh, row-major."""
@@ -116,24 +102,16 @@ class ParallelDims:
         return " x ".join(parts) + (f"; ep {self.ep}" if self.ep > 1 else "")
 
     # ---- the mesh -------------------------------------------------------------------------
-    def build(self, device_type: str, dp_mesh: DeviceMesh | None = None) -> DeviceMesh:
-        """The world mesh, named `names`; under ep the shard dim unflattened into ("efsdp", "ep")
-        from `dp_mesh` (the plain data-parallel mesh of the same world, which the caller keeps
-        so that its groups are made once)."""
-        from torch.distributed.device_mesh import init_device_mesh
-
+    def build(self, device_type: str, plain: DeviceMesh | None = None) -> DeviceMesh:
+        """The world mesh, named `names`; under ep the shard dim of `plain` (this mesh without ep,
+        which the caller keeps so that its groups are made once) unflattened into ("efsdp", "ep")."""
         if self.ep > 1:
             from fsdp_verify.engines.expert_parallel import expert_mesh
 
-            if dp_mesh is None:
-                dp_mesh = init_device_mesh(device_type, self.dp, mesh_dim_names=self.names)
-            return expert_mesh(dp_mesh, self.ep)
-        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
+            return expert_mesh(plain if plain is not None else replace(self, ep=1).build(device_type), self.ep)
+        from torch.distributed.device_mesh import init_device_mesh
 
-    @property
-    def key(self) -> tuple:
-        """What makes two meshes the same (their process groups outlive a case: made once)."""
-        return (self.world_size, self.dp, self.pp, self.tp, self.ep)
+        return init_device_mesh(device_type, self.shape, mesh_dim_names=self.names)
 
 
 def _degree(value) -> int:

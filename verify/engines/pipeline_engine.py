@@ -128,7 +128,7 @@ class PipelineView(EngineView):
         if got is None:
             return {}
         # A tied weight once, under its first name: the first stage's copy (the last's is its twin).
-        aliases = ("output.weight",) if case.model.kind == "transformer" and case.model.tie_embeddings else ()
+        aliases = tied_head(case)
         merged = {
             n: t for part in got for n, t in part.items() if not any(n == a or n.startswith(a + ".") for a in aliases)
         }
@@ -162,19 +162,20 @@ class PipelineView(EngineView):
         params = self.parameters()
         clipped = [p for p in params.values() if p.grad is not None]
         counted = [p.grad for n, p in params.items() if p.grad is not None and n not in tied_head(pipe.case)]
-        norm = self.stages_norm(counted)
-        squared = norm**2
-        dist.all_reduce(squared, group=pipe.stages[0].group)
-        norm = squared.sqrt()
+        if counted:
+            norm = torch.nn.utils.get_total_norm(counted)
+            norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
+        else:
+            norm = torch.zeros((), dtype=torch.float32, device=pipe.stages[0].device)
+        norm = self.over_stages(norm)
         torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, norm)
         return norm
 
-    def stages_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
-        """This rank's stages' norm, a plain float32 tensor (zero without a gradient)."""
-        if not grads:
-            return torch.zeros((), dtype=torch.float32, device=self.module.pipeline.stages[0].device)
-        norm = torch.nn.utils.get_total_norm(grads)
-        return (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
+    def over_stages(self, norm: torch.Tensor) -> torch.Tensor:
+        """This rank's stages' `norm` made the norm over every stage: squared, summed over "pp"."""
+        squared = norm**2
+        dist.all_reduce(squared, group=self.module.pipeline.stages[0].group)
+        return squared.sqrt()
 
 
 def tied_head(case) -> tuple[str, ...]:

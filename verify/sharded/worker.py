@@ -79,17 +79,17 @@ class MeshCache:
 
     def __init__(self, device_type: str):
         self.device_type = device_type
-        self._meshes: dict[tuple, DeviceMesh] = {}
+        self._meshes: dict[ParallelDims, DeviceMesh] = {}
 
     def get(self, shape: tuple[int, ...], ep: int = 1, pp: int = 1, tp: int = 1) -> DeviceMesh:
         """The mesh of the data-parallel mesh `shape` with those degrees (`ParallelDims.build`)."""
         return self.dims(ParallelDims.over(tuple(shape), pp=pp, tp=tp, ep=ep))
 
     def dims(self, dims: ParallelDims) -> DeviceMesh:
-        if dims.key not in self._meshes:
+        if dims not in self._meshes:
             plain = self.dims(replace(dims, ep=1)) if dims.ep > 1 else None  # the dense parameters' mesh
-            self._meshes[dims.key] = dims.build(self.device_type, plain)
-        return self._meshes[dims.key]
+            self._meshes[dims] = dims.build(self.device_type, plain)
+        return self._meshes[dims]
 
     def of(self, case: Case) -> DeviceMesh:
         """The case's mesh: every rank's."""
