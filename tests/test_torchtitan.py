@@ -87,3 +87,83 @@ def test_a_case_file_of_one_replica_replays_without_trust_as_equivalent(tmp_path
     r = run_cli(["repro", str(path)])
     assert r.returncode == 0, r.stdout + r.stderr
     assert "EQUIVALENT" in r.stdout, r.stdout
+
+
+# ---- torchtitan's own activation checkpointing ---------------------------------------------------
+def _blocks_as_torchtitan_built_them(engine) -> list:
+    """Each block of the model `engine` returns for a checkpointed case, on one rank (PyTorch's
+    threaded process group): whether it is a `CheckpointWrapper`, and its checkpoint's
+    `context_fn` (None: every op recomputed)."""
+    import torch
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from fsdp_verify.engines import ShardSpec
+    from fsdp_verify.models import build_model
+    from tests.ranks import on_threads
+
+    case = titan_case(1, activation_checkpointing=True)
+
+    def build(rank):
+        model = engine(build_model(case.model, case.seed), init_device_mesh("cpu", (1,)), ShardSpec.from_case(case))
+        blocks = list(model.layers.values())
+        return [(isinstance(b, CheckpointWrapper), b.checkpoint_fn.keywords.get("context_fn")) for b in blocks]
+
+    with torch.device("cpu"):
+        return on_threads(1, build)[0]
+
+
+def test_torchtitans_own_checkpointing_is_applied_and_the_loops_is_not():
+    """`--activation-checkpointing` under `--framework torchtitan` is torchtitan's policy, applied by
+    its `parallelize_llama`: its default `SelectiveAC` (a per-op `context_fn`), or `FullAC` with
+    `parallelize_full_ac`; the engine declares `checkpoints`, so the loop adds none of its own."""
+    from fsdp_verify.engines import capabilities_of
+    from fsdp_verify.frameworks.torchtitan import parallelize, parallelize_full_ac
+
+    assert capabilities_of(parallelize).checkpoints and capabilities_of(parallelize_full_ac).checkpoints
+    selective = _blocks_as_torchtitan_built_them(parallelize)
+    assert [wrapped for wrapped, _ in selective] == [True, True], selective
+    assert all(context is not None for _, context in selective), selective
+    full = _blocks_as_torchtitan_built_them(parallelize_full_ac)
+    assert [wrapped for wrapped, _ in full] == [True, True] and all(c is None for _, c in full), full
+
+
+@pytest.mark.parametrize(
+    "engine, world, changes",
+    [
+        ("parallelize", 2, {}),
+        (
+            "parallelize_full_ac",
+            4,
+            {"mesh_shape": (2, 2), "clip_norm": 1e-3, "precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"},
+        ),
+    ],
+    ids=["selective-2", "full-hsdp-bf16-clip"],
+)
+def test_torchtitans_checkpointed_blocks_are_equivalent(fsdp_check, engine, world, changes):
+    """Before the wrappers' `_checkpoint_wrapped_module.` segments were read through
+    (verify/module_names.py), every parameter of a checkpointed block was "not a parameter of the
+    reference model" (436 records)."""
+    case = titan_case(world, activation_checkpointing=True)
+    verdict = fsdp_check(case.with_(engine=f"fsdp_verify.frameworks.torchtitan:{engine}", **changes))
+    assert verdict.ok, verdict.summary()
+    checked = {f.comparator for f in verdict.findings if f.kind == "check"}
+    assert {"OwnershipCheck", "CommContract"} <= checked, checked
+
+
+@pytest.mark.parametrize("command", ["sweep", "fuzz"])
+def test_an_engine_given_beside_the_framework_is_the_one_drawn(command):
+    """As `check` applies flags on top of the framework's fields, so do the draws: the sweep of
+    seed 5004 (`--engine ...:parallelize_full_ac`) ran torchtitan's default engine before."""
+    from fsdp_verify.commands.cli import build_parser
+    from fsdp_verify.commands.options import strategy_from_args
+
+    flags = ["--framework", "torchtitan", "--model-kwargs", '{"n_layers": 1}']
+    full = "fsdp_verify.frameworks.torchtitan:parallelize_full_ac"
+    for given, drawn in (([], "fsdp_verify.frameworks.torchtitan:parallelize"), (["--engine", full], full)):
+        args = build_parser().parse_args([command, "--out", "unused", *flags, *given])
+        strategy_from_args(args, hsdp=False)
+        assert args.engine == drawn, (given, args.engine)
+    plain = build_parser().parse_args([command, "--out", "unused"])
+    strategy_from_args(plain, hsdp=False)
+    assert plain.engine == "fsdp2"

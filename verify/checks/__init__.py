@@ -40,14 +40,14 @@ class Check:
     optional: bool = False
     # Why the case is not held to this check (a contract its engine or the case puts out of
     # the model, verify/engines/contracts.py), said where it is skipped; None: nothing recorded.
-    off: Callable[[Case], str | None] = lambda case: None
+    off: Callable[[Case, Trace], str | None] = lambda case, got: None
 
 
-def _contract_off(kind: str) -> Callable[[Case], str | None]:
-    def why(case: Case) -> str | None:
+def _contract_off(kind: str) -> Callable[[Case, Trace], str | None]:
+    def why(case: Case, got: Trace) -> str | None:
         from fsdp_verify.engines.contracts import case_contracts
 
-        contracts = case_contracts(case)
+        contracts = case_contracts(case, got)
         return f"not held to it: {contracts.why}" if not getattr(contracts, kind) and contracts.why else None
 
     return why
@@ -103,6 +103,6 @@ def run_checks(case: Case, ref: Trace, got: Trace, phases: tuple[str, ...] | Non
         if summary is None and check.optional:
             continue
         kind = "check" if summary is not None else "skipped"
-        message = summary if summary is not None else check.off(case) or "nothing recorded for this check in this run"
+        message = summary if summary is not None else check.off(case, got) or "nothing recorded for this check in this run"
         findings.append(Finding(0, check.phase, f"<{check.name}>", True, kind, check.name, message))
     return findings

@@ -613,10 +613,11 @@ def match(expected: list[Collective], measured: list[Collective]) -> list[Row]:
 
 
 def check_comm(case: Case, ref: Trace, got: Trace) -> list[Finding]:
-    from fsdp_verify.engines.contracts import case_contracts
+    from fsdp_verify.engines.contracts import as_run, case_contracts
 
-    if not case_contracts(case).comm:
+    if not case_contracts(case, got).comm:
         return []
+    case = as_run(case, got)
     ranks = measured_collectives(got)
     if ranks is None:
         return [_finding(0, "<probe>", "the sharded trace holds no communication record (was the CommProbe run?)")]
@@ -660,11 +661,12 @@ def _finding(step: int, name: str, message: str) -> Finding:
 
 
 def comm_summary(case: Case, ref: Trace, got: Trace) -> str | None:
-    from fsdp_verify.engines.contracts import case_contracts
+    from fsdp_verify.engines.contracts import as_run, case_contracts
 
-    contracts = case_contracts(case)
+    contracts = case_contracts(case, got)
     if not contracts.comm:
         return None
+    case = as_run(case, got)
     ranks = measured_collectives(got)
     if ranks is None:
         return None

@@ -274,7 +274,7 @@ def budget(case: Case, got: Trace) -> Budget:
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
     from fsdp_verify.engines.contracts import case_contracts
 
-    if not case_contracts(case).memory:
+    if not case_contracts(case, got).memory:
         return []
     raw = got.meta.get("memory")
     if raw is None:
@@ -428,7 +428,7 @@ def memory_summary(case: Case, ref: Trace, got: Trace) -> str | None:
     from fsdp_verify.engines.contracts import case_contracts
 
     raw = got.meta.get("memory")
-    if raw is None or not case_contracts(case).memory:
+    if raw is None or not case_contracts(case, got).memory:
         return None
     b = budget(case, got)
     where = " (on the CPU: offloaded)" if getattr(case, "offload", False) else ""

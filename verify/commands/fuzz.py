@@ -30,7 +30,7 @@ from fsdp_verify.library_warnings import Tally, collecting
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
+    p.add_argument("--engine", type=engine_name, default=None, help=ENGINE_HELP + " (default: fsdp2, or --framework's)")
     add_engine_is_correct(p)
     p.add_argument("--max-examples", type=int, default=None, help="cases to generate (default: the profile's)")
     add_draw_arguments(p)

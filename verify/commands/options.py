@@ -464,7 +464,10 @@ def strategy_from_args(args: argparse.Namespace, **options):
 
         raise PinError(f"--world-sizes: expected positive integers, got {args.world_sizes}")
     framework = framework_fields(args) if getattr(args, "framework", None) else {}
-    engine = args.engine = framework.pop("engine", args.engine)  # what the report names too
+    # --engine beside --framework wins, as `check` applies flags on top of the framework's fields
+    # (its default, fsdp2, is None here until then); the report names the engine that ran
+    framework_engine = framework.pop("engine", None)
+    engine = args.engine = args.engine or framework_engine or "fsdp2"
     resolve_engine(engine)
     model = framework.pop("model", None) or model_from_args(args, sizes=False)
     custom = model if model is not None and model.is_custom else None

@@ -51,7 +51,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "--cases", type=int, default=100, help="cases drawn for the whole sweep (default 100; nightly 1000+)"
     )
     p.add_argument("--seed", type=int, default=0, help="the draw's seed: the same seed draws the same cases")
-    p.add_argument("--engine", type=engine_name, default="fsdp2", help=ENGINE_HELP)
+    p.add_argument("--engine", type=engine_name, default=None, help=ENGINE_HELP + " (default: fsdp2, or --framework's)")
     add_engine_is_correct(p)
     p.add_argument("--shard", type=shard_spec, default=(1, 1), metavar="I/N", help="run case k iff k %% N == I-1")
     add_draw_arguments(p)

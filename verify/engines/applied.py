@@ -23,6 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_verify.case import Case
 from fsdp_verify.engines.capabilities import TAKEABLE
 from fsdp_verify.units import is_group, modules_of
+from fsdp_verify import module_names
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
@@ -77,7 +78,7 @@ def _first_group_without(case: Case, model: nn.Module, attribute: str, wanted, d
 def _ignored(case: Case, model: nn.Module) -> str:
     from fsdp_verify.models import is_ignored
 
-    sharded = [n for n, p in model.named_parameters() if is_ignored(case.ignored, n) and isinstance(p, DTensor)]
+    sharded = [n for n, p in module_names.named_parameters(model) if is_ignored(case.ignored, n) and isinstance(p, DTensor)]
     if sharded:
         return f"{sharded[0]!r} is sharded (a DTensor), though the case names it in `ignored` (fully_shard's ignored_params)"
     return ""
@@ -86,7 +87,7 @@ def _ignored(case: Case, model: nn.Module) -> str:
 def _shard_placement(case: Case, model: nn.Module) -> str:
     from fsdp_verify.engines.placement import shard_dim
 
-    for name, p in model.named_parameters():
+    for name, p in module_names.named_parameters(model):
         if not isinstance(p, DTensor):
             continue
         shard = p.device_mesh.size(p.device_mesh.ndim - 1)
@@ -142,7 +143,7 @@ def _prefetch(case: Case, model: nn.Module) -> str:
     communication contracts judge those (the zoo's `prefetch_one_unit_too_many`)."""
     from fsdp_verify.engines.prefetch import prefetch_lists
 
-    wanted = prefetch_lists(case.wrap_plan, [n for n, _ in model.named_parameters()], case.prefetch, case.ignored)
+    wanted = prefetch_lists(case.wrap_plan, [n for n, _ in module_names.named_parameters(model)], case.prefetch, case.ignored)
     lists = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
     units = _units(case, model)
     if not all(hasattr(state, a) for _, state in units for a in lists):
@@ -209,7 +210,7 @@ def _tp(case: Case, model: nn.Module) -> str:
     splits it (Shard(d) there; FSDP2's data-parallel dims come before, a `_StridedShard` of it)."""
     from fsdp_verify.engines.tensor_parallel import split_parameters
 
-    params = dict(model.named_parameters())
+    params = dict(module_names.named_parameters(model))
     for name, dim in split_parameters(case).items():
         p = params.get(name)
         if p is None:

@@ -153,6 +153,13 @@ class Capabilities:
     # Whether it takes an int `reshard_after_forward` at all (Accelerate's FSDP2 plugin takes a
     # bool only: verify/frameworks/accelerate.py).
     reshard_ints: bool = True
+    # Whether it applies activation checkpointing itself where the case asks for it (a
+    # framework's own policy: torchtitan's selective or full AC, `checkpoint_wrapper` on each
+    # block before `fully_shard`); the loop then checkpoints nothing. Otherwise the loop
+    # checkpoints each unit of the plan before the engine runs (verify/training/checkpointing.py).
+    # The wrappers' `_checkpoint_wrapped_module.` segments are read through either way
+    # (verify/module_names.py).
+    checkpoints: bool = False
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):

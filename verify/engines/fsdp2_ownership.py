@@ -17,6 +17,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify import units
 from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
+from fsdp_verify import module_names
 
 
 def _param_groups(state) -> list:
@@ -32,10 +33,10 @@ def unit_states(root: nn.Module) -> list[tuple[str, object]]:
     the FQN of the module it was called on, or, for one call over several modules
     (`fully_shard([norm, lm_head])`, one state shared by all of them), their FQNs joined by '+' in
     the order given (verify/units.py). Read from the modules' FSDP state, not from the wrap plan."""
-    module_fqn = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    module_fqn = {id(m): name for name, m in module_names.named_modules(root, remove_duplicate=False)}
     seen: set[int] = set()
     out = []
-    for name, module in root.named_modules():
+    for name, module in module_names.named_modules(root):
         if not isinstance(module, FSDPModule):
             continue
         state = module._get_fsdp_state()
@@ -49,7 +50,7 @@ def unit_states(root: nn.Module) -> list[tuple[str, object]]:
 
 def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[int, ...], int, int]], list[str]]:
     """This rank's view: {fqn: (units, shape, local numel, padding)} and unmanaged FQNs."""
-    module_fqn = {id(m): name for name, m in root.named_modules(remove_duplicate=False)}
+    module_fqn = {id(m): name for name, m in module_names.named_modules(root, remove_duplicate=False)}
     held: dict[str, tuple[list[str], tuple[int, ...], int, int]] = {}
     owned_ids: set[int] = set()
     for unit_name, state in unit_states(root):
@@ -64,7 +65,7 @@ def _local_holdings(root: nn.Module) -> tuple[dict[str, tuple[list[str], tuple[i
                 owners, shape, _, _ = held.get(fqn, ([], tuple(fp.sharded_param.shape), 0, 0))
                 held[fqn] = (owners + [unit_name], shape, local, padding)
                 owned_ids.add(id(fp.sharded_param))
-    unmanaged = [n for n, p in root.named_parameters() if id(p) not in owned_ids]
+    unmanaged = [n for n, p in module_names.named_parameters(root) if id(p) not in owned_ids]
     return held, unmanaged
 
 

@@ -17,6 +17,7 @@ from fsdp_verify.case import LossScaleSpec, OptimSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, sum_full
 from fsdp_verify.training.optim import make_optimizer, make_scheduler
+from fsdp_verify import module_names
 
 
 class EngineView:
@@ -27,7 +28,7 @@ class EngineView:
 
     def parameters(self) -> dict[str, torch.Tensor]:
         """The tensors the optimizer steps, by their original FQN (tied weights once)."""
-        return dict(self.module.named_parameters())
+        return dict(module_names.named_parameters(self.module))
 
     def full_params(self) -> dict[str, torch.Tensor]:
         params = self.parameters()

@@ -92,7 +92,32 @@ def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 
 def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's `parallelize_llama` on a `ParallelDims` of the case's degrees, its world mesh
-    built by torchtitan (`build_mesh`), then gloo's forced sum on every unit."""
+    built by torchtitan (`build_mesh`), then gloo's forced sum on every unit. With the case's
+    `activation_checkpointing`, torchtitan's own default policy: `SelectiveAC` (per op: the
+    matmuls, attention and reductions saved but every second matmul, the rest recomputed), as its
+    trainer's config and the debug model's apply it."""
+    return _parallelize(model, mesh, spec, full_ac=False)
+
+
+def parallelize_full_ac(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """`parallelize` with torchtitan's `FullAC` where the case asks for activation checkpointing
+    (each block recomputed whole in backward, as the larger Llama flavors configure it)."""
+    return _parallelize(model, mesh, spec, full_ac=True)
+
+
+def _ac_config(case, full_ac: bool):
+    """torchtitan's activation-checkpointing config for the case: None without it (as
+    `--activation_checkpoint none`). Applied by `parallelize_llama` to every block with
+    `checkpoint_wrapper` (a `_checkpoint_wrapped_module.` segment in the parameters' names, read
+    through: verify/module_names.py), before `fully_shard`."""
+    if not case.activation_checkpointing:
+        return None
+    from torchtitan.distributed.activation_checkpoint import FullAC, SelectiveAC
+
+    return FullAC.Config() if full_ac else SelectiveAC.Config()
+
+
+def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: bool) -> nn.Module:
     require("torchtitan", "torchtitan")
     from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
     from torchtitan.distributed import parallel_dims as dims_module
@@ -121,7 +146,7 @@ def parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Modul
             training=training,
             parallelism=parallelism,
             compile_config=CompileConfig(enable=False),
-            ac_config=None,
+            ac_config=_ac_config(case, full_ac),
             dump_folder=dump,
         )
     for module in model.modules():
@@ -154,7 +179,9 @@ def _dtype(name: str | None) -> str:
 
 # torchtitan decides each unit's reshard_after_forward (its "default" policy: the blocks reshard,
 # [norm, lm_head] and the root do not); the case's True or False picks "default" or "never".
-parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"), reshard_per_unit=True)
+# It applies torchtitan's activation checkpointing itself (`checkpoints`), the toolkit's none.
+parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"), reshard_per_unit=True, checkpoints=True)
+parallelize_full_ac.capabilities = parallelize.capabilities
 
 
 FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}

@@ -12,6 +12,7 @@ from torch import nn
 
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
+from fsdp_verify import module_names
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -29,7 +30,7 @@ class BuffersProbe(Probe):
         self._record(step)
 
     def _record(self, step: int) -> None:
-        buffers = dict(self.module.named_buffers())
+        buffers = dict(module_names.named_buffers(self.module))
         for name, b in buffers.items():
             self.add(step, "buffers", name, b)
         self.hashes[str(step)] = {name: tensor_hash(b) for name, b in buffers.items()}

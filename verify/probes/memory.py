@@ -54,6 +54,7 @@ from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.units import is_group, members
+from fsdp_verify import module_names
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
 # Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.
@@ -396,4 +397,4 @@ def tp_local_shapes(case, model: nn.Module) -> set[tuple[int, ...]]:
     from fsdp_verify.engines.tensor_parallel import split_parameters
 
     split = split_parameters(case)
-    return {tuple(local_shape(list(p.shape), split.get(n), case.tp)) for n, p in model.named_parameters()}
+    return {tuple(local_shape(list(p.shape), split.get(n), case.tp)) for n, p in module_names.named_parameters(model)}

@@ -15,6 +15,7 @@ from torch import nn
 from fsdp_verify.engines.fsdp2_ownership import local_holdings, ownership_from
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
+from fsdp_verify import module_names
 
 
 def gather_objects(obj: Any) -> list[Any]:
@@ -29,7 +30,7 @@ def gather_objects(obj: Any) -> list[Any]:
 def tie_groups(module: nn.Module) -> list[list[str]]:
     """Parameter names that resolve to one tensor, for every tensor registered under 2+ names."""
     by_tensor: dict[int, list[str]] = {}
-    for name, p in module.named_parameters(remove_duplicate=False):
+    for name, p in module_names.named_parameters(module, remove_duplicate=False):
         by_tensor.setdefault(id(p), []).append(name)
     return [names for names in by_tensor.values() if len(names) > 1]
 

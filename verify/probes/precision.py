@@ -35,6 +35,7 @@ from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.units import modules_of, owner_of_param
+from fsdp_verify import module_names
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
@@ -112,7 +113,7 @@ class PrecisionProbe(Probe):
             self.seen("sharded", name, p.dtype)
         plan = self.case.wrap_plan
         owned: dict[str, list[str]] = {unit: [] for unit in plan}
-        for name, _ in model.named_parameters():
+        for name, _ in module_names.named_parameters(model):
             owned[owner_of_param(plan, name)].append(name)
         for unit in plan:
             for module in modules_of(model, unit):  # each member of a unit over several modules casts

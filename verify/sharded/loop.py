@@ -18,7 +18,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_verify.case import Case
-from fsdp_verify.engines import ShardSpec, resolve_engine
+from fsdp_verify.engines import ShardSpec, capabilities_of, resolve_engine
+from fsdp_verify.engines.contracts import ENGINE_CHECKPOINTED
 from fsdp_verify.engines.fsdp2_ownership import BUILT_RESHARDS, built_reshards
 from fsdp_verify.engines.view import EngineView, view_of
 from fsdp_verify.models import build_model, is_frozen, is_ignored
@@ -27,7 +28,7 @@ from fsdp_verify.models.moe import moe_layers
 from fsdp_verify.probes import PROBES
 from fsdp_verify.sharded.collect import Collector
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, without_kv_cache
+from fsdp_verify.training.checkpointing import CACHE_OFF, checkpoint_units, checkpoint_wrapped, without_kv_cache
 from fsdp_verify.training.compile import fresh_compiler
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.export import export_safetensors
@@ -77,18 +78,22 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         probe.after_build(model)
     if any(getattr(probe, "stop", False) for probe in probes):
         return _stopped(trace, "the ranks built different models")  # the build check names how
+    ctx.phase("shard (engine)")
+    engine = resolve_engine(case.engine)
     if case.activation_checkpointing:
         turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
         if trace is not None and turned_off:
             trace.meta[CACHE_OFF] = turned_off
-        checkpoint_units(model, case.wrap_plan)
-    ctx.phase("shard (engine)")
-    engine = resolve_engine(case.engine)
+        if not capabilities_of(engine).checkpoints:  # else the engine applies its own policy
+            checkpoint_units(model, case.wrap_plan)
     sharded = engine(model, ctx.mesh, ShardSpec.from_case(case))
     if trace is not None:  # each unit's reshard_after_forward as the engine built it (the contracts read it)
         built = built_reshards(sharded)
         if built:
             trace.meta[BUILT_RESHARDS] = built
+        wrapped = checkpoint_wrapped(sharded)  # checkpointed by the engine itself (the contracts read it)
+        if wrapped:
+            trace.meta[ENGINE_CHECKPOINTED] = wrapped
     # Its aux loss and router bias count over the data-parallel ranks: set on the module the engine
     # returns (the flat engine builds its own from the case under meta init).
     for moe in moe_layers(sharded):

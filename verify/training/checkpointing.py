@@ -103,3 +103,18 @@ def cache_note(turned_off: list[str]) -> str:
         " (a recomputed attention would append its keys to the KV cache a second time), as transformers'"
         " gradient_checkpointing_enable() does"
     )
+
+
+def checkpoint_wrapped(model: nn.Module) -> list[str]:
+    """The modules of `model` an engine wrapped in PyTorch's `checkpoint_wrapper` (its own
+    activation checkpointing: `apply_activation_checkpointing`, torchtitan's policies), by their
+    original names (verify/module_names.py). A private torch name: on a torch without it none is
+    found, and the contracts read the case alone."""
+    from fsdp_verify import module_names
+
+    try:
+        from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
+    except ImportError:
+        return []
+
+    return [name for name, m in module_names.named_modules(model) if isinstance(m, CheckpointWrapper)]

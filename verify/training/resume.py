@@ -29,6 +29,7 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_
 
 from fsdp_verify.training.optim import schedule_state
 from fsdp_verify.training.rng import rng_fingerprint
+from fsdp_verify import module_names
 
 # What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
 # which torch deprecates): nothing about the run, and a screen of it a case.
@@ -133,7 +134,7 @@ def stepped_marks(module: nn.Module, optimizer: torch.optim.Optimizer) -> dict[s
     """`stepped.<fqn>`: 1 where the optimizer holds state for the parameter on any rank (it was
     stepped), else 0; a collective (the same tensors on every rank, as DCP keeps one copy). Every
     parameter of any rank's: a pipeline's ranks hold different ones (a stage each)."""
-    mine = {n: int(bool(optimizer.state.get(p))) for n, p in module.named_parameters()}
+    mine = {n: int(bool(optimizer.state.get(p))) for n, p in module_names.named_parameters(module)}
     every = [mine]
     if dist.is_initialized():
         every = [None] * dist.get_world_size()
@@ -154,7 +155,7 @@ def forget_unstepped_state(module: nn.Module, optimizer: torch.optim.Optimizer, 
     step is Adam's step 2: the bias correction off by one (sweep seed 20262901: fp16 cases whose
     first steps all overflowed, 10 of 147). The run that never stopped holds no state there, so
     neither may the resumed one."""
-    for name, p in module.named_parameters():
+    for name, p in module_names.named_parameters(module):
         mark = trainer.get(STEPPED + name)
         if mark is not None and int(mark[0]) == 0:
             optimizer.state.pop(p, None)
