@@ -120,6 +120,42 @@ def ep_average(
     return out
 
 
+def ep_norm(case, named: list[tuple[str, torch.Tensor]], dense_norm) -> torch.Tensor:
+    """A clip's norm as the ranks clip under expert parallelism (`EngineView.clip_grad_norm_`,
+    torchtitan's `_clip_grad_norm_with_ep`): the experts' gradients and the dense ones live on
+    two meshes, so each group's total norm is taken whole, and the total is the root of their
+    squares' sum; the dense group's is FSDP2's over the shards (`dense_norm` of those (name,
+    gradient) pairs). An expert gradient is `Shard(0)` over "ep" (block j of the experts on ep
+    rank j) and, inside its block, over "efsdp" (FSDP2's chunk g). On each rank the norms of its
+    local pieces, stacked, are made whole by DTensor one mesh dim after the other, "efsdp" first,
+    then "ep" (measured on torch 2.13 with `_NormPartial` on a (2, 2) mesh: 300 of 300 values, a
+    flat sum over the four ranks 235), each as a vector all-reduce of the squares and the roots
+    (`squared_norms_reduced`); the experts' total is the norm of the result. Bit-exact at ep 2 and
+    4, on 1-D meshes and HSDP, fp32 and bf16 (tests/test_expert_parallel.py)."""
+    from fsdp_verify.reference.trainer import squared_norms_reduced
+
+    _, _, ep, groups = _layout(case)
+    experts = set(expert_names(case, [n for n, _ in named]))
+    mine = [g for n, g in named if n in experts]
+    zero = torch.zeros((), dtype=torch.float32)
+    experts_total = zero
+    if mine:
+        per_ep = []
+        for j in range(ep):
+            local = []  # each efsdp rank's norms of its pieces of ep block j
+            for k in range(groups):
+                norms = []
+                for g in mine:
+                    chunks = g.chunk(ep, dim=0)[j].chunk(groups, dim=0)
+                    norms.append(chunks[k].contiguous().norm() if k < len(chunks) else zero.to(g.dtype))
+                local.append(torch.stack(norms))
+            per_ep.append(squared_norms_reduced(local).sqrt())  # over "efsdp"
+        experts_total = torch.linalg.vector_norm(squared_norms_reduced(per_ep).sqrt())  # then over "ep"
+    dense = [(n, g) for n, g in named if n not in experts]
+    dense_total = dense_norm(dense).float() if dense else zero
+    return (experts_total**2 + dense_total**2) ** (1.0 / 2)
+
+
 @contextlib.contextmanager
 def global_routing(run, state, group: list):
     """Around one micro-batch's passes: each aux-loss MoE layer's counts summed over every

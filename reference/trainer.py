@@ -30,7 +30,7 @@ from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
-from fsdp_verify.reference.expert_parallel import ep_average, ep_sums, global_routing, update_router_biases
+from fsdp_verify.reference.expert_parallel import ep_average, ep_norm, ep_sums, global_routing, update_router_biases
 from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
@@ -623,6 +623,13 @@ class _Run:
                     [p.grad for _, p in mine], shard, [_placement_dim(self.case, n, p.shape) for n, p in mine]
                 ),
             )
+        elif self.emulate and self.order in ("ring", "rank") and self.case.ep > 1:  # two meshes: experts', dense
+            shard = self.case.mesh[-1]
+            norm = ep_norm(
+                self.case,
+                [(n, p.grad) for n, p in named],
+                lambda dense: _norm_from_shards([g for _, g in dense], shard),
+            )
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
             dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
             norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
@@ -1093,25 +1100,37 @@ def _replica_all_reduce(per_replica: list[torch.Tensor]) -> torch.Tensor:
 
 
 def _norm_from_shards(grads: list[torch.Tensor], world: int, dims: list[int] | None = None) -> torch.Tensor:
-    """The global norm as FSDP2's `clip_grad_norm_` computes it on DTensors: per parameter, the
-    norm of each rank's row chunk, squared, summed over ranks (rank order), and the root; then the
-    norm of those norms. It differs from one norm of the full gradient by an ulp or two, which
-    moves the clip coefficient of every gradient alike, and a strongly conditioned case (data
-    scale 100, AdamW) turns that into a 1.5e-6 deviation of the next step's logits. Measured
-    bit-exact against FSDP2 on gloo at world size 3. On an HSDP mesh (R, S) a gradient is
-    Replicate on the replicas and Shard(0) over the S ranks of a shard group: `world` is S
-    (bit-exact on (2, 2), (3, 1) and (1, 3)). A Shard(1) parameter (`dims`): its dim-1 chunks."""
-    norms = []
+    """The global norm as FSDP2's `clip_grad_norm_` computes it on DTensors (`get_total_norm`):
+    on each rank, the norm of its row chunk of every gradient (`_foreach_norm`, each partial over
+    the shard group); `stack` keeps them partial, and `vector_norm` first makes that vector whole:
+    one all-reduce of every rank's vector of squares, added as gloo's ring adds a vector
+    (`squared_norms_reduced`), the root of each; then the norm of those norms. It differs from one
+    norm of the full gradient by an ulp or two, which moves the clip coefficient of every
+    gradient alike, and a strongly conditioned case (data scale 100, AdamW) turns that into a
+    1.5e-6 deviation of the next step's logits. Bit-exact against FSDP2 on gloo at world sizes 2
+    to 4; at 3 and 4 each element is added in the order of the ring segment it falls in, which a
+    sum in rank order for every parameter missed by an ulp in some steps (a clip beside ep at
+    world size 4, step 3; a torchtitan (1, 4) case of sweep seed 5004 whose one-ulp norm Adam
+    grew to 0.498 of the parameters' tolerance). On an HSDP mesh (R, S) a gradient is Replicate
+    on the replicas and Shard(0) over the S ranks of a shard group: `world` is S. A Shard(1)
+    parameter (`dims`): its dim-1 chunks."""
+    per_rank = [[] for _ in range(world)]
     for i, g in enumerate(grads):
         dim = dims[i] if dims is not None else 0
         # A Shard(1) shard is a contiguous (rows, cols / S) tensor on its rank: its norm reduces
         # in that layout's order, not a strided view's (1 ulp apart at 3 ranks).
-        squares = [c.contiguous().norm() ** 2 for c in (g.chunk(world, dim=dim) if g.dim() else [g])]
-        total = squares[0]
-        for sq in squares[1:]:
-            total = total + sq
-        norms.append(total.sqrt())
-    return torch.linalg.vector_norm(torch.stack(norms))
+        chunks = g.chunk(world, dim=dim) if g.dim() else [g]
+        zero = torch.zeros((), dtype=g.dtype)
+        for r in range(world):
+            per_rank[r].append(chunks[r].contiguous().norm() if r < len(chunks) else zero)
+    return torch.linalg.vector_norm(squared_norms_reduced([torch.stack(norms) for norms in per_rank]).sqrt())
+
+
+def squared_norms_reduced(per_rank: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's vector of norms made whole as DTensor reduces a `_NormPartial` vector: squared,
+    summed over the ranks as gloo's ring all-reduce adds a vector (element by element, in the
+    order of the segment each falls in: `gloo_allreduce_sum`); the roots are the caller's."""
+    return gloo_allreduce_sum([n**2 for n in per_rank]) if len(per_rank) > 1 else per_rank[0] ** 2
 
 
 @dataclass

@@ -87,6 +87,29 @@ def test_dropped_tokens_routing_loss_and_bias_beside_ep_are_bit_exact(fsdp_check
     assert not _inexact(verdict)
 
 
+@pytest.mark.parametrize(
+    ("world", "ep", "mesh", "precision"),
+    [
+        pytest.param(2, 2, None, None, id="ep2-w2-fp32"),
+        pytest.param(4, 2, None, BF16, id="ep2-w4-bf16"),
+        pytest.param(4, 2, (2, 2), None, id="ep2-hsdp2x2-fp32"),
+        pytest.param(4, 4, None, None, id="ep4-w4-fp32"),
+    ],
+)
+def test_a_clip_beside_ep_is_bit_exact(fsdp_check, world, ep, mesh, precision):
+    """The experts' gradients on ("efsdp", "ep"), the dense ones on the data-parallel mesh: each
+    mesh's norm whole, the total the root of their squares' sum, as torchtitan clips
+    (`EngineView.clip_grad_norm_`); the reference reduces each expert's norm over "efsdp", then
+    "ep", as DTensor does (reference/expert_parallel.py `ep_norm`). A clip small enough that every
+    step clips (the norm is recorded and every gradient scaled by it)."""
+    case = moe_case(world, ep, mesh, precision, microbatches=2).with_(clip_norm=0.01, steps=3)
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    norms = [f for f in verdict.findings if f.phase == "grad_norm"]
+    assert len(norms) == 3, norms
+
+
 def test_the_aux_loss_all_reduce_is_in_the_comm_contract(fsdp_check):
     """Without ep the contracts hold: the forward's all-reduce of the counts is modelled."""
     verdict = fsdp_check(moe_case(2, 1, microbatches=2, aux_loss=0.1, router_bias=0.01))
@@ -110,13 +133,16 @@ MUTANTS = [
     ("aux_loss_per_rank", {"ep": 1}, {"aux_loss": 0.5}, "grads"),
     ("router_bias_updated_on_rank0_only", {"ep": 2}, {"router_bias": 0.05}, "buffers"),
     ("capacity_drops_differ_on_rank1", {"ep": 2}, {"capacity_factor": 0.5}, "logits"),
+    ("ep_clip_norm_without_the_experts", {"ep": 2, "clip_norm": 0.05}, {}, "grad_norm"),
 ]
 
 
 @pytest.mark.parametrize(("mutant", "case", "model", "phase"), MUTANTS, ids=[m[0] for m in MUTANTS])
 def test_each_expert_parallel_mutant_is_caught(fsdp_check, mutant, case, model, phase):
     engine = f"fsdp_verify.zoo.mutants:{mutant}"
-    verdict = fsdp_check(moe_case(2, case["ep"], **model).with_(engine=engine, steps=2))
+    verdict = fsdp_check(
+        moe_case(2, case["ep"], **model).with_(engine=engine, steps=2, clip_norm=case.get("clip_norm"))
+    )
     assert not verdict.ok
     assert verdict.first_divergence.phase == phase, verdict.summary()
 
@@ -181,7 +207,7 @@ def test_a_declared_ep_the_engine_does_not_apply_is_named(fsdp_check, engine, ev
         ({"world_size": 2, "ep": 4}, "ep", "a divisor of the shard dimension 2"),
         ({"model": ModelSpec(kind="mlp", experts=4), "ep": 2}, "ep", "grouped routed experts"),
         ({"ep": 2, "wrap": ("layers.0", "")}, "wrap", "'moe.experts' as a unit of its own"),
-        ({"ep": 2, "clip_norm": 1.0}, "clip_norm", "not modelled"),
+        ({"ep": 2, "offload": True}, "offload", "not modelled"),
         ({"ep": 4, "precision": PrecisionSpec(param_dtype="fp16")}, "precision.reduce_dtype", "divides the experts"),
         (
             {"grad_reduction": "sum", "model": ModelSpec(kind="mlp", experts=4, top_k=1, aux_loss=0.1)},

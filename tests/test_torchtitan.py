@@ -135,7 +135,12 @@ def test_torchtitans_own_checkpointing_is_applied_and_the_loops_is_not():
         (
             "parallelize_full_ac",
             4,
-            {"mesh_shape": (2, 2), "clip_norm": 1e-3, "precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"},
+            {
+                "mesh_shape": (2, 2),
+                "clip_norm": 1e-3,
+                "precision.param_dtype": "bf16",
+                "precision.reduce_dtype": "fp32",
+            },
         ),
     ],
     ids=["selective-2", "full-hsdp-bf16-clip"],

@@ -103,6 +103,8 @@ def run_checks(case: Case, ref: Trace, got: Trace, phases: tuple[str, ...] | Non
         if summary is None and check.optional:
             continue
         kind = "check" if summary is not None else "skipped"
-        message = summary if summary is not None else check.off(case, got) or "nothing recorded for this check in this run"
+        message = (
+            summary if summary is not None else check.off(case, got) or "nothing recorded for this check in this run"
+        )
         findings.append(Finding(0, check.phase, f"<{check.name}>", True, kind, check.name, message))
     return findings

@@ -74,7 +74,6 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
     "ep": (
         NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
         NotModelled("shard_placement", "dim0", "Shard(1) placements of the experts"),
-        NotModelled("clip_norm", None, "a clip (the experts' norm over two meshes is not modelled yet)"),
         NotModelled("offload", False, "CPU offload of the experts"),
         NotModelled("compile", None, "torch.compile (routed experts: a graph per count of routed samples)"),
     ),

@@ -20,10 +20,10 @@ from torch import nn
 from torch.distributed.fsdp import CPUOffloadPolicy
 from torch.distributed.tensor import DTensor, Shard
 
+from fsdp_verify import module_names
 from fsdp_verify.case import Case
 from fsdp_verify.engines.capabilities import TAKEABLE
 from fsdp_verify.units import is_group, modules_of
-from fsdp_verify import module_names
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
@@ -78,7 +78,9 @@ def _first_group_without(case: Case, model: nn.Module, attribute: str, wanted, d
 def _ignored(case: Case, model: nn.Module) -> str:
     from fsdp_verify.models import is_ignored
 
-    sharded = [n for n, p in module_names.named_parameters(model) if is_ignored(case.ignored, n) and isinstance(p, DTensor)]
+    sharded = [
+        n for n, p in module_names.named_parameters(model) if is_ignored(case.ignored, n) and isinstance(p, DTensor)
+    ]
     if sharded:
         return f"{sharded[0]!r} is sharded (a DTensor), though the case names it in `ignored` (fully_shard's ignored_params)"
     return ""
@@ -143,7 +145,9 @@ def _prefetch(case: Case, model: nn.Module) -> str:
     communication contracts judge those (the zoo's `prefetch_one_unit_too_many`)."""
     from fsdp_verify.engines.prefetch import prefetch_lists
 
-    wanted = prefetch_lists(case.wrap_plan, [n for n, _ in module_names.named_parameters(model)], case.prefetch, case.ignored)
+    wanted = prefetch_lists(
+        case.wrap_plan, [n for n, _ in module_names.named_parameters(model)], case.prefetch, case.ignored
+    )
     lists = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
     units = _units(case, model)
     if not all(hasattr(state, a) for _, state in units for a in lists):

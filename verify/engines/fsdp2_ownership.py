@@ -15,9 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from fsdp_verify import units
+from fsdp_verify import module_names, units
 from fsdp_verify.engines.ownership import OwnershipMap, ParamOwnership
-from fsdp_verify import module_names
 
 
 def _param_groups(state) -> list:

@@ -13,11 +13,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_verify import module_names
 from fsdp_verify.case import LossScaleSpec, OptimSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, sum_full
 from fsdp_verify.training.optim import make_optimizer, make_scheduler
-from fsdp_verify import module_names
 
 
 class EngineView:
@@ -48,10 +48,25 @@ class EngineView:
         return dict(zip(state, gather_full(list(state.values()))))
 
     def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
-        """Clip by the global norm; returns the full total norm."""
+        """Clip by the global norm; returns the full total norm. Gradients on several meshes
+        (expert parallelism's experts on ("efsdp", "ep"), the dense ones on ("shard",)), whose
+        norms one `clip_grad_norm_` cannot stack, are clipped as torchtitan clips them
+        (`_clip_grad_norm_with_ep`): each mesh's total norm whole, the total the root of their
+        squares' sum, each group scaled by it."""
         with_grad = [p for p in self.parameters().values() if p.grad is not None]
-        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
-        return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        groups = by_mesh(with_grad)
+        if len(groups) < 2:
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+            return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        squares = None
+        for params in groups:
+            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+            squares = norm**2 if squares is None else squares + norm**2
+        total = squares ** (1.0 / 2)
+        for params in groups:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
+        return total
 
     def grad_scaler(self, spec: LossScaleSpec, device: torch.device):
         """The dynamic loss scaler for `spec`: `torch.amp.GradScaler`, which is all FSDP2 needs in
@@ -147,3 +162,13 @@ DTensorView = EngineView
 def view_of(module: nn.Module) -> EngineView:
     custom = getattr(module, "verify_view", None)
     return custom() if callable(custom) else EngineView(module)
+
+
+def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """`params` grouped by the mesh of their DTensor gradients (plain tensors one group), in the
+    order first met; one group where they share one. (torchtitan adds its two norms' squares,
+    the experts' first: two add alike either way.)"""
+    groups: dict[object, list[torch.Tensor]] = {}
+    for p in params:
+        groups.setdefault(getattr(p, "device_mesh", None), []).append(p)
+    return list(groups.values())

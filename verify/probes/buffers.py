@@ -10,9 +10,9 @@ import hashlib
 import torch
 from torch import nn
 
+from fsdp_verify import module_names
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify import module_names
 
 
 def tensor_hash(t: torch.Tensor) -> str:

@@ -49,12 +49,12 @@ from torch.distributed.tensor import Placement
 from torch.utils._pytree import tree_flatten
 from torch.utils.hooks import RemovableHandle
 
+from fsdp_verify import module_names
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
 from fsdp_verify.units import is_group, members
-from fsdp_verify import module_names
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
 # Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.

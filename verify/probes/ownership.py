@@ -12,10 +12,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_verify import module_names
 from fsdp_verify.engines.fsdp2_ownership import local_holdings, ownership_from
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
-from fsdp_verify import module_names
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -31,11 +31,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from fsdp_verify import module_names
 from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.units import modules_of, owner_of_param
-from fsdp_verify import module_names
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.

@@ -27,9 +27,9 @@ from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
 
+from fsdp_verify import module_names
 from fsdp_verify.training.optim import schedule_state
 from fsdp_verify.training.rng import rng_fingerprint
-from fsdp_verify import module_names
 
 # What torch says on every FSDP1 save and load (its sharded state dict goes through ShardedTensor,
 # which torch deprecates): nothing about the run, and a screen of it a case.

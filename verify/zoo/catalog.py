@@ -824,6 +824,15 @@ ZOO += [
         pins={**_GROUPED, "ep": 2},
     ),
     ZooBug(
+        "ep_clip_norm_without_the_experts",
+        _mutant("ep_clip_norm_without_the_experts"),
+        "every gradient clipped by the dense parameters' norm, the experts' (on their own mesh) left out",
+        "a clip that keeps one mesh's parameters to get past DTensor's 'different meshes' error (issue 50)",
+        ("grad_norm",),
+        world_sizes=(2, 4),
+        pins={**_GROUPED, "ep": 2, "clip_norm": 0.05},
+    ),
+    ZooBug(
         "aux_loss_per_rank",
         _mutant("aux_loss_per_rank"),
         "the load-balancing loss from each rank's own assignment counts, not the global micro-batch's",

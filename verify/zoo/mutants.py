@@ -829,6 +829,27 @@ def ep_expert_grads_averaged_over_ep(model: nn.Module, mesh: DeviceMesh, spec: S
     return model
 
 
+def ep_clip_norm_without_the_experts(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Clips every gradient by the dense parameters' norm alone: the experts, on a mesh of their
+    own, left out of it (a clip that keeps the parameters of one mesh to get past DTensor's
+    "different meshes" error, and scales the rest by that norm)."""
+    fully_shard_engine(model, mesh, spec)
+    if spec.case.ep == 1:
+        return model
+    from fsdp_verify.engines.view import EngineView, by_mesh
+
+    class DenseNormClip(EngineView):
+        def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+            groups = by_mesh([p for p in self.parameters().values() if p.grad is not None])
+            norm = torch.nn.utils.get_total_norm([p.grad for p in groups[0]]).full_tensor()
+            for params in groups:
+                torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            return norm
+
+    model.verify_view = lambda: DenseNormClip(model)
+    return model
+
+
 def aux_loss_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """The load-balancing loss from each rank's own assignment counts, not the global
     micro-batch's: every rank balances its own samples (a per-rank mean of the aux loss)."""
