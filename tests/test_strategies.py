@@ -218,3 +218,23 @@ def test_the_simplest_case_is_small():
         ),
     )
     assert case.world_size == 2 and case.steps == 1 and case.model.n_blocks <= 2 and case.microbatches == 1
+
+
+def test_routing_never_decides_what_requires_grad_in_a_drawn_case():
+    """torch 2.13's FSDP2 orders its reduce-scatters by the routing where it decides whether the
+    layer after routed experts gets an input that requires grad
+    (tests/upstream/test_fsdp2_unused_params_reduce_order.py): sweep seed 5011's crash, shrunk.
+    The draw makes the gate trainable there; a case that does not meet it is left alone."""
+    from fsdp_verify.properties.strategies import _routing_never_decides_what_requires_grad as drawn
+
+    frozen = ("layers.0", "moe.gate", "moe.experts.0", "moe.experts.1.weight")  # experts.1.bias trains
+    case = Case(model=ModelSpec(kind="mlp", widths=(1, 4, 1), experts=2, frozen=frozen), world_size=2)
+    mapped = drawn(case).model.frozen
+    assert not any(n.startswith("moe.gate") for n in mapped) and "moe.experts.1.weight" in mapped, mapped
+    assert "layers.0.linear.weight" in mapped and "moe.experts.0.bias" in mapped, mapped
+    for kept in (
+        case.with_(model=ModelSpec(kind="mlp", widths=(1, 4, 1), experts=2, frozen=frozen[1:])),  # layers.0 trains
+        case.with_(model=ModelSpec(kind="mlp", widths=(1, 4, 1), experts=2, frozen=(*frozen, "moe.experts.1"))),
+        case.with_(model=ModelSpec(kind="mlp", widths=(1, 4, 1), experts=2, frozen=frozen[:1] + frozen[2:])),
+    ):
+        assert drawn(kept) == kept
