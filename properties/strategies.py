@@ -1208,25 +1208,19 @@ def tp_styles(draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: 
 
 def _routing_never_decides_what_requires_grad(case: Case) -> Case:
     """`case` with the routed experts' gate trainable where the routing would decide whether the
-    layer after the experts gets an input that requires grad: everything before the experts and
-    the gate frozen, one expert trainable and another not. torch 2.13's FSDP2 then orders its
-    reduce-scatters by the routing, though `set_reduce_scatter_unused_params(True)` is set
-    (tests/upstream/test_fsdp2_unused_params_reduce_order.py, a strict xfail; `check` catches it
-    as a rank crash, "collective mismatch"): not drawn (sweep seed 5011 drew it, 1 of 100). A
-    trainable gate scales every reached expert's output, so that input always requires grad."""
+    layer after the experts gets an input that requires grad (`routing_decides_requires_grad`:
+    torch 2.13's FSDP2 then orders its reduce-scatters by the routing,
+    tests/upstream/test_fsdp2_unused_params_reduce_order.py, a strict xfail; `check` catches it as
+    a rank crash and names it): not drawn (sweep seed 5011 drew it, 1 of 100). A trainable gate
+    scales every reached expert's output, so that input always requires grad."""
+    from fsdp_verify.engines.routed_reduction import routing_decides_requires_grad
     from fsdp_verify.models import is_frozen, parameter_names
 
     model = case.model
-    if not model.experts or model.grouped_experts is not None or not model.frozen:
+    if not routing_decides_requires_grad(model):
         return case
-    names = parameter_names(model)
-    before = [n for n in names if n.startswith("layers.0.")]  # the experts follow the first block
-    gate = [n for n in names if n.startswith("moe.gate.")]
-    experts = [[n for n in names if n.startswith(f"moe.experts.{e}.")] for e in range(model.experts)]
-    trainable = [any(not is_frozen(model, n) for n in expert) for expert in experts]
-    if not (all(is_frozen(model, n) for n in before + gate) and any(trainable) and not all(trainable)):
-        return case
-    frozen = tuple(n for n in names if is_frozen(model, n) and n not in gate)  # by name: a prefix may cover the gate
+    names = parameter_names(model)  # by name: a prefix may cover the gate
+    frozen = tuple(n for n in names if is_frozen(model, n) and not n.startswith("moe.gate."))
     return case.with_(model=replace(model, frozen=frozen))
 
 

@@ -239,3 +239,21 @@ def test_grouped_experts_default_plan_gives_the_experts_a_unit_and_frozen_expert
     assert case.wrap_plan[0] == "moe.experts"
     model = build_model(case.model, 0)
     assert not model.moe.experts.weight.requires_grad
+
+
+def test_a_crash_of_the_known_reduce_order_bug_says_so():
+    """PyTorch's: with the gate and the first block frozen and one expert bias trainable, FSDP2
+    orders its reduce-scatters by the routing (tests/upstream/test_fsdp2_unused_params_reduce_order.py);
+    sweep seed 5011's crash, shrunk. `check` reports the rank crash and names the known bug; the
+    draw makes the gate trainable instead."""
+    from fsdp_verify.engines.routed_reduction import ORDER_REPRO, routing_decides_requires_grad
+    from fsdp_verify.runner import check_case
+    from fsdp_verify.sharded.pool import RankFailure
+    from tests.conftest import regression
+
+    case = regression("5db31dca07bb")
+    assert routing_decides_requires_grad(case.model)
+    with pytest.raises(RankFailure) as e:
+        check_case(case)
+    assert e.value.kind == "crash" and "collective mismatch" in str(e.value), str(e.value)
+    assert "known PyTorch bug" in str(e.value) and ORDER_REPRO in str(e.value), str(e.value)

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection, wait
 from pathlib import Path
 
 from fsdp_verify.case import Case
+from fsdp_verify.engines.routed_reduction import known_crash
 from fsdp_verify.library_warnings import received
 from fsdp_verify.sharded.arena import read_fill
 from fsdp_verify.sharded.devices import pool_env
@@ -59,6 +60,7 @@ class RankPool:
         self._to: list[Connection] = []  # parent -> rank
         self._from: list[Connection] = []  # rank -> parent; EOF when the rank dies
         self._board: PhaseBoard | None = None
+        self._case: Case | None = None  # the case submitted last
         self._dir: Path | None = None
         self.starts = 0  # how many times processes were spawned (1 = never recovered)
         # Seconds per kind of phase of the last case: rank 0's (verify/sharded/worker.py PhaseClock)
@@ -170,6 +172,7 @@ class RankPool:
             raise ValueError(f"case world_size={case.world_size} but the pool has {self.world_size} ranks")
         if not self.alive:
             self.start()
+        self._case = case  # what a crash's message names known causes of
         text = case.to_json()
         for conn in self._to:
             conn.send(("run", text, resume))
@@ -270,6 +273,7 @@ class RankPool:
             phases = self._phases()
             where = ", ".join(f"rank {r} in {p!r}" for r, p in sorted(phases.items()))
             how += f": a collective mismatch between ranks ({where}): the ranks issued different collectives, or the same one with other sizes ({said})"
+            how += known_crash(self._case)
         return RankFailure(
             "crash" if what == "run" else "start", rank, self._board.read(rank), f"process {how}", self._phases()
         )
