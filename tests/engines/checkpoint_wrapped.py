@@ -6,26 +6,24 @@ pass (the names are read through, verify/module_names.py). And one that recomput
 dropout masks (`preserve_rng_state=False`), which must not."""
 
 import functools
+from pathlib import Path
 
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import (
     apply_activation_checkpointing,
     checkpoint_wrapper,
 )
-from torch.distributed.fsdp import fully_shard
+
+from fsdp_verify.imports import load_object
+
+PLAIN = Path(__file__).resolve().parents[2] / "examples" / "engine" / "my_engine.py"
 
 
 def _shard(model, mesh, spec, preserve_rng_state: bool):
     units = {id(model.get_submodule(fqn)) for fqn in spec.wrap if fqn}
     wrapper = functools.partial(checkpoint_wrapper, preserve_rng_state=preserve_rng_state)
     apply_activation_checkpointing(model, checkpoint_wrapper_fn=wrapper, check_fn=lambda m: id(m) in units)
-    for fqn in spec.wrap:  # the wrappers answer to the unit's name (`layers.0`)
-        fully_shard(
-            model.get_submodule(fqn),
-            mesh=mesh,
-            mp_policy=spec.mp_policy,
-            reshard_after_forward=spec.reshard_after_forward,
-        )
-    return model
+    # then the plain plug-in, unchanged: the wrappers answer to their units' names (`layers.0`)
+    return load_object(f"{PLAIN}:shard", "engine")(model, mesh, spec)
 
 
 def shard(model, mesh, spec):
