@@ -65,13 +65,6 @@ def llama3(
     return model
 
 
-class _Parallelism:
-    """What `update_from_config` reads of a trainer's config outside a trainer: its parallelism."""
-
-    def __init__(self, parallelism):
-        self.parallelism = parallelism
-
-
 def _cpu_attention(model: nn.Module, attention: str) -> None:
     if attention == "flex":
         return
