@@ -55,8 +55,8 @@ class FailFast:
         """`run(case)`, remembered under `key` (default: the case's hash; a value without one, as
         a test's own strategy may draw, is not remembered)."""
         key = getattr(case, "hash", None) if key is None else key
-        seen = self._seen.get(key) if key is not None else None
-        if seen is not None:
+        if key is not None and key in self._seen:  # a property that returns None was seen too
+            seen = self._seen[key]
             self.remembered += 1
             if isinstance(seen, PropertyFailed):
                 raise seen  # its traceback ends where it was first raised: Hypothesis sees the same bug

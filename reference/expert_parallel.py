@@ -132,7 +132,7 @@ def ep_norm(case, named: list[tuple[str, torch.Tensor]], dense_norm) -> torch.Te
     flat sum over the four ranks 235), each as a vector all-reduce of the squares and the roots
     (`squared_norms_reduced`); the experts' total is the norm of the result. Bit-exact at ep 2 and
     4, on 1-D meshes and HSDP, fp32 and bf16 (tests/test_expert_parallel.py)."""
-    from fsdp_verify.reference.trainer import squared_norms_reduced
+    from fsdp_verify.engines.arithmetic import squared_norms_reduced
 
     _, _, ep, groups = _layout(case)
     experts = set(expert_names(case, [n for n, _ in named]))

@@ -50,7 +50,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils._pytree import tree_map
 
-from fsdp_verify.engines.arithmetic import gloo_allreduce_sum
+from fsdp_verify.engines.arithmetic import gloo_allreduce_sum, squared_norms_reduced
 
 _RANDOM = torch.Tag.nondeterministic_seeded
 
@@ -151,13 +151,6 @@ def _sum(values: list[torch.Tensor]) -> torch.Tensor:
     if len(values) == 1:
         return values[0]
     return gloo_allreduce_sum([v.contiguous().reshape(-1) for v in values]).view_as(values[0])
-
-
-def _in_order(values: list[torch.Tensor]) -> torch.Tensor:
-    total = values[0]
-    for v in values[1:]:
-        total = total + v
-    return total
 
 
 class _AllReduce(torch.autograd.Function):
@@ -657,30 +650,34 @@ class TensorParallel:
 
     def norm(self, named: list[tuple[str, torch.Tensor]], shards: int) -> torch.Tensor:
         """The clip's total norm as torch 2.13's `clip_grad_norm_` computes it on FSDP2's 2-D
-        gradients (measured bit-exact on (2, 2) and (1, 2) meshes): on each rank the norm of its
-        local piece of each gradient (its tp piece's chunk of rows over the shard group); where
-        some gradient is split over tp, `stack` makes every norm partial over tp, a replicated
-        one's divided by sqrt(tp) there (`_NormPartial._partition_value`), and each parameter's
-        norms are reduced over the shard group (squares summed, the root) and then over tp;
-        where none is, they stay replicated over tp and only the shard group reduces them. Then
-        the norm of those. The shard group's squares are added in rank order, as FSDP2's
-        shard-group norm is (`_norm_from_shards`); the tp ranks', all-reduced as one vector, in
-        gloo's order (tp 4: 1 ulp in 3 of a fresh-seed sweep's 300 cases in rank order)."""
+        gradients (measured bit-exact on (2, 2), (1, 2) and, with sequence parallelism, (3, 2)
+        meshes): on each rank the norm of its local piece of each gradient (its tp piece's chunk of
+        rows over the shard group); where some gradient is split over tp, `stack` makes every norm
+        partial over tp, a replicated one's divided by sqrt(tp) there (`_NormPartial.
+        _partition_value`). The stacked norms are made whole over the shard group, then over tp,
+        each as one all-reduce of the vector of squares in gloo's ring order
+        (`squared_norms_reduced`), and the root; where no gradient is split, only the shard group
+        reduces them. Then the norm of those. (Every parameter's squares in rank order over a
+        shard group of 3 were an ulp off in one of four fresh seeds; tp 4 in rank order, 1 ulp in 3
+        of a fresh-seed sweep's 300 cases.)"""
         spread = math.pow(self.n, 1 / 2.0)
         partial = any(self.placement(name).kind == "shard" for name, _ in named)
-        per_rank: list[list[torch.Tensor]] = [[] for _ in range(self.n if partial else 1)]
+        # local[t][s]: the norms of tp rank t's pieces on shard rank s, one per parameter
+        local: list[list[list[torch.Tensor]]] = [[[] for _ in range(shards)] for _ in range(self.n if partial else 1)]
         for name, g in named:
             placement = self.placement(name)
             split = placement.kind == "shard"
-            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * len(per_rank)
+            pieces = g.chunk(self.n, dim=placement.dim) if split else [g] * len(local)
             for t, piece in enumerate(pieces):
-                local = [c.clone().norm() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g.norm()]
-                local = [n if split or not partial else n / spread for n in local]
-                per_rank[t].append(_in_order([n**2.0 for n in local]) ** 0.5)
+                chunks = [c.clone() for c in piece.contiguous().chunk(shards, dim=0)] if g.dim() else [g]
+                for s in range(shards):
+                    n = chunks[s].norm() if s < len(chunks) else torch.zeros((), dtype=g.dtype)
+                    local[t][s].append(n if split or not partial else n / spread)
+        per_rank = [squared_norms_reduced([torch.stack(norms) for norms in row]) ** 0.5 for row in local]
         if not partial:
-            return torch.linalg.vector_norm(torch.stack(per_rank[0]))
+            return torch.linalg.vector_norm(per_rank[0])
         # the stacked norms all-reduced over tp at once: gloo's order over the vector
-        totals = _sum([torch.stack(norms) ** 2.0 for norms in per_rank]) ** 0.5
+        totals = _sum([norms**2.0 for norms in per_rank]) ** 0.5
         return torch.linalg.vector_norm(totals)
 
     def whole(self, out) -> torch.Tensor:

@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines import engine_arithmetic
-from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum, squared_norms_reduced
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
@@ -1124,13 +1124,6 @@ def _norm_from_shards(grads: list[torch.Tensor], world: int, dims: list[int] | N
         for r in range(world):
             per_rank[r].append(chunks[r].contiguous().norm() if r < len(chunks) else zero)
     return torch.linalg.vector_norm(squared_norms_reduced([torch.stack(norms) for norms in per_rank]).sqrt())
-
-
-def squared_norms_reduced(per_rank: list[torch.Tensor]) -> torch.Tensor:
-    """Every rank's vector of norms made whole as DTensor reduces a `_NormPartial` vector: squared,
-    summed over the ranks as gloo's ring all-reduce adds a vector (element by element, in the
-    order of the segment each falls in: `gloo_allreduce_sum`); the roots are the caller's."""
-    return gloo_allreduce_sum([n**2 for n in per_rank]) if len(per_rank) > 1 else per_rank[0] ** 2
 
 
 @dataclass

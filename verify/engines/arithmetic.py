@@ -126,3 +126,10 @@ def gloo_allreduce_sum(values: list[torch.Tensor]) -> torch.Tensor:
             acc = acc + values[q][lo:hi]
         total[lo:hi] = acc
     return total
+
+
+def squared_norms_reduced(per_rank: list[torch.Tensor]) -> torch.Tensor:
+    """Every rank's vector of norms made whole as DTensor reduces a `_NormPartial` vector: squared,
+    summed over the ranks as gloo's ring all-reduce adds a vector (element by element, in the
+    order of the segment each falls in: `gloo_allreduce_sum`); the roots are the caller's."""
+    return gloo_allreduce_sum([n**2 for n in per_rank]) if len(per_rank) > 1 else per_rank[0] ** 2
