@@ -1241,8 +1241,7 @@ def _sequence_parallel_norms_trainable(case: Case) -> Case:
 
 
 def _tp_clip(values: dict[str, Any]) -> float | None:
-    """The drawn clip, unless the plan leaves parameters off the tp mesh (the Case refuses the clip
-    there: torch's clip_grad_norm_ cannot stack norms of two meshes): then none."""
+    """The drawn clip, unless the Case refuses it beside the drawn tp (then none)."""
     if values["clip_norm"] is None:
         return None
     try:

@@ -133,7 +133,7 @@ MUTANTS = [
     ("aux_loss_per_rank", {"ep": 1}, {"aux_loss": 0.5}, "grads"),
     ("router_bias_updated_on_rank0_only", {"ep": 2}, {"router_bias": 0.05}, "buffers"),
     ("capacity_drops_differ_on_rank1", {"ep": 2}, {"capacity_factor": 0.5}, "logits"),
-    ("ep_clip_norm_without_the_experts", {"ep": 2, "clip_norm": 0.05}, {}, "grad_norm"),
+    ("clip_norm_of_one_mesh", {"ep": 2, "clip_norm": 0.05}, {}, "grad_norm"),
 ]
 
 

@@ -227,6 +227,27 @@ def test_a_transformers_model_with_its_own_plan_is_bit_exact(fsdp_check):
     exact(fsdp_check(llama(world_size=2, tp=2, loss_parallel=True), calibrate=False))
 
 
+@pytest.mark.parametrize(
+    "case",
+    [
+        tp_case(world_size=4, clip_norm=0.001, data=DataSpec(batch_size=8, scale=100.0), steps=3),
+        tp_case(world_size=4, mesh_shape=(2, 1), clip_norm=0.001, precision=BF16, steps=3),
+    ],
+    ids=["w4", "hsdp2x1-bf16"],
+)
+def test_a_clip_beside_a_plan_that_leaves_norms_off_the_tp_mesh_is_bit_exact(fsdp_check, case):
+    """Without sequence parallelism the Transformer's norms stay off the tp mesh, sharded over the
+    data-parallel mesh alone: torch's `clip_grad_norm_` cannot stack the two meshes' norms (the
+    case refused a clip there), the view clips the two groups as torchtitan clips beside ep, and
+    the reference takes each group's norm so (`TensorParallel.norm`); the communication contract
+    holds the two groups' all-reduces. Its mutant clips by the tp mesh's norm alone."""
+    verdict = fsdp_check(case, calibrate=False)
+    exact(verdict)
+    assert "CommContract" in {f.comparator for f in verdict.findings if f.kind == "check"}
+    mutant = fsdp_check(case.with_(engine="fsdp_verify.zoo.mutants:clip_norm_of_one_mesh"), calibrate=False)
+    assert not mutant.ok and mutant.first_divergence.phase == "grad_norm", mutant.summary()
+
+
 def test_fsdp2_summing_sequence_parallel_norm_gradients_in_bf16_is_caught(fsdp_check):
     """pytorch/pytorch#190626 (tests/upstream/test_fsdp2_tp_reduce_dtype.py): the norms' partial
     gradients summed over tp in param_dtype, bf16, while reduce_dtype is fp32. Only they part."""

@@ -454,10 +454,29 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                     numel = padded_shard_numel(shape, 1)
                     m = case.microbatches - 1
                     out.append(Collective(step, m, "backward", "all_reduce", "fp32", case.world_size, 4 * numel, n))
-        if case.clip_norm is not None and shard > 1 and with_grad:
-            clip = Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(with_grad), "<all units>")
-            out.append(replace(clip, over=on["shard"]))
         out += tp_collectives(case, got, step, with_grad)
+        out += _clip_collectives(case, step, with_grad, shard, on["shard"])
+    return out
+
+
+def _clip_collectives(case: Case, step: int, with_grad: set[str], shard: int, over: str) -> list[Collective]:
+    """The clip's all-reduces: each group of gradients on one mesh (`EngineView.clip_grad_norm_`;
+    two beside tp where the plan leaves parameters off its mesh), in the order its first
+    parameter comes, makes its stacked norms whole over the shard group (one fp32 each) and, where
+    some gradient of it is split over tp, over tp after."""
+    import fsdp_verify.checks.tp_comm as tp_comm
+
+    if case.clip_norm is None or not with_grad:
+        return []
+    out = []
+    for group in tp_comm.clip_groups(case, with_grad):
+        if shard > 1:
+            out.append(
+                Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(group), "<all units>", over=over)
+            )
+        if case.parallel.tp > 1 and not tp_comm.underivable(case) and tp_comm.clip_over_tp(case, group):
+            size = 4 * len(group)
+            out.append(Collective(step, 0, "clip", "all_reduce", "fp32", case.tp, size, "<all units>", over="tp"))
     return out
 
 
@@ -513,7 +532,7 @@ def recomputed_units(case: Case, got: Trace, step: int) -> set[str]:
 
 def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> list[Collective]:
     """Tensor parallelism's own collectives of `step` over the tp group, per layer
-    (verify/checks/tp_comm.py), and the clip's all-reduce over tp; none without tp or where the
+    (verify/checks/tp_comm.py; the clip's all-reduce over tp: `_clip_collectives`); none without tp or where the
     case's plan cannot be derived (`tp_comm.underivable`: the measured ones over tp are not
     compared there, `comparable`)."""
     import fsdp_verify.checks.tp_comm as tp_comm
@@ -525,10 +544,7 @@ def tp_collectives(case: Case, got: Trace, step: int, with_grad: set[str]) -> li
     def collective(step, m, phase, kind, dtype, size, unit, optional=False):
         return Collective(step, m, phase, kind, dtype, tp, size, unit, optional, over="tp")
 
-    out = tp_comm.expected_tp(case, step, with_grad, recomputed_units(case, got, step), collective)
-    if case.clip_norm is not None and with_grad and tp_comm.clip_over_tp(case, with_grad):
-        out.append(collective(step, 0, "clip", "all_reduce", "fp32", 4 * len(with_grad), "<all units>"))
-    return out
+    return tp_comm.expected_tp(case, step, with_grad, recomputed_units(case, got, step), collective)
 
 
 def comparable(case: Case, measured: list[Collective]) -> list[Collective]:

@@ -134,6 +134,30 @@ def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], coll
     return out
 
 
+def clip_groups(case, with_grad: set[str]) -> list[set[str]]:
+    """The gradients the clip reduces together, in the order of their first parameter: one group,
+    or beside tp, where the plan leaves parameters off the tp mesh (FSDP2 shards those over the
+    data-parallel mesh alone), the tp mesh's and the others (`EngineView.clip_grad_norm_`)."""
+    from fsdp_verify.models import parameter_names
+
+    order = [n for n in parameter_names(case.model) if n in with_grad]
+    if case.parallel.tp <= 1:
+        return [set(order)]
+    on = set(_on_tp_mesh(case))
+    groups: dict[bool, set[str]] = {}
+    for n in order:
+        groups.setdefault(n in on, set()).add(n)
+    return list(groups.values())
+
+
+def _on_tp_mesh(case) -> list[str]:
+    """The parameters the plan puts on the tp mesh: those of the modules it names."""
+    from fsdp_verify.engines.tensor_parallel import _meta_plan
+
+    model, plan = _meta_plan(case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel)
+    return [n for n, _ in model.named_parameters() if n.rpartition(".")[0] in plan]
+
+
 def clip_over_tp(case, with_grad: set[str]) -> bool:
     """Whether the clip's stacked norms are partial over tp: some gradient is split over tp."""
     from fsdp_verify.engines.tensor_parallel import split_parameters

@@ -824,8 +824,8 @@ ZOO += [
         pins={**_GROUPED, "ep": 2},
     ),
     ZooBug(
-        "ep_clip_norm_without_the_experts",
-        _mutant("ep_clip_norm_without_the_experts"),
+        "clip_norm_of_one_mesh",
+        _mutant("clip_norm_of_one_mesh"),
         "every gradient clipped by the dense parameters' norm, the experts' (on their own mesh) left out",
         "a clip that keeps one mesh's parameters to get past DTensor's 'different meshes' error (issue 50)",
         ("grad_norm",),

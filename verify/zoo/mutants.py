@@ -829,12 +829,13 @@ def ep_expert_grads_averaged_over_ep(model: nn.Module, mesh: DeviceMesh, spec: S
     return model
 
 
-def ep_clip_norm_without_the_experts(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
-    """Clips every gradient by the dense parameters' norm alone: the experts, on a mesh of their
-    own, left out of it (a clip that keeps the parameters of one mesh to get past DTensor's
-    "different meshes" error, and scales the rest by that norm)."""
+def clip_norm_of_one_mesh(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Clips every gradient by the norm of the first mesh's gradients alone (the dense ones beside
+    ep, the tp mesh's beside a plan that leaves parameters off it): the other mesh's left out of
+    it (a clip that keeps the parameters of one mesh to get past DTensor's "different meshes"
+    error, and scales the rest by that norm)."""
     fully_shard_engine(model, mesh, spec)
-    if spec.case.ep == 1:
+    if spec.case.ep == 1 and spec.case.tp == 1:
         return model
     from fsdp_verify.engines.view import EngineView, by_mesh
 
