@@ -651,17 +651,20 @@ class TensorParallel:
     def norm(self, named: list[tuple[str, torch.Tensor]], shards: int) -> torch.Tensor:
         """The clip's total norm as torch 2.13's `clip_grad_norm_` computes it on FSDP2's 2-D
         gradients (measured bit-exact on (2, 2), (1, 2) and, with sequence parallelism, (3, 2)
-        meshes; parameters off the tp mesh a group of their own, below): on each rank the norm of its local piece of each gradient (its tp piece's chunk of
-        rows over the shard group); where some gradient is split over tp, `stack` makes every norm
-        partial over tp, a replicated one's divided by sqrt(tp) there (`_NormPartial.
-        _partition_value`). The stacked norms are made whole over the shard group, then over tp,
+        meshes; parameters off the tp mesh a group of their own, below): on each rank the norm of
+        its local piece of each gradient (its tp piece's chunk of rows over the shard group); where
+        some gradient is split over tp, `stack` makes every norm partial over tp, a replicated
+        one's divided by sqrt(tp) there (`_NormPartial._partition_value`). The stacked norms are made whole over the shard group, then over tp,
         each as one all-reduce of the vector of squares in gloo's ring order
         (`squared_norms_reduced`), and the root; where no gradient is split, only the shard group
         reduces them. Then the norm of those. (Every parameter's squares in rank order over a
         shard group of 3 were an ulp off in one of four fresh seeds; tp 4 in rank order, 1 ulp in 3
         of a fresh-seed sweep's 300 cases.)"""
-        on = [(n, g) for n, g in named if n in self.placements]
-        off = [(n, g) for n, g in named if n not in self.placements]
+        from fsdp_verify.engines.tensor_parallel import tp_mesh_parameters
+
+        mesh = tp_mesh_parameters(self.case)
+        on = [(n, g) for n, g in named if n in mesh]
+        off = [(n, g) for n, g in named if n not in mesh]
         if on and off:
             # A plan that leaves parameters off the tp mesh (a norm outside it, without sequence
             # parallelism): FSDP2 shards those over the data-parallel mesh alone, and the view clips

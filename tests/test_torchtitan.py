@@ -94,7 +94,6 @@ def _blocks_as_torchtitan_built_them(engine) -> list:
     """Each block of the model `engine` returns for a checkpointed case, on one rank (PyTorch's
     threaded process group): whether it is a `CheckpointWrapper`, and its checkpoint's
     `context_fn` (None: every op recomputed)."""
-    import torch
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -109,8 +108,7 @@ def _blocks_as_torchtitan_built_them(engine) -> list:
         blocks = list(model.layers.values())
         return [(isinstance(b, CheckpointWrapper), b.checkpoint_fn.keywords.get("context_fn")) for b in blocks]
 
-    with torch.device("cpu"):
-        return on_threads(1, build)[0]
+    return on_threads(1, build)[0]
 
 
 def test_torchtitans_own_checkpointing_is_applied_and_the_loops_is_not():

@@ -475,8 +475,9 @@ def _clip_collectives(case: Case, step: int, with_grad: set[str], shard: int, ov
                 Collective(step, 0, "clip", "all_reduce", "fp32", shard, 4 * len(group), "<all units>", over=over)
             )
         if case.parallel.tp > 1 and not tp_comm.underivable(case) and tp_comm.clip_over_tp(case, group):
-            size = 4 * len(group)
-            out.append(Collective(step, 0, "clip", "all_reduce", "fp32", case.tp, size, "<all units>", over="tp"))
+            out.append(
+                Collective(step, 0, "clip", "all_reduce", "fp32", case.tp, 4 * len(group), "<all units>", over="tp")
+            )
     return out
 
 

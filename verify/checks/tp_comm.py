@@ -143,19 +143,13 @@ def clip_groups(case, with_grad: set[str]) -> list[set[str]]:
     order = [n for n in parameter_names(case.model) if n in with_grad]
     if case.parallel.tp <= 1:
         return [set(order)]
-    on = set(_on_tp_mesh(case))
+    from fsdp_verify.engines.tensor_parallel import tp_mesh_parameters
+
+    on = tp_mesh_parameters(case)
     groups: dict[bool, set[str]] = {}
     for n in order:
         groups.setdefault(n in on, set()).add(n)
     return list(groups.values())
-
-
-def _on_tp_mesh(case) -> list[str]:
-    """The parameters the plan puts on the tp mesh: those of the modules it names."""
-    from fsdp_verify.engines.tensor_parallel import _meta_plan
-
-    model, plan = _meta_plan(case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel)
-    return [n for n, _ in model.named_parameters() if n.rpartition(".")[0] in plan]
 
 
 def clip_over_tp(case, with_grad: set[str]) -> bool:

@@ -247,6 +247,30 @@ def _split_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_para
     return tuple(out)
 
 
+def tp_mesh_parameters(case) -> frozenset[str]:
+    """The parameters the case's plan puts on the tp mesh: those of the modules a ColwiseParallel,
+    RowwiseParallel or SequenceParallel style distributes. The others (a norm the plan leaves
+    alone, without sequence parallelism) FSDP2 shards over the data-parallel mesh only: a clip
+    then takes the two meshes' norms apart (`EngineView.clip_grad_norm_`)."""
+    return _tp_mesh_parameters(case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel)
+
+
+@functools.lru_cache(maxsize=64)
+def _tp_mesh_parameters(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset[str]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
+
+    if tp == 1:
+        return frozenset()
+    model, plan = _meta_plan(spec, tp, tp_plan, sequence_parallel, loss_parallel)
+    distributing = (ColwiseParallel, RowwiseParallel, SequenceParallel)
+    return frozenset(
+        f"{fqn}.{name}"
+        for fqn, style in plan.items()
+        if isinstance(style, distributing)
+        for name, _ in model.get_submodule(fqn).named_parameters(recurse=False)
+    )
+
+
 def _meta_plan(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> tuple[nn.Module, dict]:
     """The model built on the meta device and its plan, from the fields the plan follows from."""
     import torch
