@@ -393,10 +393,10 @@ class _Run:
             out = self.tp.whole(out)
         else:
             loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
+        # a pipeline's schedule backpropagates its own (reference/pipeline_parallel.py)
+        summed = backward_loss(self.case, out, state.targets[index], state.loss_factor, loss)
         if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
-            summed = loss / len(state.groups[0])
-        else:  # a pipeline's schedule backpropagates its own (reference/pipeline_parallel.py)
-            summed = backward_loss(self.case, out, state.targets[index], state.loss_factor, loss)
+            summed = summed / len(state.groups[0])
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
         # A routed expert no sample of this rank's micro-batch reached takes no part in the graph:
         # its gradient is zero, as FSDP2 reduce-scatters it (`set_reduce_scatter_unused_params`).

@@ -123,6 +123,14 @@ def test_a_declared_knob_the_engine_drops_is_named_not_applied(fsdp_check, knob)
     assert "Hint" not in verdict.summary()  # the model-build hint is the build check's, not this one's
 
 
+def test_a_knob_another_rank_finds_not_applied_is_named_with_that_rank(fsdp_check):
+    """Rank 0 reports; the rank that found the knob not applied says which and why."""
+    verdict = fsdp_check(knob_case(2, "tests/engines/undelivered.py:drops_prefetch_off_rank_0", prefetch=1))
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.phase, first.name) == ("build", "<prefetch>"), verdict.summary()
+    assert "did not apply `prefetch`" in first.message and "rank 1: no unit has" in first.message, first.message
+
+
 def test_the_engines_that_drop_a_knob_are_correct_without_it(fsdp_check):
     verdict = fsdp_check(mlp_case(2, engine="tests/engines/undelivered.py:drops_offload", prefetch=1))
     assert verdict.ok, verdict.summary()

@@ -38,8 +38,7 @@ def pp_case(world: int, pp: int, schedule: str = "1f1b", model=MLP5, mesh=None, 
         sync_every_microbatch=False,
         precision=precision or PrecisionSpec(),
         data=DataSpec(batch_size=(world // pp) * m * 2),
-        steps=2,
-        **kw,
+        **{"steps": 2, **kw},
     )
 
 
@@ -146,6 +145,60 @@ def test_a_users_split_of_their_own_model(fsdp_check):
     assert not _inexact(verdict)
 
 
+# ---- FSDP2's knobs inside a stage (issue 50, item 4) ------------------------------------------------
+# Each stage is sharded by the engine with the case's knobs: offload, Shard(1) placements, a sum
+# reduction (the schedule's loss divided by the data-parallel size too), explicit prefetching
+# among the stage's own units, unfreezing mid-run (each rank its stages' parameters, a tied
+# embedding's last-stage copy with the first's).
+KNOBS = [
+    pytest.param({"offload": True}, MLP5, None, id="offload"),
+    pytest.param({"shard_placement": "dim1"}, MLP5, BF16, id="shard1-bf16"),
+    pytest.param({"shard_placement": "mixed", "grad_reduction": "sum"}, LM4, None, id="mixed-sum-lm"),
+    pytest.param({"grad_reduction": "sum"}, MLP5, BF16, id="sum-mlp-bf16"),
+    pytest.param({"prefetch": 1}, LM4, BF16, id="prefetch-lm-bf16"),
+]
+UNFROZEN = replace(LM4, tie_embeddings=True, frozen=("tok_embeddings.weight", "layers.3"))
+
+
+@pytest.mark.parametrize(("knobs", "model", "precision"), KNOBS)
+def test_fsdp2_knobs_inside_a_stage_are_bit_exact(fsdp_check, knobs, model, precision):
+    verdict = fsdp_check(pp_case(4, 2, "gpipe", model, precision=precision, m=2, **knobs))
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+
+
+def test_unfreezing_a_tied_embedding_across_the_stages_is_bit_exact(fsdp_check):
+    """The tied embedding is frozen under its first name only; its last stage's copy unfreezes
+    with it (else the two ranks' `sync_tied` all-reduces differ: a hang, found by a sweep)."""
+    case = pp_case(4, 2, "gpipe", UNFROZEN, precision=BF16, m=2, steps=3, unfreeze_step=2)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+
+
+@pytest.mark.parametrize(
+    ("mutant", "knobs", "phase"),
+    [
+        ("offload_grad_added_twice", {"offload": True}, "grads"),
+        ("shard1_cut_on_dim0", {"shard_placement": "dim1"}, "init"),
+        ("sum_reduction_loss_not_divided", {"grad_reduction": "sum"}, "grads"),
+        ("sum_reduction_factor_left_at_avg", {"grad_reduction": "sum"}, "build"),  # the knobs check
+    ],
+)
+def test_knob_mutants_inside_a_stage_are_caught(fsdp_check, mutant, knobs, phase):
+    case = pp_case(4, 2, "gpipe", m=2, engine=f"fsdp_verify.zoo.mutants:{mutant}", **knobs)
+    verdict = fsdp_check(case)
+    assert not verdict.ok and verdict.first_divergence.phase == phase, verdict.summary()
+
+
+def test_an_unfreeze_that_misses_the_stages_parameters_is_caught(fsdp_check):
+    engine = "fsdp_verify.zoo.mutants:unfreeze_misses_sharded_params"
+    case = pp_case(4, 2, "gpipe", UNFROZEN, m=2, steps=3, unfreeze_step=2, engine=engine)
+    verdict = fsdp_check(case)
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.step, first.phase) == (2, "grads"), verdict.summary()
+
+
 def test_contracts_are_not_applicable_under_pp_with_the_reason():
     held = case_contracts(pp_case(4, 2))
     assert not held.comm and not held.memory and "point-to-point" in held.why
@@ -227,6 +280,11 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"model": ModelSpec(kind="mlp", widths=(4, 4))}, "pp", "as many stages"),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),
+        (
+            {"model": ModelSpec(kind="mlp", widths=(4, 4, 4), frozen=("layers.0",)), "unfreeze_step": 2, "steps": 2},
+            "unfreeze_step",
+            "first stage is frozen whole",
+        ),
     ],
 )
 def test_bad_pipeline_input_names_the_field(changes, field, words):

@@ -81,3 +81,24 @@ def drops_ep_divide_factor(model, mesh, spec):
 
 
 drops_ep.capabilities = drops_ep_divide_factor.capabilities = FSDP2
+
+
+def drops_prefetch_off_rank_0(model, mesh, spec):
+    """Applies every knob, then, on every rank but 0, empties the explicit prefetch lists (a
+    recipe that sets them where `rank == 0` logs): only another rank than the reporting one finds
+    the knob not applied, and rank 0 must still name it."""
+    import torch.distributed as dist
+    from torch.distributed.fsdp import FSDPModule
+
+    from fsdp_verify.engines.fsdp2 import fully_shard_engine
+
+    fully_shard_engine(model, mesh, spec)
+    if dist.get_rank() != 0:
+        for unit in model.modules():
+            if isinstance(unit, FSDPModule):
+                unit.set_modules_to_forward_prefetch([])
+                unit.set_modules_to_backward_prefetch([])
+    return model
+
+
+drops_prefetch_off_rank_0.capabilities = FSDP2

@@ -40,8 +40,12 @@ def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tup
 
 def _units(case: Case, model: nn.Module) -> list[tuple[str, object]]:
     """(unit FQN, its FSDP2 state) for each unit of the plan the engine made an FSDP2 module."""
+    return _units_of(case.wrap_plan, model)
+
+
+def _units_of(plan, model: nn.Module) -> list[tuple[str, object]]:
     out = []
-    for fqn in case.wrap_plan:
+    for fqn in plan:
         module = modules_of(model, fqn)[0]  # a group's modules share one state
         get_state = getattr(module, "_get_fsdp_state", None)
         if callable(get_state):
@@ -142,26 +146,36 @@ def _experts(case: Case, model: nn.Module) -> str:
 def _prefetch(case: Case, model: nn.Module) -> str:
     """Not applied: no unit has an explicit list, where the case's lists are not all empty. Lists
     set otherwise than asked (one unit too many) are applied, wrongly: the memory and
-    communication contracts judge those (the zoo's `prefetch_one_unit_too_many`)."""
+    communication contracts judge those (the zoo's `prefetch_one_unit_too_many`). Under pp each
+    of the rank's stages is its own root with the plan's units in it (`stage_wrap`): the lists
+    asked are the stage's."""
     from fsdp_verify.engines.prefetch import prefetch_lists
 
-    wanted = prefetch_lists(
-        case.wrap_plan, [n for n, _ in module_names.named_parameters(model)], case.prefetch, case.ignored
-    )
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        roots = [(model, case.wrap_plan)]
+    else:
+        from fsdp_verify.engines.pipeline_parallel import stage_wrap
+
+        roots = [(stage, stage_wrap(case.wrap_plan, model, stage)) for stage in pipeline.modules]
     lists = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
-    units = _units(case, model)
-    if not all(hasattr(state, a) for _, state in units for a in lists):
-        return ""  # this release keeps them elsewhere: not judged here
-    if any(getattr(state, a) for _, state in units for a in lists):
-        return ""
-    asked = next(((u, f) for u, (f, b) in wanted.items() if f or b), None)
-    if asked is None:
-        return ""
-    unit, ahead = asked[0], wanted[asked[0]][0] or wanted[asked[0]][1]
-    return (
-        f"no unit has a forward or backward prefetch list; the case's `prefetch: {case.prefetch}` asks unit"
-        f" {_unit_label(unit)} to prefetch {ahead}"
-    )
+    for root, plan in roots:
+        names = [n for n, _ in module_names.named_parameters(root)]
+        wanted = prefetch_lists(plan, names, case.prefetch, case.ignored)
+        units = _units_of(plan, root)
+        if not all(hasattr(state, a) for _, state in units for a in lists):
+            return ""  # this release keeps them elsewhere: not judged here
+        if any(getattr(state, a) for _, state in units for a in lists):
+            continue
+        asked = next(((u, f) for u, (f, b) in wanted.items() if f or b), None)
+        if asked is None:
+            continue
+        unit, ahead = asked[0], wanted[asked[0]][0] or wanted[asked[0]][1]
+        return (
+            f"no unit has a forward or backward prefetch list; the case's `prefetch: {case.prefetch}` asks unit"
+            f" {_unit_label(unit)} to prefetch {ahead}"
+        )
+    return ""
 
 
 def _ep(case: Case, model: nn.Module) -> str:

@@ -22,6 +22,7 @@ from fsdp_verify.engines.pipeline_parallel import (
     stages_per_rank,
 )
 from fsdp_verify.engines.view import EngineView
+from fsdp_verify.models import is_frozen
 from fsdp_verify.sharded.gather import gather_full, sum_full
 
 
@@ -117,6 +118,22 @@ class PipelineView(EngineView):
     ranks (`gather_full`, as without stages) and handed to rank 0 by the stage's first rank (one
     `gather_object` over every rank). Collectives: every rank calls them in the same order; the
     ranks but 0 get {}."""
+
+    def roots(self) -> list[nn.Module]:
+        """Each of the rank's stages: a root of its own (views sharing the model's blocks)."""
+        return list(self.module.pipeline.modules)
+
+    def unfreeze(self, names: list[str]) -> None:
+        """The last stage's copy of a tied embedding (`output.weight`) unfrozen with the first's:
+        frozen as one weight when built, it is frozen under the first one's name only, and the
+        two copies' gradients are summed after every step (`sync_tied`), on both or neither."""
+        case, params = self.module.pipeline.case, self.parameters()
+        tied = (
+            tied_head(case)
+            if any(is_frozen(case.model, n) for n in ("tok_embeddings.weight", *tied_head(case)))
+            else ()
+        )
+        super().unfreeze([*names, *(n for n in tied if n in params and n not in names)])
 
     def _to_rank0(self, mine: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         from fsdp_verify.models import parameter_names

@@ -92,6 +92,8 @@ def check_pipeline(case) -> None:
             "null beside tied parameters of your own model (tied across stages: the built-in Transformer's only)",
             case.pp_split,
         )
+    if case.unfreeze_step is not None:
+        _check_unfrozen_stages(case, stages)
     check(
         not case.sync_every_microbatch,
         "sync_every_microbatch",
@@ -108,6 +110,30 @@ def check_pipeline(case) -> None:
     from fsdp_verify.dims.together import check_together
 
     check_together(case, PP)
+
+
+def _check_unfrozen_stages(case, n_stages: int) -> None:
+    """Unfreezing beside stages whose input needs no gradient at the first step. A stage's
+    input needs one when a parameter of an earlier stage trains; torch's `PipelineStage` reads
+    that once, at its first step, so a first stage frozen whole and unfrozen later is never sent
+    the gradient of its output (torch 2.13: "grad can be implicitly created only for scalar
+    outputs" in the stage's backward)."""
+    from fsdp_verify.models import _construct, is_frozen
+
+    with torch.device("meta"):
+        model = _construct(case.model)
+    names = {id(p): n for n, p in model.named_parameters()}
+    trains = [
+        any(not is_frozen(case.model, names[id(p)]) for p in stage.parameters())
+        for stage in split(case, model, n_stages)
+    ]
+    check(
+        trains[0],
+        "unfreeze_step",
+        f"null with pp={case.pp} when the first stage is frozen whole (its PipelineStage fixes at the"
+        " first step that its output needs no gradient; one of its parameters left trainable lifts it)",
+        case.unfreeze_step,
+    )
 
 
 def stage_chunks() -> bool:

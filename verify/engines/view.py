@@ -106,10 +106,15 @@ class EngineView:
         params = self.parameters()
         for n in names:
             params[n].requires_grad_(True)
-        for unit in self.module.modules():
-            state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
-            for group in getattr(state, "_fsdp_param_groups", None) or []:
-                group._init_mp_dtypes()
+        for root in self.roots():
+            for unit in root.modules():
+                state = unit._get_fsdp_state() if hasattr(unit, "_get_fsdp_state") else None
+                for group in getattr(state, "_fsdp_param_groups", None) or []:
+                    group._init_mp_dtypes()
+
+    def roots(self) -> list[nn.Module]:
+        """The modules the engine sharded as roots: the model (a pipeline's stages instead)."""
+        return [self.module]
 
     def ownership(self) -> OwnershipMap | None:
         """Which shard unit owns each parameter and how many elements each rank holds (a

@@ -27,8 +27,13 @@ class KnobsProbe(Probe):
         missing = not_applied(self.case, model, takes)
         counts = all_gather_ints([len(missing)]) if self.world_size > 1 else [[len(missing)]]
         self.stop = any(c[0] for c in counts)
+        if self.stop and self.world_size > 1:  # every rank's findings: rank 0 reports the first rank's
+            import torch.distributed as dist
+
+            found: list = [None] * self.world_size
+            dist.all_gather_object(found, [list(m) for m in missing])
+            if not missing:
+                rank = next(r for r, f in enumerate(found) if f)
+                missing = [(knob, f"rank {rank}: {why}") for knob, why in found[rank]]
         if missing:
             self.meta("knobs_not_applied", [list(m) for m in missing])
-        elif self.stop:  # another rank's finding; rank 0 says which rank found it
-            ranks = [r for r, c in enumerate(counts) if c[0]]
-            self.meta("knobs_not_applied", [["?", f"rank {ranks[0]} found a knob not applied (rank 0 did not)"]])

@@ -165,9 +165,7 @@ def _toolkit_steps(case, ctx, sharded, view, optimizers, params, probes, records
     if ctx.resume is not None and "load" in ctx.resume:
         first, position = _resume(ctx.resume["load"], case, ctx, view, (optimizer, scheduler), params, scaler, records)
     for step in range(first, case.steps + 1):
-        if step == case.unfreeze_step:
-            ctx.phase(f"step {step} unfreeze")
-            view.unfreeze([n for n in params if is_frozen(case.model, n)])
+        _unfreeze_if_due(step, case, ctx, view, params)
         position += 1
         inputs, targets = global_batch(case, position)
         logits, local_loss = [], torch.zeros((), dtype=torch.float32, device=ctx.device)
@@ -259,13 +257,19 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
     if ctx.resume is not None and "load" in ctx.resume:
         first, position = _resume(ctx.resume["load"], case, ctx, view, (optimizer, scheduler), params, None, records)
     for step in range(first, case.steps + 1):
+        _unfreeze_if_due(step, case, ctx, view, params)  # this rank's stages' frozen parameters
         position += 1
         inputs, targets = global_batch(case, position)
         counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
         items[str(step)] = counts
         scale = _global_mean(0, 0, sum(map(sum, counts)), case.dp_size)
-        # the schedule averages the micro-batches' losses (scale_grads): each is scaled by their count
-        pipe.loss = lambda out, target, s=scale: microbatch_loss(case, logits_of(case.model, out), target, s * m_count)
+        # the schedule averages the micro-batches' losses (scale_grads): each is scaled by their
+        # count; under grad_reduction sum the stages sum over their data-parallel ranks, so each
+        # rank's is divided by their count too, as without stages (the loss recorded is the loss itself)
+        divisor = view.sum_loss_divisor(case.dp_size) if case.grad_reduction == "sum" else 1
+        pipe.loss = lambda out, target, s=scale, d=divisor: (
+            microbatch_loss(case, logits_of(case.model, out), target, s * m_count) / d
+        )
         block = rank_slice(case, dp_rank)
         args, _ = as_call(take(inputs, block, ctx.device))
         ctx.phase(f"step {step} pipeline schedule")
@@ -471,6 +475,13 @@ def whole(t: torch.Tensor) -> torch.Tensor:
     """A tensor whole: a DTensor's full value (loss parallelism's logits, sharded over the
     vocabulary, and its loss), a plain tensor as it is."""
     return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+def _unfreeze_if_due(step: int, case, ctx, view: EngineView, params) -> None:
+    """From the case's `unfreeze_step` on, the frozen parameters this rank holds train."""
+    if step == case.unfreeze_step:
+        ctx.phase(f"step {step} unfreeze")
+        view.unfreeze([n for n in params if is_frozen(case.model, n)])
 
 
 def _global_mean(microbatch_items: int, rank_items: int, global_items: int, dp_size: int) -> float:

@@ -633,8 +633,17 @@ def sum_reduction_loss_not_divided(model: nn.Module, mesh: DeviceMesh, spec: Sha
     loss is not divided by the world size, so every gradient is W times the average (a SUM
     reduction adopted from a trainer that divided its loss elsewhere). Correct under avg."""
     fully_shard_engine(model, mesh, spec)
-    model.verify_view = lambda: _SumLossUndividedView(model)
+    _over_engine_view(model, _SumLossUndividedView)
     return model
+
+
+def _over_engine_view(model: nn.Module, view_type: type, *args) -> None:
+    """`view_type`'s methods over the view the engine gave (a pipeline's under pp, which records
+    across the stages), so that a mutant of one method changes that method only."""
+    own = getattr(model, "verify_view", None)
+    base = type(own()) if callable(own) else EngineView
+    cls = view_type if issubclass(view_type, base) else type(view_type.__name__, (view_type, base), {})
+    model.verify_view = lambda: cls(model, *args)
 
 
 class _IgnoredUnreducedView(EngineView):
@@ -749,7 +758,7 @@ def unfreeze_misses_sharded_params(model: nn.Module, mesh: DeviceMesh, spec: Sha
     `retains_full_params`)."""
     before = {n: weakref.ref(p) for n, p in model.named_parameters()}
     fully_shard_engine(model, mesh, spec)
-    model.verify_view = lambda: _StaleUnfreezeView(model, before)
+    _over_engine_view(model, _StaleUnfreezeView, before)
     return model
 
 
