@@ -1088,7 +1088,7 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         "sync_every_microbatch": False,
         # an int the stage's smaller shard group does not divide (not pinned: see above): True
         "reshard_after_forward": rsf if isinstance(rsf, bool) or shard % rsf == 0 else True,
-        **drawn_off("pp"),
+        **drawn_off("pp", case),
     }
     if not model.frozen:
         changes["unfreeze_step"] = None

@@ -133,7 +133,9 @@ def test_every_row_of_the_one_table_is_refused_naming_its_field_and_drawn_off(di
     on = {"tp": 2, "ep": 2, "pp": 2, "compile": "units"}
     check_together(_plain_case(**{dimension: on[dimension]}), dimension)  # the dimension alone: a case
     for row in NOT_MODELLED_TOGETHER[dimension]:
-        value = on.get(row.field, "on")
+        for allowed in row.also:  # a value the row models beside the dimension (compile "units" under pp)
+            check_together(_plain_case(**{dimension: on[dimension], row.field: allowed}), dimension)
+        value = next(v for v in (on.get(row.field, "on"), "on") if v != row.off and v not in row.also)
         case = _plain_case(**{dimension: on[dimension], row.field: value})
         with pytest.raises(CaseError) as e:
             check_together(case, dimension)

@@ -199,6 +199,33 @@ def test_an_unfreeze_that_misses_the_stages_parameters_is_caught(fsdp_check):
     assert not verdict.ok and (first.step, first.phase) == (2, "grads"), verdict.summary()
 
 
+# ---- compiled stages (issue 50, item 4) ---------------------------------------------------------------
+# Each stage's units are compiled in place before `fully_shard`, as without stages; the reference
+# compiles the same modules, so the graphs match bit for bit. A stage compiled whole (`compile:
+# model`) is refused (verify/dims/together.py says why).
+@pytest.mark.parametrize(
+    ("scope", "model", "precision"),
+    [pytest.param("units", MLP5, None, id="units-mlp"), pytest.param("units", LM4, BF16, id="units-lm-bf16")],
+)
+def test_compiled_stages_agree_with_the_compiled_reference(fsdp_check, scope, model, precision):
+    case = pp_case(4, 2, "gpipe", model, precision=precision, m=2, compile=scope, compile_backend="aot_eager")
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+    said = {f.phase: f for f in verdict.findings if f.phase in ("compile", "compiler")}
+    assert "no frame compiled every step" in said["compile"].message, said["compile"].message
+
+
+@pytest.mark.parametrize(
+    ("mutant", "phase"), [("unit_compiled_with_unsharded_params", "grads"), ("recompiles_every_step", "compile")]
+)
+def test_compile_mutants_inside_a_stage_are_caught(fsdp_check, mutant, phase):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    case = pp_case(4, 2, "gpipe", m=2, steps=3, compile="units", compile_backend="aot_eager", engine=engine)
+    verdict = fsdp_check(case)
+    assert not verdict.ok and verdict.first_divergence.phase == phase, verdict.summary()
+
+
 def test_contracts_are_not_applicable_under_pp_with_the_reason():
     held = case_contracts(pp_case(4, 2))
     assert not held.comm and not held.memory and "point-to-point" in held.why
@@ -280,6 +307,7 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"model": ModelSpec(kind="mlp", widths=(4, 4))}, "pp", "as many stages"),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),
+        ({"compile": "model"}, "compile", "None or 'units' with pp=2"),
         (
             {"model": ModelSpec(kind="mlp", widths=(4, 4, 4), frozen=("layers.0",)), "unfreeze_step": 2, "steps": 2},
             "unfreeze_step",

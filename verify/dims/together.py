@@ -40,11 +40,20 @@ class NotModelled:
     off: Any
     why: str
     drawn: bool = True
+    also: tuple = ()  # values beside `off` that are modelled (compile "units" under pp, not "model")
 
     def value(self, case) -> Any:
         head, _, rest = self.field.partition(".")
         value = getattr(case, head)
         return getattr(value, rest) if rest else value
+
+    def ok(self, case) -> bool:
+        """Whether `case`'s value of the field is modelled beside the dimension."""
+        value = self.value(case)
+        return value == self.off or value in self.also
+
+    def expected(self) -> str:
+        return repr(self.off) + "".join(f" or {v!r}" for v in self.also)
 
 
 DIMENSIONS: dict[str, Dimension] = {
@@ -69,7 +78,12 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
         NotModelled("loss_scaling", None, "fp16 loss scaling", drawn=False),
         NotModelled("ep", 1, "expert parallelism"),
         NotModelled("pp", 1, "pipeline parallelism"),
-        NotModelled("compile", None, "torch.compile"),
+        NotModelled(
+            "compile",
+            None,
+            "torch.compile (torch 2.13's AOTAutograd gives the embedding no gradient through a compiled tp block:"
+            " tests/upstream/test_compile_tp_block_after_rowwise_output.py)",
+        ),
     ),
     "ep": (
         NotModelled("step", None, "a user's step (its own collectives are not modelled)", drawn=False),
@@ -86,7 +100,10 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
         NotModelled("replica_sync_last", False, "replica_sync_last (the stage decides what each backward reduces)"),
         NotModelled("reshard_after_backward_last", False, "reshard_after_backward_last (the stage decides it)"),
         NotModelled("ep", 1, "expert parallelism"),
-        NotModelled("compile", None, "torch.compile (compiled stages were not tried)"),
+        # Each stage compiled whole on its ranks and in the reference: bf16 gradients 0.9989x under
+        # aot_eager (sweep seed 6020, case 2536711b10c6; fp32 within 0.53 of the bound), a graph
+        # boundary the reference does not yet draw where the ranks do. Units compile bit for bit.
+        NotModelled("compile", None, "torch.compile of each stage whole (compile: model)", also=("units",)),
     ),
     "compile": (
         # Each count of samples routed to an expert is a shape of its own: the graphs a rank and
@@ -94,8 +111,12 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
         NotModelled("model.experts", 0, "routed experts (data-dependent routing: a graph per count of routed samples)"),
         NotModelled("step", None, "a user's step (its reference, reference/user_step.py, runs eagerly)", drawn=False),
         NotModelled("zoom", None, "a zoom (per-module and per-op probes cannot see inside a compiled graph)"),
-        NotModelled("pp", 1, "pipeline parallelism (compiled stages were not tried: docs/pipeline-parallel.md)"),
-        NotModelled("tp", 1, "tensor parallelism (compiled tp plans were not tried: docs/tensor-parallel.md)"),
+        NotModelled(
+            "tp",
+            1,
+            "tensor parallelism (torch 2.13's AOTAutograd gives the embedding no gradient through a compiled tp"
+            " block: tests/upstream/test_compile_tp_block_after_rowwise_output.py)",
+        ),
     ),
 }
 
@@ -113,9 +134,9 @@ def check_together(case, dimension: str) -> None:
     degree = getattr(case, d.field)
     for row in NOT_MODELLED_TOGETHER[dimension]:
         check(
-            row.value(case) == row.off,
+            row.ok(case),
             row.field,
-            f"{row.off!r} with {d.field}={degree!r}: {row.why} beside {d.what} is not modelled",
+            f"{row.expected()} with {d.field}={degree!r}: {row.why} beside {d.what} is not modelled",
             row.value(case),
         )
 
@@ -123,19 +144,21 @@ def check_together(case, dimension: str) -> None:
 def not_modelled_beside(case, dimension: str) -> str | None:
     """Why the first row `case` has on is not modelled beside `dimension`, or None (whether or not
     the dimension is on: what a draw asks before turning it on)."""
-    return next((row.why for row in NOT_MODELLED_TOGETHER[dimension] if row.value(case) != row.off), None)
+    return next((row.why for row in NOT_MODELLED_TOGETHER[dimension] if not row.ok(case)), None)
 
 
-def drawn_off(dimension: str) -> dict[str, Any]:
-    """What a draw of `dimension` turns off: its drawn rows, field -> value when off."""
-    return {row.field: row.off for row in NOT_MODELLED_TOGETHER[dimension] if row.drawn}
+def drawn_off(dimension: str, case=None) -> dict[str, Any]:
+    """What a draw of `dimension` turns off: its drawn rows, field -> value when off (those
+    `case` holds a modelled value of kept, where a case is given)."""
+    rows = NOT_MODELLED_TOGETHER[dimension]
+    return {row.field: row.off for row in rows if row.drawn and (case is None or not row.ok(case))}
 
 
 def pinned_beside(dimension: str, case, pins: dict[str, Any]) -> bool:
     """Whether the draw's pins ask for something `dimension` does not take (a row's field pinned
     on, or any sub-field of it): then the dimension is drawn off."""
     return any(
-        (row.field in pins and row.value(case) != row.off) or any(k.startswith(row.field + ".") for k in pins)
+        (row.field in pins and not row.ok(case)) or any(k.startswith(row.field + ".") for k in pins)
         for row in NOT_MODELLED_TOGETHER[dimension]
     )
 
@@ -144,4 +167,4 @@ def beside_another(dimension: str, case) -> bool:
     """Whether `case` was drawn another dimension that `dimension` is not modelled beside (a row
     naming a dimension, on): the earlier draw stands, this one is not drawn (turning the other off
     would draw it less often than its own draw means to)."""
-    return any(row.field in DIMENSIONS and row.value(case) != row.off for row in NOT_MODELLED_TOGETHER[dimension])
+    return any(row.field in DIMENSIONS and not row.ok(case) for row in NOT_MODELLED_TOGETHER[dimension])

@@ -38,6 +38,17 @@ def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tup
     return out
 
 
+def _roots(case: Case, model: nn.Module) -> list[tuple[nn.Module, tuple[str, ...]]]:
+    """(root, its plan) of what the engine sharded: the model and the case's plan; under pp each
+    of the rank's stages, a root of its own, with the plan's units in it (`stage_wrap`)."""
+    pipeline = getattr(model, "pipeline", None)
+    if pipeline is None:
+        return [(model, case.wrap_plan)]
+    from fsdp_verify.engines.pipeline_parallel import stage_wrap
+
+    return [(stage, stage_wrap(case.wrap_plan, model, stage)) for stage in pipeline.modules]
+
+
 def _units(case: Case, model: nn.Module) -> list[tuple[str, object]]:
     """(unit FQN, its FSDP2 state) for each unit of the plan the engine made an FSDP2 module."""
     return _units_of(case.wrap_plan, model)
@@ -151,15 +162,8 @@ def _prefetch(case: Case, model: nn.Module) -> str:
     asked are the stage's."""
     from fsdp_verify.engines.prefetch import prefetch_lists
 
-    pipeline = getattr(model, "pipeline", None)
-    if pipeline is None:
-        roots = [(model, case.wrap_plan)]
-    else:
-        from fsdp_verify.engines.pipeline_parallel import stage_wrap
-
-        roots = [(stage, stage_wrap(case.wrap_plan, model, stage)) for stage in pipeline.modules]
     lists = ("_states_to_forward_prefetch", "_states_to_backward_prefetch")
-    for root, plan in roots:
+    for root, plan in _roots(case, model):
         names = [n for n, _ in module_names.named_parameters(root)]
         wanted = prefetch_lists(plan, names, case.prefetch, case.ignored)
         units = _units_of(plan, root)
@@ -216,7 +220,8 @@ def _compile(case: Case, model: nn.Module) -> str:
     parameters' FQNs, which the records then show."""
     from fsdp_verify.training.compile import compiled_modules, is_compiled
 
-    for fqn, module in compiled_modules(case, model):
+    compiled = [pair for root, plan in _roots(case, model) for pair in compiled_modules(case, root, plan)]
+    for fqn, module in compiled:
         if is_compiled(module) is False:
             what = "the model" if not fqn else f"unit {fqn!r}"
             return f"{what} is not compiled (module.compile() not called: ShardSpec.compile(model) before fully_shard)"

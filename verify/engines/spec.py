@@ -150,8 +150,8 @@ class ShardSpec:
         (verify/training/compile.py, docs/compile.md)."""
         from fsdp_verify.training.compile import compile_in_place
 
-        if self.case is not None:
-            compile_in_place(self.case, model)
+        if self.case is not None:  # a pipeline's stage: its own units, the stage its model
+            compile_in_place(self.case, model, self.wrap if self.stage is not None else None)
 
     def after_sharding(self, model: nn.Module) -> None:
         """What the case sets on the FSDP2 modules once every unit is sharded: the divide factor

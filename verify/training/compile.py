@@ -40,20 +40,23 @@ def compile_kwargs(case) -> dict[str, Any]:
     return {"backend": case.compile_backend, "fullgraph": case.compile_fullgraph, "dynamic": False}
 
 
-def compiled_modules(case, model: nn.Module) -> list[tuple[str, nn.Module]]:
-    """(FQN, module) of what the case compiles: each unit but the root, or the model ("")."""
+def compiled_modules(case, model: nn.Module, plan: tuple[str, ...] | None = None) -> list[tuple[str, nn.Module]]:
+    """(FQN, module) of what the case compiles: each unit but the root, or the model (""). `plan`:
+    the units `model` holds, if not the case's (a pipeline stage's, `stage_wrap`: a stage is
+    compiled as a model of its own)."""
     if case.compile is None:
         return []
     if case.compile == "model":
         return [("", model)]
     # each module of a unit over several modules (verify/units.py), compiled on its own
-    return [(m, model.get_submodule(m)) for fqn in case.wrap_plan if fqn for m in members(fqn)]
+    units = case.wrap_plan if plan is None else plan
+    return [(m, model.get_submodule(m)) for fqn in units if fqn for m in members(fqn)]
 
 
-def compile_in_place(case, model: nn.Module) -> None:
-    """`module.compile(**compile_kwargs(case))` on what the case compiles."""
+def compile_in_place(case, model: nn.Module, plan: tuple[str, ...] | None = None) -> None:
+    """`module.compile(**compile_kwargs(case))` on what the case compiles (`plan`: as above)."""
     kwargs = compile_kwargs(case)
-    for _, module in compiled_modules(case, model):
+    for _, module in compiled_modules(case, model, plan):
         module.compile(**kwargs)
 
 
