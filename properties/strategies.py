@@ -1044,7 +1044,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     if not _asked(pins, ASKS_PIPELINE):
         return case
     blocks = case.model.n_blocks if not case.model.is_custom or "pp_split" in pins else 0
-    degrees = [d for d in range(2, case.world_size + 1) if case.world_size % d == 0 and blocks >= d]
+    ranks = case.world_size // case.tp  # beside tp (drawn before), the stages divide a tp rank's ranks
+    degrees = [d for d in range(2, ranks + 1) if ranks % d == 0 and blocks >= d]
     pinned_on = pinned_beside("pp", case, pins)
     # A pinned mesh pins the world size to its product (`cases`): no room for stages beside it.
     # A case drawn expert-parallel stays so (verify/dims/together.py).
@@ -1056,11 +1057,11 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     if pp == 1:
         assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
         return case
-    assume(case.world_size % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
+    assume(ranks % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
     fitting = [name for name in SCHEDULES if _schedule_fits(name, pp, blocks, case.microbatches)]
     assume(fitting)
     schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
-    dp = case.world_size // pp
+    dp = ranks // pp
     mesh = draw(hsdp_meshes(dp)) if case.mesh_shape is not None else None
     shard = mesh[-1] if mesh else dp
     rsf = case.reshard_after_forward

@@ -25,14 +25,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from fsdp_verify.training.loss import microbatch_loss
 
-
-def backward_loss(case, out, targets, loss_factor: float, loss: torch.Tensor) -> torch.Tensor:
-    """The loss a rank's micro-batch backpropagates: the schedule's (see the module docstring)."""
+def backward_loss(case, loss_of, loss_factor: float, loss: torch.Tensor) -> torch.Tensor:
+    """The loss a rank's micro-batch backpropagates: the schedule's (see the module docstring);
+    `loss_of(factor)` is the micro-batch's loss scaled by `factor` (its tp ranks' under tp)."""
     if case.pp == 1:
         return loss
-    return microbatch_loss(case, out, targets, loss_factor * case.microbatches)
+    return loss_of(loss_factor * case.microbatches)
 
 
 _STAGES: dict[str, dict[str, int]] = {}

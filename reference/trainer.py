@@ -389,13 +389,16 @@ class _Run:
         if self.watch is not None:
             self.watch.forward_done()
         after = rng_fingerprint(torch.get_rng_state())
+        targets = state.targets[index]
         if self.tp is not None:
-            loss = self.tp.loss(self.case, out, state.targets[index], state.loss_factor)
+            local = out
+            loss_of = lambda factor: self.tp.loss(self.case, local, targets, factor)  # noqa: E731
             out = self.tp.whole(out)
         else:
-            loss = microbatch_loss(self.case, out, state.targets[index], state.loss_factor)
+            loss_of = lambda factor: microbatch_loss(self.case, out, targets, factor)  # noqa: E731
+        loss = loss_of(state.loss_factor)
         # a pipeline's schedule backpropagates its own (reference/pipeline_parallel.py)
-        summed = backward_loss(self.case, out, state.targets[index], state.loss_factor, loss)
+        summed = backward_loss(self.case, loss_of, state.loss_factor, loss)
         if self.case.grad_reduction == "sum":  # the engine sums over the (virtual) ranks: each divides its loss
             summed = summed / len(state.groups[0])
         backpropagated = self.scaler.scaled(summed) if self.scaler is not None else summed
@@ -560,7 +563,10 @@ class _Run:
         elif self.emulates_ep():
             averaged = ep_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
         elif self.case.pp > 1 and self.order == "ring" and self.emulate:  # each stage reduces its own
-            averaged = pp_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
+            averaged = self._per_tp_rank(
+                lambda grads, _t: pp_average(grads, self.case, self.reduce_dtype, self.divide, _hsdp_average),
+                rank_grads,
+            )
         elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
             averaged = self._per_tp_rank(
                 lambda grads, _t: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
@@ -613,17 +619,21 @@ class _Run:
         grads = [p.grad for p in with_grad]
         if self.emulate and self.order == "ring" and self.layout is not None:  # the flat engine's own
             norm = self.layout.norm({n: p.grad for n, p in self.params.items() if p.grad is not None})
-        elif self.emulate and self.order in ("ring", "rank") and self.tp is not None:  # 2-D gradients
-            norm = self.tp.norm([(n, p.grad) for n, p in named], self.case.mesh[-1])
         elif self.emulate and self.order in ("ring", "rank") and self.case.pp > 1:  # each pp rank's stages, then pp
             shard = self.case.mesh[-1]
             norm = pp_stages_norm(
                 self.case,
                 named,
-                lambda mine: _norm_from_shards(
-                    [p.grad for _, p in mine], shard, [_placement_dim(self.case, n, p.shape) for n, p in mine]
+                lambda mine: (
+                    self.tp.norm([(n, p.grad) for n, p in mine], shard)  # a stage's 2-D gradients
+                    if self.tp is not None
+                    else _norm_from_shards(
+                        [p.grad for _, p in mine], shard, [_placement_dim(self.case, n, p.shape) for n, p in mine]
+                    )
                 ),
             )
+        elif self.emulate and self.order in ("ring", "rank") and self.tp is not None:  # 2-D gradients
+            norm = self.tp.norm([(n, p.grad) for n, p in named], self.case.mesh[-1])
         elif self.emulate and self.order in ("ring", "rank") and self.case.ep > 1:  # two meshes: experts', dense
             shard = self.case.mesh[-1]
             norm = ep_norm(

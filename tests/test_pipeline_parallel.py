@@ -226,6 +226,50 @@ def test_compile_mutants_inside_a_stage_are_caught(fsdp_check, mutant, phase):
     assert not verdict.ok and verdict.first_divergence.phase == phase, verdict.summary()
 
 
+# ---- tp x pp: torchtitan's 3-D (issue 50, item 4) -----------------------------------------------------
+# The tp plan goes on the whole model before the split (a style is its module's: each stage keeps
+# its own), each stage is sharded over the data-parallel dims; the reference chains the two
+# emulations: each tp rank's local gradients reduced stage by stage, the clip's norm a stage's
+# 2-D norm per pp rank, summed over the stages.
+LM4_TP = replace(LM4, vocab_size=32, ffn_hidden=24)
+TP_PP = [
+    pytest.param(4, None, {"clip_norm": 0.05}, id="pp2-tp2-fp32-clip"),
+    pytest.param(8, BF16, {"clip_norm": 0.05, "sequence_parallel": True}, id="pp2-dp2-tp2-bf16-sp-clip"),
+]
+
+
+@pytest.mark.parametrize(("world", "precision", "knobs"), TP_PP)
+def test_tp_beside_pp_is_bit_exact(fsdp_check, world, precision, knobs):
+    case = pp_case(world, 2, "gpipe", LM4_TP, precision=precision, m=2, tp=2, **knobs)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    assert not _inexact(verdict)
+
+
+@pytest.mark.parametrize(
+    ("mutant", "world", "knobs", "phase"),
+    [
+        ("dp_and_tp_dims_swapped", 8, {}, "logits"),
+        ("tp_plan_on_first_stage_only", 4, {}, "build"),
+        ("rowwise_output_not_all_reduced", 4, {}, "logits"),
+        ("pp_clip_norm_of_own_stages", 4, {"clip_norm": 0.05}, "grad_norm"),
+    ],
+)
+def test_tp_beside_pp_mutants_are_caught(fsdp_check, mutant, world, knobs, phase):
+    engine = f"fsdp_verify.zoo.mutants:{mutant}"
+    case = pp_case(world, 2, "gpipe", LM4_TP, m=2, tp=2, engine=engine, **knobs)
+    verdict = fsdp_check(case)
+    assert not verdict.ok and verdict.first_divergence.phase == phase, verdict.summary()
+
+
+def test_tp_and_pp_are_drawn_together():
+    drawn = draw_cases(cases(engine="fsdp2", world_sizes=(4, 8), hsdp=True, pp=[2], tp=[2]), 30, 7)
+    assert all(c.pp == 2 and c.tp == 2 for c in drawn)
+    assert {c.dp_size for c in drawn} == {1, 2}
+    for case in drawn:
+        refuse_untakeable(case)
+
+
 def test_contracts_are_not_applicable_under_pp_with_the_reason():
     held = case_contracts(pp_case(4, 2))
     assert not held.comm and not held.memory and "point-to-point" in held.why
@@ -308,6 +352,7 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),
         ({"compile": "model"}, "compile", "None or 'units' with pp=2"),
+        ({"tp": 2, "loss_parallel": True, "world_size": 8}, "loss_parallel", "not vocabulary-parallel"),
         (
             {"model": ModelSpec(kind="mlp", widths=(4, 4, 4), frozen=("layers.0",)), "unfreeze_step": 2, "steps": 2},
             "unfreeze_step",

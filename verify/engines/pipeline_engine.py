@@ -21,7 +21,7 @@ from fsdp_verify.engines.pipeline_parallel import (
     stage_wrap,
     stages_per_rank,
 )
-from fsdp_verify.engines.view import EngineView
+from fsdp_verify.engines.view import EngineView, by_mesh, norm_by_mesh
 from fsdp_verify.models import is_frozen
 from fsdp_verify.sharded.gather import gather_full, sum_full
 
@@ -74,6 +74,8 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.
     p, pp, per = pp_mesh.get_local_rank(), case.pp, stages_per_rank(case.pp_schedule)
     n_stages = pp * per
     device = next(model.parameters()).device
+    if case.tp > 1:  # the tp plan on the whole model (a style is its module's): each stage keeps its own
+        spec.parallelize(model, mesh)
     everything = split(case, model, n_stages)
     indices = [p + k * pp for k in range(per)]
     mine = [everything[i] for i in indices]
@@ -178,14 +180,14 @@ class PipelineView(EngineView):
         pipe = self.module.pipeline
         params = self.parameters()
         clipped = [p for p in params.values() if p.grad is not None]
-        counted = [p.grad for n, p in params.items() if p.grad is not None and n not in tied_head(pipe.case)]
-        if counted:
-            norm = torch.nn.utils.get_total_norm(counted)
-            norm = (norm.full_tensor() if hasattr(norm, "full_tensor") else norm).float()
+        counted = [p for n, p in params.items() if p.grad is not None and n not in tied_head(pipe.case)]
+        if counted:  # under tp the stages' gradients lie on two meshes: each one's norm (`norm_by_mesh`)
+            norm = norm_by_mesh(by_mesh(counted)).float()
         else:
             norm = torch.zeros((), dtype=torch.float32, device=pipe.stages[0].device)
         norm = self.over_stages(norm)
-        torch.nn.utils.clip_grads_with_norm_(clipped, max_norm, norm)
+        for group in by_mesh(clipped):
+            torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
         return norm
 
     def over_stages(self, norm: torch.Tensor) -> torch.Tensor:

@@ -113,6 +113,8 @@ class ShardSpec:
         case = self.case
         if case is None or case.tp == 1:
             return mesh
+        if self.stage is not None:  # a pipeline's stage: the plan went on the whole model before the split
+            return data_parallel_mesh(mesh)
         from fsdp_verify.engines.tensor_parallel import apply_plan, plan_for
 
         tp_mesh = mesh["tp"]

@@ -58,12 +58,7 @@ class EngineView:
         if len(groups) < 2:
             norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
             return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-        squares = None
-        for params in groups:
-            norm = torch.nn.utils.get_total_norm([p.grad for p in params])
-            norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-            squares = norm**2 if squares is None else squares + norm**2
-        total = squares ** (1.0 / 2)
+        total = norm_by_mesh(groups)
         for params in groups:
             torch.nn.utils.clip_grads_with_norm_(params, max_norm, total)
         return total
@@ -167,6 +162,19 @@ DTensorView = EngineView
 def view_of(module: nn.Module) -> EngineView:
     custom = getattr(module, "verify_view", None)
     return custom() if callable(custom) else EngineView(module)
+
+
+def norm_by_mesh(groups: list[list[torch.Tensor]]) -> torch.Tensor:
+    """The total norm of the gradients of `groups` (`by_mesh`): each mesh's norm whole, the root
+    of their squares' sum (one group: its norm)."""
+    squares = None
+    for params in groups:
+        norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        norm = norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+        if len(groups) == 1:
+            return norm
+        squares = norm**2 if squares is None else squares + norm**2
+    return squares ** (1.0 / 2)
 
 
 def by_mesh(params: list[torch.Tensor]) -> list[list[torch.Tensor]]:

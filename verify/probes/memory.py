@@ -83,8 +83,13 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:
+    """(data pointer, bytes) of `t`'s storage; (0, 0) for one already freed, which holds nothing
+    (a pipeline stage's received activations under tp: "invalid python storage" on a read)."""
     s = _local(t).untyped_storage()
-    return s.data_ptr(), s.nbytes()
+    try:
+        return s.data_ptr(), s.nbytes()
+    except RuntimeError:
+        return 0, 0
 
 
 def _grad_of(t: torch.Tensor) -> torch.Tensor | None:

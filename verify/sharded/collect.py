@@ -22,6 +22,7 @@ What a piece cannot say is recorded whole at once, as before: a DTensor in anoth
 from __future__ import annotations
 
 import pickle
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -53,16 +54,13 @@ class Collector:
         world_size: int,
         device: torch.device | None = None,
         spill_dir: str | None = None,
-        row_ranks: range | None = None,
-        row_stride: int = 1,
+        row_ranks: Sequence[int] | None = None,
     ):
         self.trace, self.rank, self.world_size = trace, rank, world_size
-        # The ranks that record rows and means (rank 0 among them); None: every rank. Under
-        # pipeline parallelism the first stage's, to which the last stage hands its outputs.
-        # Under tp only ranks 0, s, 2s, ... of those (s = the tp degree: a tp group's ranks hold
-        # the same ones, its first records them).
-        self.row_ranks = row_ranks if row_ranks is not None else range(world_size)
-        self.row_stride = row_stride
+        # The ranks that record rows and means (rank 0 among them); None: every rank. One a
+        # data-parallel rank: under pipeline parallelism of the first stage, to which the last
+        # stage hands its outputs; under tp the first of a tp group, whose ranks hold the same.
+        self.row_ranks = frozenset(row_ranks if row_ranks is not None else range(world_size))
         self.device = device or torch.device("cpu")  # where the backend takes tensors (NCCL: the rank's GPU)
         self.pieces: dict[Key, tuple[str, int, torch.Tensor]] = {}  # key -> (kind, position, piece)
         # Given a directory every rank reaches on one host (the pool's, on /dev/shm where there
@@ -80,8 +78,8 @@ class Collector:
     # ---- recording ----------------------------------------------------------------------------
 
     def records_rows(self, rank: int) -> bool:
-        """Whether `rank` records rows and means (`row_ranks`, every `row_stride`-th)."""
-        return rank in self.row_ranks and rank % self.row_stride == 0
+        """Whether `rank` records rows and means (`row_ranks`)."""
+        return rank in self.row_ranks
 
     def full(self, step: int, phase: str, name: str, value: torch.Tensor) -> None:
         """A value every rank holds whole (or only rank 0's counts): rank 0 keeps it now."""

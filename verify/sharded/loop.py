@@ -63,12 +63,12 @@ class RankContext:
 
 def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     trace = Trace("sharded", meta={"case": case.hash, "engine": case.engine}) if ctx.rank == 0 else None
-    # Under pipeline parallelism the first stage's ranks record the rows and the loss (the last
-    # stage hands them its outputs): one data-parallel rank each, as the reference has. Under
-    # tensor parallelism the ranks of a tp group hold the same rows and loss: the first of each
-    # group records them (`row_stride`).
-    rows = range(case.dp_size) if case.pp > 1 else None
-    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows, row_stride=case.tp)
+    # One rank of each data-parallel rank records the rows and the loss, as the reference has one:
+    # under pipeline parallelism the first stage's (the last stage hands it its outputs), under
+    # tensor parallelism the first of its tp group (whose ranks hold the same rows and loss).
+    dims = case.parallel
+    rows = [dims.rank_of(stage=0, dp_rank=d, tp_rank=0) for d in range(dims.dp_size)]
+    records = Collector(trace, ctx.rank, ctx.world_size, ctx.device, ctx.spill_dir, row_ranks=rows)
     probes = [P(case, ctx.rank, ctx.world_size, trace) for P in PROBES]
     if case.compile is not None:
         fresh_compiler()  # this case's graphs and counts only (verify/training/compile.py)

@@ -740,6 +740,16 @@ ZOO += [
         pins=dict(_TP),
     ),
     ZooBug(
+        "dp_and_tp_dims_swapped",
+        _mutant("dp_and_tp_dims_swapped"),
+        "the world mesh's data-parallel and tp dims swapped: a tp group spans ranks of different batches",
+        "issue 50: a hand-built DeviceMesh whose degrees are listed in another order than its names",
+        ("logits", "grads"),
+        world_sizes=(4,),
+        model_kinds=("mlp", "transformer"),
+        pins={**_TP, "mesh_shape": None},
+    ),
+    ZooBug(
         "colwise_bias_replicated",
         _mutant("colwise_bias_replicated"),
         "a column-parallel linear's bias left whole: every tp rank adds the bias's first chunk",
@@ -886,6 +896,16 @@ ZOO += [
         "a clip written for FSDP alone, kept when the model was split into stages (torchtitan clips over the pp mesh; issue 50)",
         ("grad_norm",),
         pins={**_PIPELINE, "clip_norm": 0.05},
+    ),
+    ZooBug(
+        "tp_plan_on_first_stage_only",
+        _mutant("tp_plan_on_first_stage_only"),
+        "under pp, the tp plan applied to the first stage only: the later stages' weights whole on every tp rank",
+        "issue 50: torchtitan's 3-D parallelism, a parallelize call on `model_parts[0]` instead of each part",
+        ("build",),
+        world_sizes=(4,),
+        model_kinds=("transformer",),
+        pins={**_PIPELINE, "tp": 2},
     ),
     ZooBug(
         "pp_stage_boundary_detached",

@@ -5,10 +5,11 @@ Use as `--engine fsdp_verify.zoo.mutants:NAME`."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import inspect
 import weakref
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 import torch
 import torch.distributed as dist
@@ -1392,17 +1393,27 @@ def recompiles_every_step(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -
 
 
 # ---- tensor parallelism (issue 39) -----------------------------------------------------------------
+@dataclass(frozen=True)
+class _MutatedPlanSpec(ShardSpec):
+    """The case's spec with its tensor-parallel plan replaced by `plan` (a mutation of it): the
+    built-in engine applies it where it applies the case's (on the whole model, before a
+    pipeline's split), so the mutants below run under pp too."""
+
+    plan: dict | None = None
+
+    def parallelize(self, model: nn.Module, mesh: DeviceMesh) -> DeviceMesh:
+        from fsdp_verify.engines.spec import data_parallel_mesh
+        from fsdp_verify.engines.tensor_parallel import apply_plan
+
+        if self.stage is None:
+            apply_plan(model, mesh["tp"], self.plan)
+        return data_parallel_mesh(mesh)
+
+
 def _parallel_then_shard(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, plan: dict) -> nn.Module:
     """The fsdp2 engine with `plan` (a mutation of the case's) applied over "tp" first."""
-    from fsdp_verify.engines.spec import data_parallel_mesh
-    from fsdp_verify.engines.tensor_parallel import apply_plan
-
-    apply_plan(model, mesh["tp"], plan)
-    kwargs = spec.fully_shard_kwargs(model, data_parallel_mesh(mesh))
-    for fqn in spec.wrap:
-        fully_shard(spec.unit_modules(model, fqn), **kwargs)
-    spec.after_sharding(model)
-    return model
+    fields = {f.name: getattr(spec, f.name) for f in dataclasses.fields(ShardSpec)}
+    return fully_shard_engine(model, mesh, _MutatedPlanSpec(**fields, plan=plan))
 
 
 def _plan(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> dict:
@@ -1508,6 +1519,31 @@ def fsdp_over_tp_dim(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.
         fully_shard(spec.unit_modules(model, fqn), **kwargs)
     spec.after_sharding(model)
     return model
+
+
+def dp_and_tp_dims_swapped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """The world mesh built with its data-parallel and tp dims swapped (the degrees listed in
+    another order than the names, as a hand-built `DeviceMesh(arange(W).view(...))` does): a tp
+    group is ranks of different data-parallel ranks, which compute one layer's shards on
+    different batches; under pp the stages stay whole. Correct where the shard dim is 1."""
+    names = mesh.mesh_dim_names
+    s, t = names.index("shard"), names.index("tp")
+    swapped = DeviceMesh(mesh.device_type, mesh.mesh.transpose(s, t).contiguous(), mesh_dim_names=names)
+    return fully_shard_engine(model, swapped, spec)
+
+
+def tp_plan_on_first_stage_only(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Under pp, the tp plan applied to the first stage's modules only (a parallelize function
+    called on `model_parts[0]` where each part needed it): the later stages' weights stay whole
+    on every tp rank, computing the same as their tp group (the same numbers, none of the
+    memory tp exists to save). Without pp it is the correct engine."""
+    from fsdp_verify.engines.pipeline_parallel import split, stages_per_rank
+
+    case, plan = spec.case, _plan(model, mesh, spec)
+    if case.pp > 1:
+        first = {id(p) for p in split(case, model, case.pp * stages_per_rank(case.pp_schedule))[0].parameters()}
+        plan = {k: v for k, v in plan.items() if all(id(p) in first for p in model.get_submodule(k).parameters())}
+    return _parallel_then_shard(model, mesh, spec, plan)
 
 
 def colwise_bias_replicated(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
