@@ -757,7 +757,7 @@ def resumes(
     world = draw(st.sampled_from(world_sizes))
     # Drawn only where tp is asked, so a seed's draws without it stay what they were.
     tp = draw(st.sampled_from([t for t in tps if world % t == 0])) if tps != (1,) else 1
-    pp = draw(_resumed_pp(case, pins or {}, world))
+    pp = draw(_resumed_pp(case, pins or {}, world // tp))  # the stages divide a tp rank's ranks
     stage_ranks = world // tp // (case.pp if pp is None else pp)  # the data-parallel part of the mesh
     mesh = draw(hsdp_meshes(stage_ranks)) if hsdp else None
     engine = draw(st.sampled_from((None, "fsdp2"))) if case.engine == "fsdp1" else None
@@ -808,7 +808,8 @@ def _resumed_ep(case: Case, pins: dict[str, Any], shard: int) -> SearchStrategy[
 
 
 def _resumed_pp(case: Case, pins: dict[str, Any], world: int) -> SearchStrategy[int | None]:
-    """The pipeline degree a pipelined case resumes with on `world` ranks: where a pipeline was
+    """The pipeline degree a pipelined case resumes with on `world` ranks (those of one tp rank,
+    beside tp): where a pipeline was
     drawn (so asked, for an engine that takes `pp`), any degree that divides `world` and that the
     schedule, the blocks and the micro-batches fit (or 1: no stages), or the pin; None (as
     before) elsewhere. A resume into stages from a case without them is `check --resume-pp`'s."""

@@ -258,12 +258,11 @@ class _Run:
         optimizer.load_state_dict(self.optimizer.state_dict())
         if scheduler is not None:
             scheduler.load_state_dict(self.scheduler.state_dict())
-        # Rank r takes the state rank r saved, a pipeline's later stages too (`rank_streams`); the
-        # run replays the data-parallel ranks' (the first stage's: pp is outermost). Beside tp, one
-        # generator a data-parallel rank (its tp ranks share it): data-parallel rank d resumes with
-        # the one d saved, whatever the tp degree on either side (verify/training/resume.py).
-        every, fresh = rank_streams(self.case, self.rng_states), rank_streams(after, dropout_states(after))
-        rng_states = [every[r] if r < len(every) else fresh[r] for r in range(after.dp_size)]
+        # Data-parallel rank d resumes with the stream d saved (every rank of it, its tp ranks and
+        # stages alike: `rank_streams`), whatever the tp and pp degrees on either side; a rank d
+        # the saving run did not have keeps its fresh seed (verify/training/resume.py).
+        fresh = dropout_states(after)
+        rng_states = [self.rng_states[d] if d < len(self.rng_states) else fresh[d] for d in range(after.dp_size)]
         jolt = None
         if self.jolt is not None:  # the same moves, for the new number of ranks
             jolt = Perturbation(0, after.dp_size)
@@ -303,9 +302,7 @@ class _Run:
         """The state a correct load gives, under phase "resumed" at the step saved after (the
         sharded side records what it loaded: verify/sharded/loop.py `_resume`)."""
         add = self.trace.add
-        record_resumed(
-            self.trace, step, self.params, self.optimizer, rank_streams(self.case, self.rng_states), self.case.tp
-        )
+        record_resumed(self.trace, step, self.params, self.optimizer, rank_streams(self.case, self.rng_states))
         if self.scheduler is not None:
             for key, value in schedule_state(self.scheduler).items():
                 add(step, "resumed", key, value)
@@ -1176,11 +1173,10 @@ def record_resumed(
     params: dict[str, nn.Parameter],
     optimizer: torch.optim.Optimizer,
     rng_states: list[torch.Tensor],
-    tp: int = 1,
 ) -> None:
     """What every loop's load gives (phase "resumed", at the step saved after): parameters,
-    optimizer state, the param groups' hyperparameters, every rank's generator (one a
-    data-parallel rank in `rng_states`, the same on each of its `tp` ranks) and the data
+    optimizer state, the param groups' hyperparameters, every rank's generator (in rank
+    order: `rank_streams`) and the data
     position (a global batch per step)."""
     for n, p in params.items():
         trace.add(step, "resumed", f"params.{n}", p)
@@ -1188,7 +1184,7 @@ def record_resumed(
         trace.add(step, "resumed", f"optim.{key}", value)
     for key, value in param_groups_state(optimizer).items():
         trace.add(step, "resumed", key, value)
-    prints = [rng_fingerprint(s) for s in rng_states for _ in range(tp)]
+    prints = [rng_fingerprint(s) for s in rng_states]
     trace.add(step, "resumed", "rng", torch.tensor(prints, dtype=torch.int64))
     trace.add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
 

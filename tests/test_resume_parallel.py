@@ -29,6 +29,7 @@ MOE = ModelSpec(kind="mlp", widths=(16, 33, 17, 8), experts=4, top_k=2)
 MLP5 = ModelSpec(kind="mlp", widths=(16, 33, 17, 9, 8))  # four blocks: up to four stages
 LM4 = ModelSpec(kind="transformer", vocab_size=31, dim=16, n_layers=4, n_heads=2, ffn_hidden=23, seq_len=6)
 TIED = replace(LM4, tie_embeddings=True)
+LM4_TP = replace(LM4, vocab_size=32, ffn_hidden=24)  # splits over tp 2
 EVEN = ModelSpec(kind="mlp", widths=(8, 8, 8, 8, 8))  # every block of one shape: another stage's loads
 
 
@@ -85,6 +86,12 @@ RESUMES = [
         id="ep4-w4-to-ep1-w2-bf16-capacity-aux-bias",
     ),
     pytest.param(pp_resume(4, 2, 2, None), id="pp2-dp2-to-pp2-dp1"),
+    # The same layout again: each rank of a later stage resumes its data-parallel rank's stream
+    # (before, rank r's own seed was expected there while the loop seeds by data-parallel rank).
+    pytest.param(pp_resume(4, 2, 4, None), id="pp2-dp2-same-layout"),
+    pytest.param(pp_resume(4, 2, 4, 1), id="pp2-dp2-to-four-data-parallel-ranks"),
+    pytest.param(pp_resume(4, 2, 4, 2, tp=2, model=LM4_TP), id="tp2-pp2-to-tp2-pp2"),
+    pytest.param(pp_resume(4, 2, 4, 1, tp=2, model=LM4_TP), id="tp2-pp2-to-tp2-dp2"),
     pytest.param(pp_resume(2, 2, 1, 1, model=TIED), id="pp2-tied-lm-to-one-device"),
     pytest.param(moe_resume(2, 2, 1, 1), id="ep2-w2-to-one-device", marks=SLOW),
     pytest.param(moe_resume(4, 2, 4, 4, mesh=(2, 2)), id="ep2-hsdp22-to-ep4-w4", marks=SLOW),

@@ -309,7 +309,7 @@ def _save(case, ctx, view, optimizer, position, scaler, scheduler) -> None:
     """The checkpoint after the run's last step, where the run saves (`{"save": DIR}`)."""
     if ctx.resume is not None and "save" in ctx.resume:
         ctx.phase(f"step {case.steps} save checkpoint")
-        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler, case.tp)
+        trainer = trainer_state(case.steps, position, scaler, ctx.device, scheduler, case.tp, case.pp)
         view.checkpointer().save(ctx.resume["save"], optimizer, trainer)
 
 
@@ -329,7 +329,7 @@ def _resume(path, case, ctx, view, optimizers, params, scaler, records) -> tuple
     records.meta(FRESH_PARAM_GROUPS, {k: v.tolist() for k, v in param_groups_state(optimizer).items()})
     ctx.phase("load checkpoint")
     trainer = view.checkpointer().load(path, optimizer)
-    restore_trainer(trainer, scaler, ctx.rank, scheduler, case.tp)
+    restore_trainer(trainer, scaler, case.parallel.dp_rank(ctx.rank), scheduler)
     saved = int(trainer["step"][0])
     position = int(trainer["data_position"][0])
     ctx.phase(f"step {saved} record the loaded state")

@@ -205,14 +205,15 @@ def saved_template(path: str) -> dict[str, dict]:
 
 
 def trainer_state(
-    step: int, data_position: int, scaler, device: torch.device, scheduler=None, tp: int = 1
+    step: int, data_position: int, scaler, device: torch.device, scheduler=None, tp: int = 1, pp: int = 1
 ) -> dict[str, torch.Tensor]:
     """What this run saves beside model and optimizer (a collective: the ranks' generators are
     all-gathered, every rank saves the same tensors). A schedule saves its position
     (`last_epoch`, `_step_count`): the rate itself is in the optimizer's param groups, but a
     fresh scheduler would compute the next one from step 0 (LinearLR's warmup restarts). Under
-    tensor parallelism the tp degree too (`tp`, absent at 1): the generators are one a
-    data-parallel rank, and a run resumed on another degree finds rank d's at d * tp."""
+    tensor parallelism the tp degree too (`tp`, absent at 1), under pipeline parallelism the pp
+    degree (`pp`, absent at 1): the generators are one a data-parallel rank, and a run resumed on
+    other degrees finds rank d's at d * tp (the first stage's ranks come first)."""
     mine = torch.get_rng_state()
     states = [torch.empty_like(mine) for _ in range(dist.get_world_size())]
     dist.all_gather(states, mine)  # gloo and the CPU generator: CPU tensors
@@ -223,6 +224,8 @@ def trainer_state(
     }
     if tp > 1:
         out["tp"] = torch.tensor([tp], dtype=torch.int64)
+    if pp > 1:
+        out["pp"] = torch.tensor([pp], dtype=torch.int64)
     if scaler is not None:
         out["loss_scale.scale"] = torch.tensor([float(scaler.get_scale())], dtype=torch.float32)
         out["loss_scale.growth_tracker"] = torch.tensor([scaler._get_growth_tracker()], dtype=torch.int64)
@@ -231,17 +234,19 @@ def trainer_state(
     return out
 
 
-def restore_trainer(trainer: dict[str, torch.Tensor], scaler, rank: int, scheduler=None, tp: int = 1) -> None:
+def restore_trainer(trainer: dict[str, torch.Tensor], scaler, dp_rank: int, scheduler=None) -> None:
     """This rank's generator (its data-parallel rank's, if the saving run had that one; else its
     fresh seed stays), the loss scaler's state and the schedule's position (after the optimizer's
-    load: its last rate is the loaded param groups' `lr`). Under tensor parallelism the ranks of a
-    tp group draw from one stream (verify/sharded/loop.py): data-parallel rank d = rank // `tp`
-    takes the stream the saving run's data-parallel rank d had, at its rank d * (saved tp), so a
-    change of the tp degree keeps every replicated activation's mask one across its tp group."""
+    load: its last rate is the loaded param groups' `lr`). Every rank of a data-parallel rank
+    draws from one stream (verify/sharded/loop.py): data-parallel rank `dp_rank` takes the stream
+    the saving run's data-parallel rank of that number had, at its rank dp_rank * (saved tp) (the
+    first stage's, whatever the pp degree), so a change of the tp or pp degree keeps every
+    replicated activation's mask one across its tp group and no two data-parallel ranks share a
+    stream."""
     saved_tp = int(trainer["tp"][0]) if "tp" in trainer else 1
-    source = rank // tp * saved_tp
-    if "rng" in trainer and source < trainer["rng"].shape[0]:
-        torch.set_rng_state(trainer["rng"][source].clone())
+    saved_pp = int(trainer["pp"][0]) if "pp" in trainer else 1
+    if "rng" in trainer and dp_rank < trainer["rng"].shape[0] // (saved_tp * saved_pp):
+        torch.set_rng_state(trainer["rng"][dp_rank * saved_tp].clone())
     if scaler is not None and "loss_scale.scale" in trainer:
         scaler.load_state_dict(
             {

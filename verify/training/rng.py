@@ -23,12 +23,12 @@ def dropout_states(case: Case) -> list[torch.Tensor]:
 
 
 def rank_streams(case: Case, states: list[torch.Tensor]) -> list[torch.Tensor]:
-    """Every rank's generator state in rank order, from the data-parallel ranks' `states`: the
-    ranks after them (a pipeline's later stages, pp outermost) hold their fresh seeds, which
-    nothing draws from (dropout is refused beside a pipeline). What a resume carries rank by
-    rank (docs/resume.md). Without a pipeline (nor tp) every rank is a data-parallel one."""
-    more = range(len(states), case.world_size if case.tp == 1 else len(states))
-    return states + [torch.Generator().manual_seed(dropout_seed(case, r)).get_state() for r in more]
+    """Every rank's generator state in rank order, from the data-parallel ranks' `states`: each
+    rank draws from its data-parallel rank's stream (seeded by it, verify/sharded/loop.py), its tp
+    ranks and a pipeline's later stages alike (nothing draws there: dropout is refused beside a
+    pipeline). What a resume carries rank by rank (docs/resume.md)."""
+    dims = case.parallel
+    return [states[dims.dp_rank(r)] for r in range(case.world_size)]
 
 
 def rng_fingerprint(state: torch.Tensor) -> int:
