@@ -205,7 +205,10 @@ def test_an_unfreeze_that_misses_the_stages_parameters_is_caught(fsdp_check):
 # model`) is refused (verify/dims/together.py says why).
 @pytest.mark.parametrize(
     ("scope", "model", "precision"),
-    [pytest.param("units", MLP5, None, id="units-mlp"), pytest.param("units", LM4, BF16, id="units-lm-bf16")],
+    [
+        pytest.param("units", MLP5, None, id="units-mlp"),
+        pytest.param("units", LM4, BF16, id="units-lm-bf16", marks=pytest.mark.slow),
+    ],
 )
 def test_compiled_stages_agree_with_the_compiled_reference(fsdp_check, scope, model, precision):
     case = pp_case(4, 2, "gpipe", model, precision=precision, m=2, compile=scope, compile_backend="aot_eager")
@@ -217,7 +220,11 @@ def test_compiled_stages_agree_with_the_compiled_reference(fsdp_check, scope, mo
 
 
 @pytest.mark.parametrize(
-    ("mutant", "phase"), [("unit_compiled_with_unsharded_params", "grads"), ("recompiles_every_step", "compile")]
+    ("mutant", "phase"),
+    [
+        ("unit_compiled_with_unsharded_params", "grads"),
+        pytest.param("recompiles_every_step", "compile", marks=pytest.mark.slow),
+    ],
 )
 def test_compile_mutants_inside_a_stage_are_caught(fsdp_check, mutant, phase):
     engine = f"fsdp_verify.zoo.mutants:{mutant}"
@@ -249,7 +256,7 @@ def test_tp_beside_pp_is_bit_exact(fsdp_check, world, precision, knobs):
 @pytest.mark.parametrize(
     ("mutant", "world", "knobs", "phase"),
     [
-        ("dp_and_tp_dims_swapped", 8, {}, "logits"),
+        pytest.param("dp_and_tp_dims_swapped", 8, {}, "logits", marks=pytest.mark.slow),  # the zoo's at 4 ranks
         ("tp_plan_on_first_stage_only", 4, {}, "build"),
         ("rowwise_output_not_all_reduced", 4, {}, "logits"),
         ("pp_clip_norm_of_own_stages", 4, {"clip_norm": 0.05}, "grad_norm"),

@@ -77,7 +77,11 @@ def _embedding_grad(backend: str, fsdp: bool):
             return eval(f.read())  # a float, None or a message, written above
 
 
-@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "tp+fsdp2"])
+# Without FSDP2 (the backward raises) in the nightly: the silent case is the one CI keeps.
+FSDP = [pytest.param(False, id="tp", marks=pytest.mark.slow), pytest.param(True, id="tp+fsdp2")]
+
+
+@pytest.mark.parametrize("fsdp", FSDP)
 def test_eager_and_the_eager_backend_give_the_embedding_its_gradient(fsdp):
     eager = _embedding_grad("none", fsdp)
     assert isinstance(eager, float) and eager > 0, eager
@@ -91,6 +95,6 @@ def test_eager_and_the_eager_backend_give_the_embedding_its_gradient(fsdp):
     " module's output (an AsyncCollectiveTensor) gives that module no gradient: zero under FSDP2, an"
     " AttributeError ('_local_tensor') without",
 )
-@pytest.mark.parametrize("fsdp", [False, True], ids=["tp", "tp+fsdp2"])
+@pytest.mark.parametrize("fsdp", FSDP)
 def test_aot_autograd_gives_the_embedding_its_gradient(fsdp):
     assert _embedding_grad("aot_eager", fsdp) == _embedding_grad("none", fsdp)
