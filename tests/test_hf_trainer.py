@@ -25,10 +25,6 @@ from tests.recorded_runs import ENV, ROOT, compare, sharded, sharded_many, singl
 SCRIPT = ROOT / "examples" / "hf" / "train_trainer.py"
 pytest.importorskip("accelerate")  # the Trainer runs on it: fsdp-verify[hf,accelerate]
 
-# One worker builds this module's shared runs (its module fixtures), not each worker that
-# draws one of its tests: `--dist loadgroup` (pyproject's addopts) keeps the group together.
-pytestmark = pytest.mark.xdist_group("hf_trainer")
-
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
@@ -71,7 +67,6 @@ sys.path.insert(0, {str(SCRIPT.parent)!r})
 from common import Tokens, make_model
 from transformers import Trainer, TrainingArguments
 from fsdp_verify.integrations.trainer import RecorderCallback
-
 args = TrainingArguments(output_dir={str(tmp_path / "t")!r}, per_device_train_batch_size=4, gradient_accumulation_steps=2,
     max_steps=2, use_cpu=True, report_to="none", save_strategy="no", disable_tqdm=True)
 trainer = Trainer(model=make_model(), args=args, train_dataset=Tokens())

@@ -18,10 +18,6 @@ import pytest
 from fsdp_verify.recorder.store import Run
 from tests.recorded_runs import ROOT, compare, sharded, sharded_many, single
 
-# One worker builds this module's shared runs (its module fixtures), not each worker that
-# draws one of its tests: `--dist loadgroup` (pyproject's addopts) keeps the group together.
-pytestmark = pytest.mark.xdist_group("lightning")
-
 SCRIPT = ROOT / "examples" / "lightning" / "train_lightning.py"
 pytest.importorskip("lightning")
 

@@ -29,10 +29,6 @@ from tests import recorded_runs
 from tests.ranks import spawn
 from tests.recorded_runs import BIN, ENV, ROOT, compare
 
-# One worker builds this module's shared runs (its module fixtures), not each worker that
-# draws one of its tests: `--dist loadgroup` (pyproject's addopts) keeps the group together.
-pytestmark = pytest.mark.xdist_group("recorder")
-
 EXAMPLES = ROOT / "examples" / "loop"
 SINGLE, FSDP = EXAMPLES / "train_single.py", EXAMPLES / "train_fsdp.py"
 PERTURB = {"FSDP_VERIFY_PERTURB": "1"}
