@@ -241,7 +241,9 @@ def test_compile_mutants_inside_a_stage_are_caught(fsdp_check, mutant, phase):
 LM4_TP = replace(LM4, vocab_size=32, ffn_hidden=24)
 TP_PP = [
     pytest.param(4, None, {"clip_norm": 0.05}, id="pp2-tp2-fp32-clip"),
-    pytest.param(8, BF16, {"clip_norm": 0.05, "sequence_parallel": True}, id="pp2-dp2-tp2-bf16-sp-clip"),
+    pytest.param(
+        8, BF16, {"clip_norm": 0.05, "sequence_parallel": True}, id="pp2-dp2-tp2-bf16-sp-clip", marks=pytest.mark.slow
+    ),
 ]
 
 

@@ -90,7 +90,7 @@ RESUMES = [
     # (before, rank r's own seed was expected there while the loop seeds by data-parallel rank).
     pytest.param(pp_resume(4, 2, 4, None), id="pp2-dp2-same-layout"),
     pytest.param(pp_resume(4, 2, 4, 1), id="pp2-dp2-to-four-data-parallel-ranks"),
-    pytest.param(pp_resume(4, 2, 4, 2, tp=2, model=LM4_TP), id="tp2-pp2-to-tp2-pp2"),
+    pytest.param(pp_resume(4, 2, 4, 2, tp=2, model=LM4_TP), id="tp2-pp2-to-tp2-pp2", marks=SLOW),
     pytest.param(pp_resume(4, 2, 4, 1, tp=2, model=LM4_TP), id="tp2-pp2-to-tp2-dp2", marks=SLOW),
     pytest.param(pp_resume(2, 2, 1, 1, model=TIED), id="pp2-tied-lm-to-one-device"),
     pytest.param(moe_resume(2, 2, 1, 1), id="ep2-w2-to-one-device", marks=SLOW),
