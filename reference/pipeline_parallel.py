@@ -69,7 +69,6 @@ def staged_forward(model: nn.Module, case) -> list[tuple[nn.Module, bool]]:
         return x
 
     model.forward = forward
-    model.pipeline_stages = stages  # what a compiled case compiles as models (`compile: model`)
     plan = case.wrap_plan
     units = [model.get_submodule(u) for u in plan if u]
     out = []

@@ -27,7 +27,6 @@ from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum, squared_norms_reduced
-from fsdp_verify.engines.pipeline_parallel import stage_wrap
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
@@ -752,18 +751,16 @@ def _compile_as_sharded(model: nn.Module, case: Case) -> None:
     from fsdp_verify.training.compile import compile_in_place
 
     empty = torch._dynamo.disable(_nothing, recursive=True)
-    stages = getattr(model, "pipeline_stages", None) or []  # each a root of its own (reference/pipeline_parallel.py)
-    for module in [m for unit in case.wrap_plan for m in modules_of(model, unit)] + stages:
-        if module not in stages:
+    for unit in case.wrap_plan:
+        for module in modules_of(model, unit):
             _as_unit_class(module)
-        for hooks in (module._forward_pre_hooks, module._forward_hooks):
-            for key, hook in list(hooks.items()):
-                hooks[key] = torch._dynamo.disable(hook, recursive=True)
-        module.register_forward_pre_hook(empty)
-        module.register_forward_hook(empty)
-    # A pipeline's ranks compile each stage as a model of its own (`stage_wrap`: its units): so does this
-    for compiled in stages or [model]:
-        compile_in_place(case, compiled, stage_wrap(case.wrap_plan, model, compiled) if stages else None)
+            for hooks in (module._forward_pre_hooks, module._forward_hooks):
+                for key, hook in list(hooks.items()):
+                    hooks[key] = torch._dynamo.disable(hook, recursive=True)
+            module.register_forward_pre_hook(empty)
+            module.register_forward_hook(empty)
+    # Under pp only units compile (verify/dims/together.py): the same modules as each stage's
+    compile_in_place(case, model)
 
 
 # FSDP2 makes each unit an instance of a class of its own, `FSDP<class>` (one per original class,
