@@ -14,7 +14,10 @@ FAULTY = "tests/engines/faulty.py"
 
 @pytest.fixture(scope="module")
 def pool():
-    with RankPool(2, timeout_s=8.0) as p:
+    # A hang is named when this runs out: a healthy case here takes 0.1-0.5 s loaded (the ranks'
+    # start is timed apart, by start_timeout_s), so 4 s leaves margin and makes each hang test
+    # wait 4 s, not 8.
+    with RankPool(2, timeout_s=4.0) as p:
         yield p
 
 

@@ -1,8 +1,8 @@
 """The reference split over the ranks of a run in place (verify/sharded/shared_reference.py):
 rank 0's trace is the one a single process records, bit for bit, whatever the case; a model whose
 forward changes its buffers, or a rank that cannot write its passes, makes every process give up
-the split together; and the whole path under a real `torchrun`: a correct engine is EQUIVALENT,
-a mutant is caught."""
+the split together; and the whole path under a real `torchrun`: a correct engine is EQUIVALENT
+(across two hosts), a mutant is caught (on one)."""
 
 from __future__ import annotations
 
@@ -130,10 +130,9 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
     return launch.run([*cmd, "-m", "fsdp_verify", "check", *args], env=env, cwd=ROOT, timeout=300)
 
 
-def test_in_place_under_torchrun_a_correct_engine_passes_and_a_mutant_is_caught():
-    ok = _torchrun("--steps", "2")
-    assert ok.returncode == 0, ok.stdout + ok.stderr[-3000:]
-    assert "EQUIVALENT" in ok.stdout
+def test_in_place_under_torchrun_a_mutant_is_caught():
+    """A correct engine under torchrun is EQUIVALENT in the two-hosts test below (one launch of
+    three processes each: not paid twice)."""
     bad = _torchrun("--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
     assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
     assert "grads" in bad.stdout
