@@ -22,13 +22,14 @@ from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.commands.cli import build_parser
 from fsdp_verify.commands.options import case_from_args
+from fsdp_verify.models import build_model
 from fsdp_verify.properties.draw import draw_cases
 from fsdp_verify.properties.profiles import COMPILE_RATES, profile_compile_rate
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference.fusion import FusionJolt
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.compile import CACHE_ENV, use_cache_dir
-from tests.conftest import mlp_case, regression
+from fsdp_verify.training.compile import CACHE_ENV, compiled_modules, use_cache_dir
+from tests.conftest import lm_case, mlp_case, regression
 from tests.in_process import run_cli
 
 PLAIN = "examples/engine/my_engine.py:shard"
@@ -618,3 +619,33 @@ def test_two_processes_compile_into_one_cache_and_a_third_finds_it_warm(tmp_path
     hits = compile_check["message"].split(" graphs from Inductor's cache")[0].rsplit("; ", 1)[-1]
     hit, total = hits.split(" of ")
     assert int(hit) == int(total) > 0, compile_check["message"]
+
+
+def test_an_engines_dynamo_options_are_put_back_before_the_next_compiled_case():
+    """torchtitan's `apply_compile` sets Dynamo options process-wide; a warm rank's next compiled
+    case (perhaps another engine's) must trace under the process's own, and the reference under
+    the options the engine declares (`Capabilities.dynamo_config`)."""
+    import torch._dynamo.config as config
+
+    from fsdp_verify.training.compile import fresh_compiler
+
+    own = config.capture_scalar_outputs, config.skip_fwd_side_effects_in_bwd_under_checkpoint
+    try:
+        fresh_compiler()
+        config.capture_scalar_outputs = not own[0]  # as an engine's compile sets it
+        fresh_compiler((("skip_fwd_side_effects_in_bwd_under_checkpoint", not own[1]),))
+        assert (config.capture_scalar_outputs, config.skip_fwd_side_effects_in_bwd_under_checkpoint) == (
+            own[0],
+            not own[1],
+        )
+        fresh_compiler()
+        assert (config.capture_scalar_outputs, config.skip_fwd_side_effects_in_bwd_under_checkpoint) == own
+    finally:
+        config.capture_scalar_outputs, config.skip_fwd_side_effects_in_bwd_under_checkpoint = own
+
+
+def test_blocks_are_the_units_that_are_elements_of_a_list_or_dict():
+    case = lm_case(2, compile="blocks")
+    assert [fqn for fqn, _ in compiled_modules(case, build_model(case.model, 0))] == ["layers.0", "layers.1"]
+    with pytest.raises(CaseError, match="'blocks' compiles each unit that is an element"):
+        lm_case(2, compile="blocks", wrap=("tok_embeddings", ""))

@@ -170,3 +170,42 @@ def test_an_engine_given_beside_the_framework_is_the_one_drawn(command):
     plain = build_parser().parse_args([command, "--out", "unused"])
     strategy_from_args(plain, hsdp=False)
     assert plain.engine == "fsdp2"
+
+
+COMPILED = {"compile": "blocks", "compile_fullgraph": True, "compile_backend": "aot_eager"}
+
+
+def test_torchtitans_compile_is_its_blocks_and_equivalent(fsdp_check):
+    """torchtitan's `apply_compile` (each block of `model.layers`, fullgraph, automatic dynamic
+    shapes, two Dynamo options set process-wide), after its activation checkpointing: the
+    reference compiles the same blocks the same way (`compile: blocks`, the engine's declared
+    `dynamic` and options), and every record agrees; the knobs check found both blocks compiled."""
+    verdict = fsdp_check(titan_case(2, activation_checkpointing=True, microbatches=2, **COMPILED))
+    assert verdict.ok, verdict.summary()
+    checked = {f.comparator for f in verdict.findings if f.kind == "check"}
+    assert {"KnobsApplied", "CompileReport"} <= checked, checked
+
+
+def test_torchtitans_compile_config_left_off_is_named(fsdp_check):
+    verdict = fsdp_check(titan_case(2, **COMPILED).with_(engine="tests/engines/torchtitan_compile.py:compile_left_off"))
+    first = verdict.first_divergence
+    assert not verdict.ok and (first.phase, first.name, first.comparator) == ("build", "<compile>", "KnobsApplied")
+    assert "layers.0" in first.message, first.message
+
+
+def test_torchtitan_takes_only_its_own_compile_and_is_drawn_only_that():
+    """Its blocks, fullgraph: the toolkit's other scopes, or fullgraph off, are bad input naming the
+    field, and the draws give it nothing else."""
+    from fsdp_verify.engines import refuse_untakeable
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.validation import CaseError
+
+    with pytest.raises(CaseError, match=r"compile: expected one of \('blocks',\)"):
+        refuse_untakeable(titan_case(2, compile="model"))
+    with pytest.raises(CaseError, match="compile_fullgraph: expected true"):
+        refuse_untakeable(titan_case(2, compile="blocks", compile_backend="eager"))
+    fields = preset("torchtitan", "llama3:debugmodel", TWO_BLOCKS)
+    pins = {k: v for k, v in fields.items() if k != "engine"}
+    drawn = draw_cases(cases(engine=fields["engine"], world_sizes=(2,), compile_rate=1.0, **pins), 6, 3)
+    assert drawn and {(c.compile, c.compile_fullgraph) for c in drawn} == {("blocks", True)}, drawn

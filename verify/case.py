@@ -31,7 +31,9 @@ DATA_KINDS = ("normal", "cancellation")
 GRAD_REDUCTIONS = ("avg", "sum")  # Case.grad_reduction
 INIT_MODES = ("eager", "meta")
 # torch.compile (docs/compile.md): what is compiled (Case.compile) and by which backend.
-COMPILE_SCOPES = ("units", "model")
+# "units": each unit but the root; "blocks": each unit that is a repeated block (an element of a
+# module list or dict, verify/units.py `is_block`: torchtitan's `apply_compile`); "model": the root.
+COMPILE_SCOPES = ("units", "model", "blocks")
 COMPILE_BACKENDS = ("inductor", "aot_eager", "eager")
 
 
@@ -940,6 +942,13 @@ class Case:
             "'model' or null for a wrap plan of the root alone ('units' compiles each unit but the root)",
             self.compile,
         )
+        check(
+            self.compile != "blocks" or any(units.is_block(u) for u in self.wrap_plan),
+            "compile",
+            "'units', 'model' or null for a wrap plan without a block ('blocks' compiles each unit that is an"
+            " element of a module list or dict, such as layers.0)",
+            self.compile,
+        )
         check_together(self, "compile")
 
     def _validate_modelled_together(self) -> None:
@@ -1181,7 +1190,10 @@ def fullgraph_breaks(case: Case) -> str | None:
     `units`, a unit that is a torch.nn module (its forward is in a file Dynamo skips, so there is
     no frame to compile, which fullgraph=True raises on: pytorch/pytorch#150915; judged by class
     name, as the model is known by its classes before it is built)."""
-    compiled = [""] if case.compile == "model" else [u for u in case.wrap_plan if u]
+    if case.compile == "model":
+        compiled = [""]
+    else:
+        compiled = [u for u in case.wrap_plan if u and (case.compile != "blocks" or units.is_block(u))]
     classes = module_classes(case.model)
     for outer in compiled:
         inner = next((u for u in case.wrap_plan if units.inside(u, outer)), None)

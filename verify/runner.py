@@ -12,7 +12,7 @@ from fsdp_verify.checks import run_checks
 from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
-from fsdp_verify.engines import engine_arithmetic, refuse_untakeable
+from fsdp_verify.engines import engine_arithmetic, engine_capabilities, refuse_untakeable
 from fsdp_verify.engines.tensor_parallel import reduce_dtype_hint
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
@@ -154,7 +154,7 @@ def check_case(
     try:
         with rank_like_threads():
             if case.compile is not None:
-                fresh_compiler()
+                fresh_compiler(engine_capabilities(case.engine).dynamo_config)  # the engine's options
             ref = emulating_reference(case)  # overlaps with the ranks' work
         t_ref = time.perf_counter()
         if not submitted:

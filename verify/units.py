@@ -34,6 +34,13 @@ def is_group(unit: str) -> bool:
     return SEPARATOR in unit
 
 
+def is_block(unit: str) -> bool:
+    """A unit that is one element of a module list or dict (its name's last part a number:
+    "layers.3", torchtitan's `layers` ModuleDict keyed "0", "1", ...): a repeated block, what
+    torchtitan compiles one by one (`compile: blocks`, verify/training/compile.py)."""
+    return bool(unit) and not is_group(unit) and unit.rsplit(".", 1)[-1].isdigit()
+
+
 def is_ancestor(parent: str, child: str) -> bool:
     """Module FQN `parent` strictly contains module `child` (the root contains everything)."""
     return parent != child and (parent == "" or child.startswith(parent + "."))

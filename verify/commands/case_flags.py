@@ -737,7 +737,8 @@ FLAGS: tuple[Flag, ...] = (
         "--compile",
         "compile",
         COMPILE,
-        "units (each unit of the wrap plan but the root, in place, before fully_shard) | model (the whole"
+        "units (each unit of the wrap plan but the root, in place, before fully_shard) | blocks (each unit"
+        " that is an element of a module list or dict: torchtitan's per-block compile) | model (the whole"
         " model) | none; the reference is compiled alike and checked against eager",
         or_none(str),
         "SCOPE",

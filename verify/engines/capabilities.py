@@ -160,6 +160,20 @@ class Capabilities:
     # The wrappers' `_checkpoint_wrapped_module.` segments are read through either way
     # (verify/module_names.py).
     checkpoints: bool = False
+    # Where it takes `compile`: the scopes it compiles (verify/case.py COMPILE_SCOPES; None: every
+    # one, as `ShardSpec.compile` does), whether it compiles with fullgraph=True always (True),
+    # never (False) or as the case asks (None), and the Dynamo options it sets process-wide for its
+    # compile, which the reference sets alike so that both trace the same graphs (torchtitan's
+    # `apply_compile`: each block of `model.layers`, fullgraph, `capture_scalar_outputs` and
+    # `skip_fwd_side_effects_in_bwd_under_checkpoint` on). A rank's options are put back before
+    # every compiled case (verify/training/compile.py `fresh_compiler`).
+    compile_scopes: tuple[str, ...] | None = None
+    compile_fullgraph: bool | None = None
+    dynamo_config: tuple[tuple[str, Any], ...] = ()
+    # torch.compile's `dynamic` as it compiles: False (`ShardSpec.compile`: each graph a function of
+    # its shapes) or None (torch's automatic dynamic shapes: torchtitan's `module.compile(backend,
+    # fullgraph=True)`), which the reference then compiles with too.
+    compile_dynamic: bool | None = False
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -186,6 +200,13 @@ class Capabilities:
             if knob.asked(case) and knob.name not in self.taken():
                 expected = knob.expected or repr(knob.off)
                 raise CaseError(knob.field, f"{expected}: {not_declared(engine, knob.name)}", knob.value(case))
+        if case.compile is not None and self.compile_scopes is not None and case.compile not in self.compile_scopes:
+            raise CaseError("compile", f"one of {self.compile_scopes}: what engine {engine!r} compiles", case.compile)
+        fullgraph = self.compile_fullgraph
+        if case.compile is not None and fullgraph is not None and case.compile_fullgraph != fullgraph:
+            raise CaseError(
+                "compile_fullgraph", f"{str(fullgraph).lower()}: how engine {engine!r} compiles", case.compile_fullgraph
+            )
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if not self.reshard_ints and not isinstance(rsf, bool):
             raise CaseError("reshard_after_forward", f"true or false: what engine {engine!r} takes", rsf)

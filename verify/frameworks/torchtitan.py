@@ -112,7 +112,7 @@ def _ac_config(case, full_ac: bool):
 
 def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: bool) -> nn.Module:
     require("torchtitan", "torchtitan")
-    from torchtitan.config import CompileConfig, ParallelismConfig, TrainingConfig
+    from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import parallel_dims as dims_module
     from torchtitan.distributed import utils as dist_utils
     from torchtitan.models.llama3 import parallelize_llama
@@ -138,7 +138,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
             parallel_dims=dims,
             training=training,
             parallelism=parallelism,
-            compile_config=CompileConfig(enable=False),
+            compile_config=_compile_config(case),
             ac_config=_ac_config(case, full_ac),
             dump_folder=dump,
         )
@@ -147,6 +147,19 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG, and the division is off
     model.verify_view = lambda: TorchtitanView(model)
     return model
+
+
+def _compile_config(case):
+    """torchtitan's compile config for the case: off without `compile`; with `compile: blocks`,
+    its `apply_compile` on the model (each block of `model.layers`, fullgraph, the case's backend,
+    after activation checkpointing and before FSDP), as `--compile.enable --compile.components
+    model` runs it. Its loss compile (the "loss" component) stays off: the toolkit computes the
+    loss, outside the engine."""
+    from torchtitan.config import CompileConfig
+
+    if case.compile is None:
+        return CompileConfig(enable=False)
+    return CompileConfig(enable=True, components=["model"], backend=case.compile_backend)
 
 
 class TorchtitanView(EngineView):
@@ -173,7 +186,17 @@ def _dtype(name: str | None) -> str:
 # torchtitan decides each unit's reshard_after_forward (its "default" policy: the blocks reshard,
 # [norm, lm_head] and the root do not); the case's True or False picks "default" or "never".
 # It applies torchtitan's activation checkpointing itself (`checkpoints`), the toolkit's none.
-parallelize.capabilities = Capabilities(takes=("groups", "grad_reduction"), reshard_per_unit=True, checkpoints=True)
+# It compiles as torchtitan's `apply_compile` does (`_compile_config`): the blocks only, fullgraph,
+# torch's automatic dynamic shapes, two Dynamo options set process-wide (the reference sets them too).
+parallelize.capabilities = Capabilities(
+    takes=("groups", "grad_reduction", "compile"),
+    reshard_per_unit=True,
+    checkpoints=True,
+    compile_scopes=("blocks",),
+    compile_fullgraph=True,
+    dynamo_config=(("capture_scalar_outputs", True), ("skip_fwd_side_effects_in_bwd_under_checkpoint", True)),
+    compile_dynamic=None,
+)
 parallelize_full_ac.capabilities = parallelize.capabilities
 
 

@@ -11,8 +11,9 @@ is the checkpointed one) and before `fully_shard`: torchtitan's order (AC, compi
 Compilation is lazy, so the graphs are traced at the first forward, after sharding, whichever
 side of `fully_shard` the call stands.
 
-What: each unit of the wrap plan but the root ("units", torchtitan's per-block compile), or the
-whole model ("model"). `nn.Module.compile` does not trace the module's own `_call_impl` (a file
+What: each unit of the wrap plan but the root ("units"), each unit that is a repeated block
+("blocks": an element of a module list or dict, as torchtitan's `apply_compile` compiles each
+block of `model.layers` and nothing else), or the whole model ("model"). `nn.Module.compile` does not trace the module's own `_call_impl` (a file
 Dynamo skips), so a unit's hooks (FSDP2's pre- and post-forward, themselves `_dynamo_disable`d)
 run eagerly around its compiled forward; under "model" the graph breaks at every inner unit's
 hooks. A unit that is a `torch.nn` leaf (a plain `nn.Embedding`) compiles nothing: its forward
@@ -32,16 +33,21 @@ from typing import Any
 
 from torch import nn
 
-from fsdp_verify.units import members
+from fsdp_verify.units import is_block, members
 
 
 def compile_kwargs(case) -> dict[str, Any]:
-    """`torch.compile`'s keyword arguments for the case (backend, fullgraph, static shapes)."""
-    return {"backend": case.compile_backend, "fullgraph": case.compile_fullgraph, "dynamic": False}
+    """`torch.compile`'s keyword arguments for the case (backend, fullgraph, static shapes unless
+    the engine compiles otherwise: `Capabilities.compile_dynamic`)."""
+    from fsdp_verify.engines import engine_capabilities
+
+    dynamic = engine_capabilities(case.engine).compile_dynamic
+    return {"backend": case.compile_backend, "fullgraph": case.compile_fullgraph, "dynamic": dynamic}
 
 
 def compiled_modules(case, model: nn.Module, plan: tuple[str, ...] | None = None) -> list[tuple[str, nn.Module]]:
-    """(FQN, module) of what the case compiles: each unit but the root, or the model (""). `plan`:
+    """(FQN, module) of what the case compiles: each unit but the root, each block, or the model
+    (""). `plan`:
     the units `model` holds, if not the case's (a pipeline stage's, `stage_wrap`: a stage is
     compiled as a model of its own)."""
     if case.compile is None:
@@ -50,6 +56,8 @@ def compiled_modules(case, model: nn.Module, plan: tuple[str, ...] | None = None
         return [("", model)]
     # each module of a unit over several modules (verify/units.py), compiled on its own
     units = case.wrap_plan if plan is None else plan
+    if case.compile == "blocks":
+        units = tuple(u for u in units if is_block(u))
     return [(m, model.get_submodule(m)) for fqn in units if fqn for m in members(fqn)]
 
 
@@ -68,14 +76,21 @@ def is_compiled(module: nn.Module) -> bool | None:
     return getattr(module, "_compiled_call_impl", None) is not None
 
 
-def fresh_compiler() -> None:
+def fresh_compiler(options: tuple[tuple[str, Any], ...] = ()) -> None:
     """Dynamo's in-memory state dropped before a compiled case: every case compiles its own graphs
     (from Inductor's on-disk caches where it can, `use_cache_dir`) and counts its own compilations.
     Without it a long-lived process (a pool's rank, the parent running the references) would reach
     Dynamo's recompile limit per code object (a unit class's `forward`, shared by every case) and
-    silently run the cases after that eagerly."""
+    silently run the cases after that eagerly. Dynamo's options are put back to this process's
+    own (an engine's compile may set some process-wide: torchtitan's `apply_compile`, whose next
+    case in a warm rank would trace under them), then `options` set: the engine's declared ones
+    (`Capabilities.dynamo_config`), for the reference."""
     import torch._dynamo
     from torch._dynamo.utils import clear_compilation_metrics, counters, set_compilation_metrics_limit
+
+    _restore_dynamo_options()
+    for name, value in options:
+        setattr(torch._dynamo.config, name, value)
 
     use_cache_dir()
     # Inductor compiles in this process (no pool of compile workers per rank: a pool's W ranks
@@ -97,6 +112,24 @@ def fresh_compiler() -> None:
     counters.clear()
     set_compilation_metrics_limit(4096)  # the compile probe reads them step by step (64 by default)
     clear_compilation_metrics()
+
+
+# Dynamo's options as this process had them before its first compiled case.
+_DYNAMO_OPTIONS: dict[str, Any] = {}
+
+
+def _restore_dynamo_options() -> None:
+    """Each Dynamo option that differs from the process's own, put back (only those: setting every
+    option again warns of the deprecated ones)."""
+    import torch._dynamo.config as config
+
+    now = config.get_config_copy()
+    if not _DYNAMO_OPTIONS:
+        _DYNAMO_OPTIONS.update(now)
+        return
+    for name, value in _DYNAMO_OPTIONS.items():
+        if name in now and now[name] != value:
+            setattr(config, name, value)
 
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
