@@ -141,3 +141,24 @@ def test_new_ranks_see_the_path_and_environment_of_now_not_of_the_zygotes_start(
         pool.start()  # new ranks
         assert check_case(mlp_case(2, engine="late_engine:shard"), pool=pool).ok
         assert pool._zygote._proc.pid == zygote
+
+
+def test_the_pools_of_a_process_share_one_zygote_which_stops_with_the_last(monkeypatch):
+    """A sweep over world sizes 1-4 has four pools; each started a zygote importing torch and
+    Dynamo (3-4 s of CPU) before one was shared (verify/sharded/zygote.py `shared`). A pool
+    started under other resource limits, which ranks inherit from their zygote, gets its own."""
+    from tests.conftest import alive
+
+    # a variable read at import: a zygote of this test's own, not this worker's pools' one
+    monkeypatch.setenv("FSDP_VERIFY_ZYGOTE_TEST", "1")
+    with RankPool(1) as one, RankPool(3) as three:
+        one.start()
+        three.start()
+        zygote = one._zygote._proc.pid
+        assert three._zygote._proc.pid == zygote
+        with _files_limited_to(1 << 30), RankPool(1) as limited:
+            limited.start()
+            assert limited._zygote._proc.pid != zygote
+        one.close()
+        assert alive(zygote) and three.run(mlp_case(3)).meta  # still serves the other pool
+    assert not alive(zygote)

@@ -26,6 +26,7 @@ from pathlib import Path
 from fsdp_verify.case import Case
 from fsdp_verify.engines.routed_reduction import known_crash
 from fsdp_verify.library_warnings import received
+from fsdp_verify.sharded import zygote as zygotes
 from fsdp_verify.sharded.arena import read_fill
 from fsdp_verify.sharded.devices import pool_env
 from fsdp_verify.sharded.worker import PhaseBoard
@@ -80,8 +81,9 @@ class RankPool:
         return bool(self._procs) and all(p.poll() is None for p in self._procs)
 
     def start(self) -> None:
-        """Fork the ranks from the pool's zygote (verify/sharded/zygote.py), started the first time
-        (a `python -m fsdp_verify.sharded.zygote` child: no re-import of the caller's __main__),
+        """Fork the ranks from the process's zygote (verify/sharded/zygote.py: one for every pool
+        of the process), started the first time (a `python -m fsdp_verify.sharded.zygote` child:
+        no re-import of the caller's __main__),
         each talking over two pipes; a restart after a rank failure is a fork, not a torch start."""
         self._stop_ranks()
         self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-", dir=memory_dir()))
@@ -90,7 +92,7 @@ class RankPool:
         # this xdist worker's own GPUs when CUDA is present (verify/sharded/devices.py)
         env = {**os.environ, "PYTHONPATH": _import_path(), **pool_env(self.world_size)}
         if self._zygote is None:
-            self._zygote = Zygote({**os.environ, "PYTHONPATH": env["PYTHONPATH"]}, self.start_timeout_s)
+            self._zygote = zygotes.shared({**os.environ, "PYTHONPATH": env["PYTHONPATH"]}, self.start_timeout_s)
         for rank in range(self.world_size):
             down_r, down_w = os.pipe()
             up_r, up_w = os.pipe()
@@ -116,11 +118,12 @@ class RankPool:
         self._collect("start", self.start_timeout_s)
 
     def close(self) -> None:
-        """Stop every worker (politely if idle, by SIGKILL otherwise) and the zygote. Leaves no
+        """Stop every worker (politely if idle, by SIGKILL otherwise) and the zygote if no other
+        pool uses it. Leaves no
         process behind."""
         self._stop_ranks()
         if self._zygote is not None:
-            self._zygote.close()
+            zygotes.release(self._zygote)
             self._zygote = None
 
     def _stop_ranks(self, kill: bool = False) -> None:

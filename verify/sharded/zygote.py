@@ -9,6 +9,11 @@ all that once and then forks each rank on request: the fork is milliseconds. It 
 never runs torch (no CUDA, no thread pools), which is what makes the fork safe, and it sets the
 rank's own environment (its GPUs) before anything in the rank touches CUDA.
 
+One zygote serves every pool of a process whose import environment is the same (`shared`: a
+sweep over world sizes 1-4 has four pools, and started four zygotes, each importing torch and
+Dynamo, 3-4 s of CPU, before): the ranks take their pool's environment when forked anyway. It
+stops when the last pool using it closes.
+
 The ranks are the zygote's children, so the zygote reaps them and sends their exit codes back;
 `RankProcess` is the pool's handle on one (the subset of `subprocess.Popen` the pool uses). The
 zygote dies with the pool's process (PR_SET_PDEATHSIG, and the end of its pipe), and its ranks
@@ -26,6 +31,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recvfds, sendfds
 
@@ -39,10 +45,57 @@ class ZygoteError(RuntimeError):
     """The zygote died or did not answer (the pool then reports its ranks as failing to start)."""
 
 
+# Variables read when torch and the toolkit are imported (not only when a rank runs): a zygote
+# started under other values of these is another zygote.
+IMPORT_TIME_PREFIXES = ("TORCH", "PYTORCH", "FSDP_VERIFY", "OMP_", "MKL_", "KMP_", "PYTHON")
+# Read when used, from the rank's own environment: Inductor's cache directory, which a first
+# compile in the parent sets (verify/training/compile.py `use_cache_dir`).
+READ_WHEN_USED = frozenset({"TORCHINDUCTOR_CACHE_DIR"})
+# What a forked rank inherits from the zygote's start besides its environment.
+INHERITED_LIMITS = ("RLIMIT_FSIZE", "RLIMIT_AS", "RLIMIT_NOFILE", "RLIMIT_DATA", "RLIMIT_STACK")
+
+_SHARED: dict[tuple, Zygote] = {}
+_SHARED_LOCK = threading.Lock()
+
+
+def shared(env: dict[str, str], start_timeout_s: float = 300.0) -> Zygote:
+    """The process's zygote for `env`'s import environment (its PYTHONPATH and the variables of
+    IMPORT_TIME_PREFIXES) and this process's resource limits now (which the zygote, and so its
+    ranks, inherit), made on first use; every caller gives it back with `release`."""
+    import resource
+
+    limits = tuple(resource.getrlimit(getattr(resource, name)) for name in INHERITED_LIMITS)
+    variables = sorted((k, v) for k, v in env.items() if k.startswith(IMPORT_TIME_PREFIXES))
+    key = (tuple(kv for kv in variables if kv[0] not in READ_WHEN_USED), limits)
+    with _SHARED_LOCK:
+        zygote = _SHARED.get(key)
+        if zygote is None:
+            zygote = _SHARED[key] = Zygote(env, start_timeout_s)
+            zygote._key = key
+        zygote._users += 1
+        return zygote
+
+
+def release(zygote: Zygote) -> None:
+    """One user fewer; the last one stops it (and any rank of it still running)."""
+    with _SHARED_LOCK:
+        zygote._users -= 1
+        if zygote._users > 0:
+            return
+        if _SHARED.get(zygote._key) is zygote:
+            del _SHARED[zygote._key]
+    zygote.close()
+
+
 class Zygote:
-    """The pool's side: start the zygote, fork ranks from it, learn how they ended."""
+    """The pool's side: start the zygote, fork ranks from it, learn how they ended. Its methods
+    may be called from several threads (pools of one process, each its own thread): one talks
+    to the zygote at a time."""
 
     def __init__(self, env: dict[str, str], start_timeout_s: float = 300.0):
+        self._lock = threading.RLock()
+        self._users = 0
+        self._key: tuple = ()
         self._sock: socket.socket | None = None
         self._conn: Connection | None = None
         self._proc: subprocess.Popen | None = None
@@ -55,6 +108,10 @@ class Zygote:
         return self._proc is not None and self._proc.poll() is None
 
     def start(self) -> None:
+        with self._lock:
+            self._start()
+
+    def _start(self) -> None:
         ours, theirs = socket.socketpair()
         cmd = [sys.executable, "-m", "fsdp_verify.sharded.zygote", str(theirs.fileno())]
         self._proc = subprocess.Popen(cmd, pass_fds=(theirs.fileno(),), env=self._env, stdin=subprocess.DEVNULL)
@@ -64,6 +121,10 @@ class Zygote:
 
     def close(self) -> None:
         """Stop the zygote; ranks still running die with it (their PR_SET_PDEATHSIG)."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         if self._conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 self._conn.send(("stop",))
@@ -81,26 +142,31 @@ class Zygote:
         """Fork a rank running `worker.main(args)` with the pipe ends `fds` (down, up, and the
         write end its stderr goes to), its environment `env` (its PYTHONPATH put first on its
         sys.path)."""
-        if not self.alive:
-            self.close()
-            self.start()
-        try:
-            self._conn.send(("spawn", args, env))
-            sendfds(self._sock, list(fds))
-        except OSError as e:
-            raise ZygoteError(f"the zygote is gone: {e}") from None
-        return RankProcess(self, self._expect("pid", 30.0))
+        with self._lock:
+            if not self.alive:
+                self.close()
+                self.start()
+            try:
+                self._conn.send(("spawn", args, env))
+                sendfds(self._sock, list(fds))
+            except OSError as e:
+                raise ZygoteError(f"the zygote is gone: {e}") from None
+            return RankProcess(self, self._expect("pid", 30.0))
 
     def kill(self, pid: int) -> None:
-        with contextlib.suppress(OSError, ValueError):
+        with self._lock, contextlib.suppress(OSError, ValueError, AttributeError):
             self._conn.send(("kill", pid))
 
     def pump(self, timeout_s: float) -> None:
-        """Read what the zygote sent (exit codes) for up to `timeout_s` (0: what is there)."""
-        if self._conn is None:
+        """Read what the zygote sent (exit codes) for up to `timeout_s` (0: what is there). Another
+        thread talking to the zygote meanwhile: what it reads lands in `exits` all the same."""
+        if not self._lock.acquire(timeout=timeout_s if timeout_s > 0 else -1):
             return
-        if wait([self._conn], timeout=timeout_s):
-            self._read()
+        try:
+            if self._conn is not None and wait([self._conn], timeout=timeout_s):
+                self._read()
+        finally:
+            self._lock.release()
 
     def _read(self) -> tuple:
         try:
