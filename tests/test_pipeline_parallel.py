@@ -208,6 +208,7 @@ def test_an_unfreeze_that_misses_the_stages_parameters_is_caught(fsdp_check):
     [
         pytest.param("units", MLP5, None, id="units-mlp"),
         pytest.param("units", LM4, BF16, id="units-lm-bf16", marks=pytest.mark.slow),
+        pytest.param("blocks", LM4, None, id="blocks-lm"),  # torchtitan's per-block compile, in stages
     ],
 )
 def test_compiled_stages_agree_with_the_compiled_reference(fsdp_check, scope, model, precision):
