@@ -289,3 +289,24 @@ def test_a_cause_ignores_what_varies_within_it_and_keeps_what_tells_causes_apart
     ]
     assert len({signature(r) for r in apart}) == len(apart)
     assert signature({"ok": True, "status": "pass"}) is None
+
+
+def test_each_row_carries_the_knobs_its_case_was_drawn_with(reports):
+    """What a reader groups a sweep's failures by (compile, microbatches, a reduce dtype, ...):
+    the case's fields that differ from the default case, beyond the row's columns; on the page
+    too."""
+    from fsdp_verify.case import Case
+    from fsdp_verify.reports.report import case_knobs
+
+    night = reports / "nights" / "2026-11-05" / "sweep"
+    rows = load(night)["cases"]
+    for row in rows:
+        assert isinstance(row["knobs"], dict) and not {"seed", "data_seed", "world_size", "model"} & set(row["knobs"])
+    knobs = next(r["knobs"] for r in rows if r["knobs"])
+    name, value = next(iter(knobs.items()))
+    assert html.escape(f"{name}={json.dumps(value, separators=(',', ':'))}") in (night / "report.html").read_text()
+    assert case_knobs(Case()) == {}
+    assert case_knobs(Case().with_(microbatches=2, **{"precision.reduce_dtype": "fp32"})) == {
+        "microbatches": 2,
+        "precision.reduce_dtype": "fp32",
+    }

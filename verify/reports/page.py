@@ -125,15 +125,21 @@ def cases_table(rows: list[dict[str, Any]]) -> str:
     body = "".join(
         f"<tr class={'ok' if r['ok'] else 'bad'}><td>{'' if r.get('index') is None else r['index']}</td>"
         f"<td>{e(r['case_hash'])}</td><td>{e(r['status'])}</td><td>{e(str(r.get('model', '')))}</td>"
-        f"<td>{r.get('world_size', '')}</td><td>{e(str(r.get('precision', '')))}</td><td>{_fmt(r['worst_ratio'])}</td>"
+        f"<td>{r.get('world_size', '')}</td><td>{e(str(r.get('precision', '')))}</td><td>{e(_knobs(r))}</td>"
+        f"<td>{_fmt(r['worst_ratio'])}</td>"
         f"<td>{e(r['first_divergence'] or r.get('worst_where') or '')}</td><td>{r['seconds']:.2f}</td></tr>"
         for r in ordered[:MAX_ROWS]
     )
     more = f"<p>({len(rows) - MAX_ROWS} more in report.json)</p>" if len(rows) > MAX_ROWS else ""
     return (
-        "<table id=cases><tr><th>#</th><th>case</th><th>result</th><th>model</th><th>world</th><th>precision</th>"
+        "<table id=cases><tr><th>#</th><th>case</th><th>result</th><th>model</th><th>world</th><th>precision</th><th>knobs</th>"
         f"<th>worst ratio</th><th>first divergence / worst at</th><th>seconds</th></tr>{body}</table>{more}"
     )
+
+
+def _knobs(row: dict[str, Any]) -> str:
+    """A row's knobs as `name=value` (reports written before rows had them: none)."""
+    return " ".join(f"{k}={json.dumps(v, separators=(',', ':'))}" for k, v in (row.get("knobs") or {}).items())
 
 
 def interrupted_banner(report: dict[str, Any]) -> str:

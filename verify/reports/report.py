@@ -25,6 +25,35 @@ def case_key(case) -> str:
     return hashlib.sha256(json.dumps(d, sort_keys=True, separators=(",", ":")).encode()).hexdigest()[:12]
 
 
+# A row's own columns, and what every drawn case has of its own (seeds): not knobs.
+_NOT_KNOBS = frozenset({"model", "world_size", "mesh_shape", "steps", "seed", "data_seed", "engine"})
+
+
+def case_knobs(case) -> dict[str, Any]:
+    """The case's settings that differ from the built-in default case, as dotted field names
+    (`precision.reduce_dtype`, `compile`, `tp`, `microbatches`), apart from the row's own columns:
+    what a reader of a sweep groups its failures by."""
+    from fsdp_verify.case import Case
+
+    def leaves(d: dict, prefix: str = "") -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        for k, v in d.items():
+            if isinstance(v, dict):
+                out.update(leaves(v, f"{prefix}{k}."))
+            else:
+                out[f"{prefix}{k}"] = v
+        return out
+
+    default, mine = leaves(Case().to_dict()), leaves(case.to_dict())
+    return {
+        k: v
+        for k, v in mine.items()
+        if k.split(".", 1)[0] not in _NOT_KNOBS
+        and (k not in default or default[k] != v)
+        and k != "precision.param_dtype"
+    }
+
+
 def first_divergence(verdict) -> str | None:
     f = verdict.first_divergence if verdict is not None else None
     return None if f is None else f"{f.comparator} @ {f.step}/{f.phase} {f.name}"
@@ -57,6 +86,7 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         "mesh_shape": list(case.mesh_shape) if case.mesh_shape is not None else None,
         "precision": case.precision.param_dtype or "fp32",
         "steps": case.steps,
+        "knobs": case_knobs(case),
         "worst_ratio": ratio(worst.ratio) if worst is not None else None,
         "worst_where": f"step {worst.step} {worst.phase} {worst.name}" if worst is not None else None,
         "first_divergence": first_divergence(verdict) if error is None else f"rank failure: {error.splitlines()[0]}",
