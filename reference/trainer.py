@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dtypes import to_torch
-from fsdp_verify.engines import engine_arithmetic
+from fsdp_verify.engines import engine_arithmetic, engine_capabilities
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum, squared_norms_reduced
 from fsdp_verify.engines.placement import shard_dim
 from fsdp_verify.models import build_model, is_frozen, is_ignored
@@ -759,8 +759,9 @@ def _compile_as_sharded(model: nn.Module, case: Case) -> None:
                     hooks[key] = torch._dynamo.disable(hook, recursive=True)
             module.register_forward_pre_hook(empty)
             module.register_forward_hook(empty)
-    # Under pp only units compile (verify/dims/together.py): the same modules as each stage's
-    compile_in_place(case, model)
+    # Under pp only units and blocks compile (verify/dims/together.py): the same modules as each
+    # stage's. With the engine's `dynamic` (torchtitan's: torch's automatic dynamic shapes).
+    compile_in_place(case, model, dynamic=engine_capabilities(case.engine).compile_dynamic)
 
 
 # FSDP2 makes each unit an instance of a class of its own, `FSDP<class>` (one per original class,

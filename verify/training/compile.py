@@ -36,12 +36,10 @@ from torch import nn
 from fsdp_verify.units import is_block, members
 
 
-def compile_kwargs(case) -> dict[str, Any]:
-    """`torch.compile`'s keyword arguments for the case (backend, fullgraph, static shapes unless
-    the engine compiles otherwise: `Capabilities.compile_dynamic`)."""
-    from fsdp_verify.engines import engine_capabilities
-
-    dynamic = engine_capabilities(case.engine).compile_dynamic
+def compile_kwargs(case, dynamic: bool | None = False) -> dict[str, Any]:
+    """`torch.compile`'s keyword arguments for the case: its backend and fullgraph, and `dynamic`,
+    static shapes unless the engine compiles otherwise (`Capabilities.compile_dynamic`, which the
+    reference passes: torchtitan compiles with torch's automatic dynamic shapes)."""
     return {"backend": case.compile_backend, "fullgraph": case.compile_fullgraph, "dynamic": dynamic}
 
 
@@ -61,9 +59,10 @@ def compiled_modules(case, model: nn.Module, plan: tuple[str, ...] | None = None
     return [(m, model.get_submodule(m)) for fqn in units if fqn for m in members(fqn)]
 
 
-def compile_in_place(case, model: nn.Module, plan: tuple[str, ...] | None = None) -> None:
-    """`module.compile(**compile_kwargs(case))` on what the case compiles (`plan`: as above)."""
-    kwargs = compile_kwargs(case)
+def compile_in_place(case, model: nn.Module, plan: tuple[str, ...] | None = None, dynamic: bool | None = False) -> None:
+    """`module.compile(**compile_kwargs(case, dynamic))` on what the case compiles (`plan`: as
+    above)."""
+    kwargs = compile_kwargs(case, dynamic)
     for _, module in compiled_modules(case, model, plan):
         module.compile(**kwargs)
 
