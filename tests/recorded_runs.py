@@ -4,7 +4,8 @@
 `single` and `sharded` launch the command a user types, one run each; `single_many` and
 `sharded_many` run several runs of one script in one launch (tests/fixtures/run_each.py: one
 interpreter per rank importing torch and the toolkit once, one torchrun), for the runs a test
-needs besides the pair it shows as a user makes it.
+needs besides the pair it shows as a user makes it (`single_many` also another script's runs as
+the one rank of a 1-rank torchrun).
 """
 
 from __future__ import annotations
@@ -83,9 +84,24 @@ def sharded(script: Path, out: Path, *extra: str, ranks: int = 2) -> None:
 BatchRun = tuple[Path, Sequence[str]] | tuple[Path, Sequence[str], dict]
 
 
-def single_many(script: Path, runs: Sequence[BatchRun]) -> None:
-    """Each run as `python SCRIPT --out DIR ARGS` would make it, in turn, all in one process."""
-    _many([sys.executable], script, runs)
+# What `torchrun --nproc-per-node 1` sets for its one rank: a script that initialises its process
+# group from the environment runs as that rank in a plain process (the store's port chosen by the OS).
+ONE_RANK = {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1"}
+ONE_RANK |= {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "0"}
+
+
+def single_many(script: Path, runs: Sequence[BatchRun], then: tuple[Path, Sequence[BatchRun]] | None = None) -> None:
+    """Each run as `python SCRIPT --out DIR ARGS` would make it, in turn, all in one process;
+    `then`: another script's runs after them, each as the one rank of `torchrun --nproc-per-node 1`
+    (one process and one torch start fewer than a launch of their own)."""
+    extra = []
+    if then is not None:
+        other, one_rank = then
+        extra = [
+            {"script": str(other), **_entry((r[0], r[1], {**ONE_RANK, **(r[2] if len(r) > 2 else {})}))}
+            for r in one_rank
+        ]
+    _many([sys.executable], script, runs, extra)
 
 
 def sharded_many(script: Path, runs: Sequence[BatchRun], ranks: int = 2) -> None:
@@ -94,17 +110,17 @@ def sharded_many(script: Path, runs: Sequence[BatchRun], ranks: int = 2) -> None
     _many([*TORCHRUN, str(ranks)], script, runs)
 
 
-def _many(launcher: list[str], script: Path, runs: Sequence[BatchRun]) -> None:
-    config = {
-        "script": str(script),
-        "runs": [
-            {"out": str(r[0]), "args": [str(a) for a in r[1]], "env": dict(r[2]) if len(r) > 2 else {}} for r in runs
-        ],
-    }
+def _entry(r: BatchRun) -> dict:
+    return {"out": str(r[0]), "args": [str(a) for a in r[1]], "env": dict(r[2]) if len(r) > 2 else {}}
+
+
+def _many(launcher: list[str], script: Path, runs: Sequence[BatchRun], extra: Sequence[dict] = ()) -> None:
+    config = {"script": str(script), "runs": [*map(_entry, runs), *extra]}
     with tempfile.TemporaryDirectory(prefix="run_each-") as tmp:
         path = Path(tmp) / "runs.json"
         path.write_text(json.dumps(config, indent=1))
-        run([*launcher, str(RUN_EACH), str(path)], out=[r[0] for r in runs], timeout=TIMEOUT_S * len(runs))
+        outs = [Path(r["out"]) for r in config["runs"]]
+        run([*launcher, str(RUN_EACH), str(path)], out=outs, timeout=TIMEOUT_S * len(outs))
 
 
 def compare(*args, capsys) -> tuple[int, str]:

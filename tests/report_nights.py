@@ -5,13 +5,11 @@ trend page too). Built under a file lock, so xdist workers build them once."""
 
 from __future__ import annotations
 
-import os
 import shutil
 from pathlib import Path
 
-from filelock import FileLock
-
 from fsdp_verify.commands.cli import main
+from tests.built_once import built_once
 
 MUTANT = "fsdp_verify.zoo.mutants:grads_divided_twice"
 CHEAP = ["--world-sizes", "2", "--models", "mlp", "--pin", "steps=1", "--no-progress"]
@@ -68,16 +66,5 @@ def build(root: Path) -> Path:
 
 
 def shared(tmp_path_factory) -> Path:
-    """The folders, built by the first worker that asks. Under xdist the workers' temporary
-    folders share this run's parent; without it the parent is every run's, so the run's own
-    folder is used (a build of an earlier run must never stand in for this one's)."""
-    base = tmp_path_factory.getbasetemp()
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        base = base.parent
-    root = base / "report-nights"
-    with FileLock(str(base / "report-nights.lock")):
-        if not (root / "done").exists():
-            shutil.rmtree(root, ignore_errors=True)
-            build(root)
-            (root / "done").write_text("ok\n")
-    return root
+    """The folders, built once per test run (tests/built_once.py)."""
+    return built_once(tmp_path_factory, "report-nights", build)

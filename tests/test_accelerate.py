@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify.recorder.store import Run
+from tests.built_once import built_once
 from tests.recorded_runs import ROOT, compare, sharded, sharded_many, single
 
 SCRIPT = ROOT / "examples" / "hf" / "train_accelerate.py"
@@ -24,10 +25,12 @@ pytest.importorskip("accelerate")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("accelerate")
+    return built_once(tmp_path_factory, "accelerate", _runs)  # once per test run (tests/built_once.py)
+
+
+def _runs(d: Path) -> None:
     single(SCRIPT, d / "ref")
     sharded(SCRIPT, d / "plugin", "--fsdp", "plugin")
-    return d
 
 
 def test_the_fsdp_plugin_on_cpu_falls_back_to_ddp_and_is_not_sharded(runs, tmp_path, capsys):
@@ -41,15 +44,17 @@ def test_the_fsdp_plugin_on_cpu_falls_back_to_ddp_and_is_not_sharded(runs, tmp_p
 
 
 @pytest.fixture(scope="module")
-def more_runs(runs) -> Path:
+def more_runs(runs, tmp_path_factory) -> Path:
     """The correct FSDP2 twin as a user types it; the plugin without cpu=True and DDP in one launch."""
-    d = runs
+    return built_once(tmp_path_factory, "accelerate-more", _more_runs, into=runs)
+
+
+def _more_runs(d: Path) -> None:
     single(SCRIPT, d / "ref-perturbed", env={"FSDP_VERIFY_PERTURB": "1"})
     sharded(SCRIPT, d / "own", "--fsdp", "own")
     sharded_many(
         SCRIPT, [(d / "plugin-without-cpu", ["--fsdp", "plugin-without-cpu"]), (d / "ddp", ["--fsdp", "none"])]
     )
-    return d
 
 
 @pytest.mark.slow

@@ -20,6 +20,7 @@ import pytest
 
 from fsdp_verify import launch
 from fsdp_verify.recorder.store import Run
+from tests.built_once import built_once
 from tests.recorded_runs import ENV, ROOT, compare, sharded, sharded_many, single, single_many
 
 SCRIPT = ROOT / "examples" / "hf" / "train_trainer.py"
@@ -28,10 +29,12 @@ pytest.importorskip("accelerate")  # the Trainer runs on it: fsdp-verify[hf,acce
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("trainer")
+    return built_once(tmp_path_factory, "hf_trainer", _runs)  # once per test run (tests/built_once.py)
+
+
+def _runs(d: Path) -> None:
     single(SCRIPT, d / "ref")
     sharded(SCRIPT, d / "own", "--fsdp", "own")
-    return d
 
 
 def test_fsdp2_under_the_trainer_is_equivalent_to_one_process(runs, tmp_path, capsys):
@@ -92,9 +95,12 @@ print(repr([float(x) for x in seen]))
 
 
 @pytest.fixture(scope="module")
-def more_runs(runs) -> Path:
+def more_runs(runs, tmp_path_factory) -> Path:
     """Two launches: the one-process runs in one, the 2-rank runs in another (tests/recorded_runs.py)."""
-    d = runs
+    return built_once(tmp_path_factory, "hf_trainer-more", _more_runs, into=runs)
+
+
+def _more_runs(d: Path) -> None:
     single_many(
         SCRIPT,
         [
@@ -112,7 +118,6 @@ def more_runs(runs) -> Path:
             (d / "ddp", ["--fsdp", "none"]),
         ],
     )
-    return d
 
 
 @pytest.mark.slow

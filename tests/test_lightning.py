@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from fsdp_verify.recorder.store import Run
+from tests.built_once import built_once
 from tests.recorded_runs import ROOT, compare, sharded, sharded_many, single
 
 SCRIPT = ROOT / "examples" / "lightning" / "train_lightning.py"
@@ -28,10 +29,12 @@ def lightning(out: Path, *extra: str) -> None:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> Path:
-    d = tmp_path_factory.mktemp("lightning")
+    return built_once(tmp_path_factory, "lightning", _runs)  # once per test run (tests/built_once.py)
+
+
+def _runs(d: Path) -> None:
     single(SCRIPT, d / "ref")
     lightning(d / "fsdp2", "--strategy", "fsdp2")
-    return d
 
 
 def test_fsdp2_under_model_parallel_strategy_is_equivalent_to_one_process(runs, tmp_path, capsys):
@@ -55,10 +58,13 @@ def test_a_configure_model_that_never_shards_is_not_sharded(more_runs, tmp_path,
 
 
 @pytest.fixture(scope="module")
-def more_runs(runs) -> Path:
+def more_runs(runs, tmp_path_factory) -> Path:
     """The 2-rank runs in one launch (tests/recorded_runs.py; Lightning leaves the process group
     to an atexit hook: run_each.py destroys it after each run)."""
-    d = runs
+    return built_once(tmp_path_factory, "lightning-more", _more_runs, into=runs)
+
+
+def _more_runs(d: Path) -> None:
     single(SCRIPT, d / "ref-perturbed", env={"FSDP_VERIFY_PERTURB": "1"})
     sharded_many(
         SCRIPT,
@@ -69,7 +75,6 @@ def more_runs(runs) -> Path:
             (d / "accumulate-2", ["--ranks", "2", "--strategy", "fsdp2", "--accumulate", "2"]),
         ],
     )
-    return d
 
 
 @pytest.mark.slow

@@ -361,7 +361,7 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"model": ModelSpec(kind="mlp", widths=(4, 4))}, "pp", "as many stages"),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),
-        ({"compile": "model"}, "compile", "None or 'units' with pp=2"),
+        ({"compile": "model"}, "compile", "None or 'units' or 'blocks' with pp=2"),
         ({"tp": 2, "loss_parallel": True, "world_size": 8}, "loss_parallel", "not vocabulary-parallel"),
         (
             {"model": ModelSpec(kind="mlp", widths=(4, 4, 4), frozen=("layers.0",)), "unfreeze_step": 2, "steps": 2},

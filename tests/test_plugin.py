@@ -96,30 +96,23 @@ def test_bad_plugin_options_are_usage_errors(pytester):
     assert "--fsdp-world-sizes" in result.stderr.str()
 
 
-def test_plugin_options_take_the_commands_spellings(pytester):
+def test_plugin_options_take_the_commands_spellings_and_the_profile_option_our_profiles(pytester):
     """`--fsdp-world-sizes` and `--fsdp-precisions` parse as `fuzz --world-sizes/--precisions` do:
-    comma- or space-separated, long dtype names accepted, short names seen."""
-    pytester.makepyfile(
-        test_inner="def test_options(fsdp_world_sizes, request):\n"
-        "    assert fsdp_world_sizes == (2, 4)\n"
-        "    assert request.config.getoption('--fsdp-precisions') == ('fp32', 'bf16')\n"
-    )
-    args = ["-p", "no:cacheprovider", "--fsdp-world-sizes", "2 4", "--fsdp-precisions", "float32,bfloat16"]
-    result = pytester.runpytest_subprocess(*args)
-    assert result.ret == 0, result.stdout.str() + result.stderr.str()
-
-
-def test_hypothesis_profile_option_selects_our_profiles(pytester):
-    """`--hypothesis-profile nightly|dev|ci` names our profiles, which must exist before
-    Hypothesis's own plugin loads the chosen one."""
+    comma- or space-separated, long dtype names accepted, short names seen; and `--hypothesis-profile
+    nightly|dev|ci` names our profiles, which must exist before Hypothesis's own plugin loads the
+    chosen one. One inner run for both (a fresh pytest process each costs seconds)."""
     pytester.makepyfile(
         test_inner="from hypothesis import settings\n\n"
+        "def test_options(fsdp_world_sizes, request):\n"
+        "    assert fsdp_world_sizes == (2, 4)\n"
+        "    assert request.config.getoption('--fsdp-precisions') == ('fp32', 'bf16')\n\n"
         "def test_profile():\n"
         "    assert settings.get_current_profile_name() == 'nightly'\n"
         "    assert settings.default.max_examples == 300 and settings.default.deadline is None\n"
     )
-    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--hypothesis-profile", "nightly")
-    assert result.ret == 0, result.stdout.str() + result.stderr.str()
+    args = ["-p", "no:cacheprovider", "--fsdp-world-sizes", "2 4", "--fsdp-precisions", "float32,bfloat16"]
+    result = pytester.runpytest_subprocess(*args, "--hypothesis-profile", "nightly")
+    result.assert_outcomes(passed=2)
 
 
 CRASHING_TEST = """

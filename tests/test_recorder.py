@@ -26,6 +26,7 @@ from fsdp_verify.recorder.perturb import MOVE_ULPS, GradientPerturbation
 from fsdp_verify.recorder.store import Run
 from fsdp_verify.reports.schema import SCHEMA_PATH
 from tests import recorded_runs
+from tests.built_once import built_once
 from tests.ranks import spawn
 from tests.recorded_runs import BIN, ENV, ROOT, compare
 
@@ -39,22 +40,18 @@ PERTURB = {"FSDP_VERIFY_PERTURB": "1"}
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory) -> Path:
-    """Every run of the end-to-end tests below (the fixtures that follow name them), in five
-    launches: the correct pair as a user types it (runs/ref, runs/sharded); the other one-process
-    runs in one process, the other 2-rank runs in one torchrun, and after them (the saving run
-    resumed/a is among those) the 1-rank resumed runs in another (tests/recorded_runs.py)."""
-    d = tmp_path_factory.mktemp("recorded")
+    """Every run of the end-to-end tests below (the fixtures that follow name them), once per test
+    run (tests/built_once.py), in four launches: the correct pair as a user types it (runs/ref,
+    runs/sharded); the other 2-rank runs in one torchrun, and after them (the saving run resumed/a
+    is among those) the one-process runs in one process, the 1-rank resumed runs among them
+    (tests/recorded_runs.py)."""
+    return built_once(tmp_path_factory, "recorded", _record)
+
+
+def _record(d: Path) -> None:
     runs, unsharded, resumed, bf16 = d / "runs", d / "unsharded", d / "resumed", d / "bf16"
     recorded_runs.single(SINGLE, runs / "ref", "--full-steps", "0", "1")
     recorded_runs.sharded(FSDP, runs / "sharded", "--full-steps", "0", "1")
-    recorded_runs.single_many(
-        SINGLE,
-        [
-            (runs / "ref-perturbed", ["--full-steps", "0", "1"], PERTURB),
-            (bf16 / "ref", ["--bf16"]),
-            (bf16 / "ref-perturbed", ["--bf16"], PERTURB),
-        ],
-    )
     recorded_runs.sharded_many(
         FSDP,
         [
@@ -69,10 +66,15 @@ def recorded(tmp_path_factory) -> Path:
         ],
     )
     resume = ["--resume-from", resumed / "ckpt", "--recorded-before", resumed / "a"]
-    recorded_runs.sharded_many(
-        FSDP, [(resumed / "b", resume), (resumed / "b-fresh-adam", [*resume, "--bug", "optimizer-not-loaded"])], ranks=1
+    recorded_runs.single_many(
+        SINGLE,
+        [
+            (runs / "ref-perturbed", ["--full-steps", "0", "1"], PERTURB),
+            (bf16 / "ref", ["--bf16"]),
+            (bf16 / "ref-perturbed", ["--bf16"], PERTURB),
+        ],
+        then=(FSDP, [(resumed / "b", resume), (resumed / "b-fresh-adam", [*resume, "--bug", "optimizer-not-loaded"])]),
     )
-    return d
 
 
 @pytest.fixture(scope="module")
