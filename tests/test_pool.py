@@ -162,3 +162,38 @@ def test_the_pools_of_a_process_share_one_zygote_which_stops_with_the_last(monke
         one.close()
         assert alive(zygote) and three.run(mlp_case(3)).meta  # still serves the other pool
     assert not alive(zygote)
+
+
+def test_ranks_work_where_their_pool_was_started(tmp_path, monkeypatch):
+    """The zygote was started where the first pool was; a pool started elsewhere (which may share
+    it: each rank is sent its pool's directory) resolves a relative path (an engine's file) from
+    its own directory."""
+    from fsdp_verify.runner import check_case
+
+    (tmp_path / "here_engine.py").write_text(
+        "from fsdp_verify.engines.fsdp2 import fully_shard_engine\n\n"
+        "def shard(model, mesh, spec):\n"
+        "    return fully_shard_engine(model, mesh, spec)\n"
+    )
+    monkeypatch.setenv("FSDP_VERIFY_ZYGOTE_TEST", "cwd")  # a zygote of this test's own
+    with RankPool(2) as first:
+        first.start()
+        monkeypatch.chdir(tmp_path)
+        with RankPool(2) as second:
+            assert check_case(mlp_case(2, engine="here_engine.py:shard"), pool=second).ok
+
+
+def test_pools_whose_shared_zygote_died_start_again(monkeypatch):
+    """The ranks die with their zygote (PR_SET_PDEATHSIG): every pool forked by it must see its
+    ranks gone, not only the one that notices first, and the next case starts them again."""
+    from fsdp_verify.runner import check_case
+
+    monkeypatch.setenv("FSDP_VERIFY_ZYGOTE_TEST", "dies")  # a zygote of this test's own
+    with RankPool(1) as one, RankPool(2) as two:
+        one.start()
+        two.start()
+        os.kill(one._zygote._proc.pid, signal.SIGKILL)
+        one._zygote._proc.wait(10)  # dead (a case already running would end as a crash instead)
+        assert check_case(mlp_case(1), pool=one).ok
+        assert check_case(mlp_case(2), pool=two).ok
+        assert one._zygote is two._zygote and one._zygote.alive

@@ -310,3 +310,7 @@ def test_each_row_carries_the_knobs_its_case_was_drawn_with(reports):
         "microbatches": 2,
         "precision.reduce_dtype": "fp32",
     }
+    assert case_knobs(Case().with_(**{"model.dropout": 0.1, "world_size": 4, "data.batch_size": 12})) == {
+        "model.dropout": 0.1,  # the model's own settings beyond its kind (the row's column)
+        "data.batch_size": 12,
+    }

@@ -130,12 +130,18 @@ def _torchrun(*args: str) -> subprocess.CompletedProcess:
     return launch.run([*cmd, "-m", "fsdp_verify", "check", *args], env=env, cwd=ROOT, timeout=300)
 
 
-def test_in_place_under_torchrun_a_mutant_is_caught():
+def test_in_place_under_torchrun_a_mutant_is_caught(tmp_path):
     """A correct engine under torchrun is EQUIVALENT in the two-hosts test below (one launch of
-    three processes each: not paid twice)."""
-    bad = _torchrun("--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged")
+    three processes each: not paid twice). Here, on one host, every record before the mutant's
+    gradients agrees (the initial parameters, step 1's logits and loss: the split reference's
+    forward is right), and its gradients are the first to part."""
+    import json
+
+    out = tmp_path / "verdict.json"
+    bad = _torchrun("--steps", "2", "--engine", "fsdp_verify.zoo.mutants:grads_not_averaged", "--json", str(out))
     assert bad.returncode == 1, bad.stdout + bad.stderr[-3000:]
-    assert "grads" in bad.stdout
+    first = json.loads(out.read_text())["first_divergence"]
+    assert (first["step"], first["phase"]) == (1, "grads"), first
 
 
 def _two_hosts(tmp_path: Path, *args: str) -> tuple[list[subprocess.CompletedProcess], dict]:

@@ -198,7 +198,7 @@ def test_torchtitan_takes_only_its_own_compile_and_is_drawn_only_that():
     field, and the draws give it nothing else."""
     from fsdp_verify.engines import refuse_untakeable
     from fsdp_verify.properties.draw import draw_cases
-    from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.properties.strategies import PinError, cases
     from fsdp_verify.validation import CaseError
 
     with pytest.raises(CaseError, match=r"compile: expected one of \('blocks',\)"):
@@ -209,3 +209,5 @@ def test_torchtitan_takes_only_its_own_compile_and_is_drawn_only_that():
     pins = {k: v for k, v in fields.items() if k != "engine"}
     drawn = draw_cases(cases(engine=fields["engine"], world_sizes=(2,), compile_rate=1.0, **pins), 6, 3)
     assert drawn and {(c.compile, c.compile_fullgraph) for c in drawn} == {("blocks", True)}, drawn
+    with pytest.raises(PinError, match=r"compile: expected one of \('blocks',\)"):  # a pin it cannot take
+        cases(engine=fields["engine"], compile="units", **pins)

@@ -20,7 +20,7 @@ from fsdp_verify.reference.trainer import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.compile import fresh_compiler
+from fsdp_verify.training.compile import compiling
 from fsdp_verify.training.threads import rank_like_threads
 from fsdp_verify.validation import CaseError
 from fsdp_verify.verdict import Verdict
@@ -151,16 +151,18 @@ def check_case(
     submitted = case.compile is None
     if submitted:
         pool.submit(case)
+    # A compiled case's reference compiles fresh, under the Dynamo options the engine declares
+    # (verify/training/compile.py), put back after it and the compiler's check.
+    compiled = compiling(engine_capabilities(case.engine).dynamo_config) if case.compile else contextlib.nullcontext()
     try:
-        with rank_like_threads():
-            if case.compile is not None:
-                fresh_compiler(engine_capabilities(case.engine).dynamo_config)  # the engine's options
-            ref = emulating_reference(case)  # overlaps with the ranks' work
-        t_ref = time.perf_counter()
-        if not submitted:
-            pool.submit(case)
-            submitted = True
-        compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
+        with compiled:
+            with rank_like_threads():
+                ref = emulating_reference(case)  # overlaps with the ranks' work
+            t_ref = time.perf_counter()
+            if not submitted:
+                pool.submit(case)
+                submitted = True
+            compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
         if submitted:
             with contextlib.suppress(RankFailure):

@@ -68,7 +68,7 @@ def probe(python: Path) -> str:
     code = (
         "import importlib.metadata as m, importlib.util as u\n"
         "missing = [n for n in ('torch', 'fsdp_verify') if u.find_spec(n) is None]\n"
-        "assert not missing, 'No module named ' + ', '.join(missing)\n"
+        "if missing: raise SystemExit('No module named ' + ', '.join(missing))\n"
         "print(m.version('torch'))"
     )
     done = launch.run([str(python), "-c", code], timeout=300)

@@ -35,9 +35,10 @@ def is_group(unit: str) -> bool:
 
 
 def is_block(unit: str) -> bool:
-    """A unit that is one element of a module list or dict (its name's last part a number:
-    "layers.3", torchtitan's `layers` ModuleDict keyed "0", "1", ...): a repeated block, what
-    torchtitan compiles one by one (`compile: blocks`, verify/training/compile.py)."""
+    """A unit whose name's last part is a number: an element of a ModuleList or Sequential
+    ("layers.3"), or of a ModuleDict keyed by numbers (torchtitan's `layers`, keyed "0", "1", ...):
+    a repeated block, what torchtitan compiles one by one (`compile: blocks`,
+    verify/training/compile.py). A dict keyed by names holds no blocks by this rule."""
     return bool(unit) and not is_group(unit) and unit.rsplit(".", 1)[-1].isdigit()
 
 

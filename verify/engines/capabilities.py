@@ -172,7 +172,8 @@ class Capabilities:
     dynamo_config: tuple[tuple[str, Any], ...] = ()
     # torch.compile's `dynamic` as it compiles: False (`ShardSpec.compile`: each graph a function of
     # its shapes) or None (torch's automatic dynamic shapes: torchtitan's `module.compile(backend,
-    # fullgraph=True)`), which the reference then compiles with too.
+    # fullgraph=True)`), which the reference then compiles with too. `ShardSpec.compile` compiles
+    # with False: an engine that compiles through it leaves this False.
     compile_dynamic: bool | None = False
 
     def __post_init__(self) -> None:

@@ -145,8 +145,8 @@ class ShardSpec:
         }
 
     def compile(self, model: nn.Module) -> None:
-        """torch.compile as the case asks (`case.compile`: each unit but the root, or the whole
-        model), in place: `module.compile(backend=..., fullgraph=..., dynamic=False)`, parameter
+        """torch.compile as the case asks (`case.compile`: each unit but the root, each block, or
+        the whole model), in place: `module.compile(backend=..., fullgraph=..., dynamic=False)`, parameter
         FQNs kept. Call it before the first `fully_shard`, where torchtitan compiles (after
         activation checkpointing, which the loop applied already); nothing without `compile`
         (verify/training/compile.py, docs/compile.md)."""

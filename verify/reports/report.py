@@ -26,7 +26,10 @@ def case_key(case) -> str:
 
 
 # A row's own columns, and what every drawn case has of its own (seeds): not knobs.
-_NOT_KNOBS = frozenset({"model", "world_size", "mesh_shape", "steps", "seed", "data_seed", "engine"})
+_NOT_KNOBS = frozenset(
+    {"model.kind", "model.factory", "world_size", "mesh_shape", "precision.param_dtype", "steps", "seed", "data_seed"}
+    | {"engine"}
+)
 
 
 def case_knobs(case) -> dict[str, Any]:
@@ -45,13 +48,7 @@ def case_knobs(case) -> dict[str, Any]:
         return out
 
     default, mine = leaves(Case().to_dict()), leaves(case.to_dict())
-    return {
-        k: v
-        for k, v in mine.items()
-        if k.split(".", 1)[0] not in _NOT_KNOBS
-        and (k not in default or default[k] != v)
-        and k != "precision.param_dtype"
-    }
+    return {k: v for k, v in mine.items() if k not in _NOT_KNOBS and (k not in default or default[k] != v)}
 
 
 def first_divergence(verdict) -> str | None:

@@ -123,8 +123,8 @@ class RankPool:
         process behind."""
         self._stop_ranks()
         if self._zygote is not None:
-            zygotes.release(self._zygote)
-            self._zygote = None
+            zygote, self._zygote = self._zygote, None  # released once, whatever release does
+            zygotes.release(zygote)
 
     def _stop_ranks(self, kill: bool = False) -> None:
         """Stop the ranks (`kill`: by SIGKILL without asking), keeping the zygote to fork the next."""

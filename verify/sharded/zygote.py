@@ -4,8 +4,9 @@ of torch.
 A pool restarts its ranks after every rank failure (the process group is unusable then). A new
 process spends seconds importing torch and the toolkit (5-9 s each on a loaded 2-core machine,
 measured for issue 38) before it can join a process group, and a search shrinking a case that
-crashes a rank restarts the pool once per step. The zygote is one process per pool that imports
-all that once and then forks each rank on request: the fork is milliseconds. It imports but
+crashes a rank restarts the pool once per step. The zygote is one process (for all the pools of
+a process, below) that imports all that once and then forks each rank on request: the fork is
+milliseconds. It imports but
 never runs torch (no CUDA, no thread pools), which is what makes the fork safe, and it sets the
 rank's own environment (its GPUs) before anything in the rank touches CUDA.
 
@@ -79,6 +80,8 @@ def shared(env: dict[str, str], start_timeout_s: float = 300.0) -> Zygote:
 def release(zygote: Zygote) -> None:
     """One user fewer; the last one stops it (and any rank of it still running)."""
     with _SHARED_LOCK:
+        if zygote._users <= 0:
+            raise RuntimeError("zygote released more times than it was taken")
         zygote._users -= 1
         if zygote._users > 0:
             return
@@ -90,10 +93,13 @@ def release(zygote: Zygote) -> None:
 class Zygote:
     """The pool's side: start the zygote, fork ranks from it, learn how they ended. Its methods
     may be called from several threads (pools of one process, each its own thread): one talks
-    to the zygote at a time."""
+    to the zygote at a time. The zygote dies with the thread that started it (PR_SET_PDEATHSIG
+    follows the forking thread), so pools are best started from the main thread; if it dies,
+    every rank it forked is reported killed, and the next spawn starts another."""
 
     def __init__(self, env: dict[str, str], start_timeout_s: float = 300.0):
         self._lock = threading.RLock()
+        self._live: set[int] = set()  # ranks forked and not yet reported ended
         self._users = 0
         self._key: tuple = ()
         self._sock: socket.socket | None = None
@@ -125,6 +131,7 @@ class Zygote:
             self._close()
 
     def _close(self) -> None:
+        self._all_killed()  # every rank dies with the zygote (its PR_SET_PDEATHSIG)
         if self._conn is not None:
             with contextlib.suppress(OSError, ValueError):
                 self._conn.send(("stop",))
@@ -147,11 +154,16 @@ class Zygote:
                 self.close()
                 self.start()
             try:
-                self._conn.send(("spawn", args, env))
+                # the caller's working directory now: another pool may have started the zygote
+                # elsewhere, and a rank resolves relative paths (an engine's file) against its own
+                self._conn.send(("spawn", args, env, os.getcwd()))
                 sendfds(self._sock, list(fds))
             except OSError as e:
                 raise ZygoteError(f"the zygote is gone: {e}") from None
-            return RankProcess(self, self._expect("pid", 30.0))
+            pid = self._expect("pid", 30.0)
+            self.exits.pop(pid, None)  # an earlier rank's with the same pid (its exit came first)
+            self._live.add(pid)
+            return RankProcess(self, pid)
 
     def kill(self, pid: int) -> None:
         with self._lock, contextlib.suppress(OSError, ValueError, AttributeError):
@@ -160,13 +172,25 @@ class Zygote:
     def pump(self, timeout_s: float) -> None:
         """Read what the zygote sent (exit codes) for up to `timeout_s` (0: what is there). Another
         thread talking to the zygote meanwhile: what it reads lands in `exits` all the same."""
-        if not self._lock.acquire(timeout=timeout_s if timeout_s > 0 else -1):
+        import time
+
+        deadline = time.monotonic() + max(timeout_s, 0.0)
+        if not (self._lock.acquire(timeout=timeout_s) if timeout_s > 0 else self._lock.acquire(blocking=False)):
             return
         try:
-            if self._conn is not None and wait([self._conn], timeout=timeout_s):
+            if self._conn is None:
+                self._all_killed()
+                raise ZygoteError("the zygote is gone")
+            if wait([self._conn], timeout=max(deadline - time.monotonic(), 0.0)):
                 self._read()
         finally:
             self._lock.release()
+
+    def _all_killed(self) -> None:
+        """Every rank not yet reported ended, as killed (they die with the zygote)."""
+        for pid in self._live:
+            self.exits.setdefault(pid, -signal.SIGKILL)
+        self._live.clear()
 
     def _read(self) -> tuple:
         try:
@@ -175,9 +199,11 @@ class Zygote:
             self._conn.close()
             self._sock.close()
             self._sock = self._conn = None
+            self._all_killed()
             raise ZygoteError("the zygote died") from None
         if message[0] == "exit":
             self.exits[message[1]] = message[2]
+            self._live.discard(message[1])
         return message
 
     def _expect(self, kind: str, timeout_s: float):
@@ -229,8 +255,9 @@ class RankProcess:
 
 
 # ---- the zygote process -----------------------------------------------------------------------
-def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -> None:
-    """In the forked child: drop the zygote's handles, take the rank's environment, run the rank."""
+def _rank(args: list[str], fds: list[int], env: dict[str, str], cwd: str | None, handles: list) -> None:
+    """In the forked child: drop the zygote's handles, take the rank's environment and working
+    directory, run the rank."""
     code = 1
     try:
         for handle in handles:
@@ -241,6 +268,8 @@ def _rank(args: list[str], fds: list[int], env: dict[str, str], handles: list) -
         # sees what a process started now would (a variable set, a path added since).
         os.environ.clear()
         os.environ.update(env)
+        if cwd is not None:
+            os.chdir(cwd)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         os.dup2(fds[2], 2)  # its stderr: the pool relays it and keeps its tail (pool.py)
         os.close(fds[2])
@@ -295,11 +324,11 @@ def main(fd: int) -> None:
             if message[1] in children:  # not reaped yet, so the pid is still this rank's
                 os.kill(message[1], signal.SIGKILL)
             continue
-        _, args, env = message
+        _, args, env, cwd = (*message, None)[:4]
         fds = recvfds(control, 3)  # the rank's two pipe ends and its stderr
         pid = os.fork()
         if pid == 0:
-            _rank(args, fds, env, [control, conn, wake_r, wake_w])
+            _rank(args, fds, env, cwd, [control, conn, wake_r, wake_w])
         for f in fds:
             os.close(f)
         children.add(pid)

@@ -27,7 +27,10 @@ one side and a static one on the other, with other loops and so other roundings.
 
 from __future__ import annotations
 
+import contextlib
+import copy
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +116,18 @@ def fresh_compiler(options: tuple[tuple[str, Any], ...] = ()) -> None:
     clear_compilation_metrics()
 
 
+@contextlib.contextmanager
+def compiling(options: tuple[tuple[str, Any], ...] = ()) -> Iterator[None]:
+    """A compiled case in this process: `fresh_compiler(options)` before, and Dynamo's options put
+    back to the process's own after (the engine's declared ones are the reference's for the case
+    only, not for whatever this process compiles next)."""
+    fresh_compiler(options)
+    try:
+        yield
+    finally:
+        _restore_dynamo_options()
+
+
 # Dynamo's options as this process had them before its first compiled case.
 _DYNAMO_OPTIONS: dict[str, Any] = {}
 
@@ -128,7 +143,7 @@ def _restore_dynamo_options() -> None:
         return
     for name, value in _DYNAMO_OPTIONS.items():
         if name in now and now[name] != value:
-            setattr(config, name, value)
+            setattr(config, name, copy.deepcopy(value))  # the snapshot stays the process's own
 
 
 CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
@@ -137,7 +152,7 @@ CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 def use_cache_dir() -> str:
     """Inductor's caches (the FX graph cache and the compiled kernels) in one directory for every
     process of the toolkit on this machine: the reference's parent, each pool's ranks (forked from
-    its zygote, which takes the environment it is started with), pytest-xdist workers and later
+    a zygote, each taking its pool's environment when forked), pytest-xdist workers and later
     runs. $TORCHINDUCTOR_CACHE_DIR when set; else $FSDP_VERIFY_CACHE_DIR/inductor, else
     ~/.cache/fsdp-verify/inductor. Processes share it safely: Inductor writes its entries
     atomically (a rename) under a key of the graph, its inputs' shapes and the compiler's
