@@ -1290,17 +1290,10 @@ def _knob_pins(engine: str, pins: dict[str, Any]) -> dict[str, Any]:
         given = pins.get(knob.field, knob.off)
         if knob.field in off and not isinstance(given, SearchStrategy) and given != knob.off:
             raise PinError(f"{knob.field}: expected {knob.off!r}: {not_declared(engine, knob.name)}, got {given!r}")
-    capabilities = engine_capabilities(engine)
-    scope, fullgraph = pins.get("compile"), pins.get("compile_fullgraph")
-    if capabilities.compile_scopes is not None and isinstance(scope, str) and scope not in capabilities.compile_scopes:
-        raise PinError(
-            f"compile: expected one of {capabilities.compile_scopes}: what engine {engine!r} compiles, got {scope!r}"
-        )
-    wanted = capabilities.compile_fullgraph
-    if scope is not None and wanted is not None and isinstance(fullgraph, bool) and fullgraph != wanted:
-        raise PinError(
-            f"compile_fullgraph: expected {str(wanted).lower()}: how engine {engine!r} compiles, got {fullgraph}"
-        )
+    refused = engine_capabilities(engine).compile_refusal(engine, pins.get("compile"), pins.get("compile_fullgraph"))
+    if refused is not None:
+        field, expected, got = refused
+        raise PinError(f"{field}: expected {expected}, got {got!r}")
     wrap = pins.get("wrap")
     if "groups" not in taken and isinstance(wrap, tuple) and any(units.is_group(u) for u in wrap):
         raise PinError(f"wrap: expected units of one module each: {not_declared(engine, 'groups')}, got {wrap!r}")

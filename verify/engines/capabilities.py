@@ -201,13 +201,9 @@ class Capabilities:
             if knob.asked(case) and knob.name not in self.taken():
                 expected = knob.expected or repr(knob.off)
                 raise CaseError(knob.field, f"{expected}: {not_declared(engine, knob.name)}", knob.value(case))
-        if case.compile is not None and self.compile_scopes is not None and case.compile not in self.compile_scopes:
-            raise CaseError("compile", f"one of {self.compile_scopes}: what engine {engine!r} compiles", case.compile)
-        fullgraph = self.compile_fullgraph
-        if case.compile is not None and fullgraph is not None and case.compile_fullgraph != fullgraph:
-            raise CaseError(
-                "compile_fullgraph", f"{str(fullgraph).lower()}: how engine {engine!r} compiles", case.compile_fullgraph
-            )
+        refused = self.compile_refusal(engine, case.compile, case.compile_fullgraph)
+        if refused is not None:
+            raise CaseError(*refused)
         rsf, shard = case.reshard_after_forward, case.mesh[-1]
         if not self.reshard_ints and not isinstance(rsf, bool):
             raise CaseError("reshard_after_forward", f"true or false: what engine {engine!r} takes", rsf)
@@ -218,6 +214,19 @@ class Capabilities:
                 f" {engine!r} takes",
                 rsf,
             )
+
+    def compile_refusal(self, engine: str, scope: Any, fullgraph: Any) -> tuple[str, str, Any] | None:
+        """(field, expected, got) where a compile `scope` (None: not compiled) or its `fullgraph`
+        is not how the engine compiles; None where it is. One rule for a case (`refuse`) and for
+        the draws' pins (properties/strategies.py), which may hold strategies: only values count."""
+        if scope is None:
+            return None
+        if self.compile_scopes is not None and isinstance(scope, str) and scope not in self.compile_scopes:
+            return "compile", f"one of {self.compile_scopes}: what engine {engine!r} compiles", scope
+        wanted = self.compile_fullgraph
+        if wanted is not None and isinstance(fullgraph, bool) and fullgraph != wanted:
+            return "compile_fullgraph", f"{str(wanted).lower()}: how engine {engine!r} compiles", fullgraph
+        return None
 
 
 def not_declared(engine: str, knob: str) -> str:

@@ -83,8 +83,8 @@ class RankPool:
     def start(self) -> None:
         """Fork the ranks from the process's zygote (verify/sharded/zygote.py: one for every pool
         of the process), started the first time (a `python -m fsdp_verify.sharded.zygote` child:
-        no re-import of the caller's __main__),
-        each talking over two pipes; a restart after a rank failure is a fork, not a torch start."""
+        no re-import of the caller's __main__), each talking over two pipes; a restart after a
+        rank failure is a fork, not a torch start."""
         self._stop_ranks()
         self._dir = Path(tempfile.mkdtemp(prefix="fsdp-verify-pool-", dir=memory_dir()))
         self._board = PhaseBoard(str(self._dir / "phases"), self.world_size, create=True)
@@ -119,8 +119,7 @@ class RankPool:
 
     def close(self) -> None:
         """Stop every worker (politely if idle, by SIGKILL otherwise) and the zygote if no other
-        pool uses it. Leaves no
-        process behind."""
+        pool uses it. Leaves no process behind."""
         self._stop_ranks()
         if self._zygote is not None:
             zygote, self._zygote = self._zygote, None  # released once, whatever release does

@@ -6,9 +6,9 @@ process spends seconds importing torch and the toolkit (5-9 s each on a loaded 2
 measured for issue 38) before it can join a process group, and a search shrinking a case that
 crashes a rank restarts the pool once per step. The zygote is one process (for all the pools of
 a process, below) that imports all that once and then forks each rank on request: the fork is
-milliseconds. It imports but
-never runs torch (no CUDA, no thread pools), which is what makes the fork safe, and it sets the
-rank's own environment (its GPUs) before anything in the rank touches CUDA.
+milliseconds. It imports but never runs torch (no CUDA, no thread pools), which is what makes the
+fork safe, and it sets the rank's own environment (its GPUs) before anything in the rank touches
+CUDA.
 
 One zygote serves every pool of a process whose import environment is the same (`shared`: a
 sweep over world sizes 1-4 has four pools, and started four zygotes, each importing torch and
@@ -255,7 +255,7 @@ class RankProcess:
 
 
 # ---- the zygote process -----------------------------------------------------------------------
-def _rank(args: list[str], fds: list[int], env: dict[str, str], cwd: str | None, handles: list) -> None:
+def _rank(args: list[str], fds: list[int], env: dict[str, str], cwd: str, handles: list) -> None:
     """In the forked child: drop the zygote's handles, take the rank's environment and working
     directory, run the rank."""
     code = 1
@@ -268,8 +268,7 @@ def _rank(args: list[str], fds: list[int], env: dict[str, str], cwd: str | None,
         # sees what a process started now would (a variable set, a path added since).
         os.environ.clear()
         os.environ.update(env)
-        if cwd is not None:
-            os.chdir(cwd)
+        os.chdir(cwd)
         sys.path[:0] = [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p and p not in sys.path]
         os.dup2(fds[2], 2)  # its stderr: the pool relays it and keeps its tail (pool.py)
         os.close(fds[2])
@@ -324,7 +323,7 @@ def main(fd: int) -> None:
             if message[1] in children:  # not reaped yet, so the pid is still this rank's
                 os.kill(message[1], signal.SIGKILL)
             continue
-        _, args, env, cwd = (*message, None)[:4]
+        _, args, env, cwd = message
         fds = recvfds(control, 3)  # the rank's two pipe ends and its stderr
         pid = os.fork()
         if pid == 0:

@@ -13,16 +13,17 @@ side of `fully_shard` the call stands.
 
 What: each unit of the wrap plan but the root ("units"), each unit that is a repeated block
 ("blocks": an element of a module list or dict, as torchtitan's `apply_compile` compiles each
-block of `model.layers` and nothing else), or the whole model ("model"). `nn.Module.compile` does not trace the module's own `_call_impl` (a file
-Dynamo skips), so a unit's hooks (FSDP2's pre- and post-forward, themselves `_dynamo_disable`d)
-run eagerly around its compiled forward; under "model" the graph breaks at every inner unit's
-hooks. A unit that is a `torch.nn` leaf (a plain `nn.Embedding`) compiles nothing: its forward
-is in a skipped file too (pytorch/pytorch#150915); the compile report counts frames, so it shows.
+block of `model.layers` and nothing else), or the whole model ("model"). `nn.Module.compile` does
+not trace the module's own `_call_impl` (a file Dynamo skips), so a unit's hooks (FSDP2's pre- and
+post-forward, themselves `_dynamo_disable`d) run eagerly around its compiled forward; under "model"
+the graph breaks at every inner unit's hooks. A unit that is a `torch.nn` leaf (a plain
+`nn.Embedding`) compiles nothing: its forward is in a skipped file too (pytorch/pytorch#150915);
+the compile report counts frames, so it shows.
 
 `dynamic=False`: each graph is a function of its inputs' shapes, not of the order in which a
 process met them. A rank meets its own micro-batches, the reference every emulated rank's in one
-process; with automatic dynamic shapes a shape met a second time compiles a dynamic kernel on
-one side and a static one on the other, with other loops and so other roundings.
+process; with automatic dynamic shapes a shape met a second time compiles a dynamic kernel on one
+side and a static one on the other, with other loops and so other roundings.
 """
 
 from __future__ import annotations
