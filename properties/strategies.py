@@ -577,7 +577,7 @@ def _cases(
     takes = takes and values["clip_norm"] is None and not model.experts
     values["ignored"] = field("ignored", ignored_draws(model) if takes else st.just(()))
     if tp > 1:
-        values.update(tp=tp, **draw(tp_styles(model, values["precision"], pins)))
+        values.update(tp=tp, **draw(tp_styles(model, values["precision"], pins, tp)))
         values["clip_norm"] = _tp_clip(values)
     try:
         case = Case(**values)
@@ -960,9 +960,9 @@ def group_candidates(case: Case) -> list[tuple[str, ...]]:
 def unit_groups(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case` with one unit over several modules in a third of the draws where the plan has
     candidates (`group_candidates`), for an engine that takes `groups`; drawn after everything
-    else, so that a seed's earlier draws stay what they were. Not beside tp, ep, pp or prefetch
-    (the Case refuses those), nor where the plan was pinned."""
-    if "wrap" in pins or case.tp > 1 or case.ep > 1 or case.pp > 1 or case.prefetch is not None:
+    else, so that a seed's earlier draws stay what they were. Not beside ep, pp or prefetch (the
+    Case refuses those), nor where the plan was pinned."""
+    if "wrap" in pins or case.ep > 1 or case.pp > 1 or case.prefetch is not None:
         return case
     candidates = group_candidates(case)
     if not candidates or draw(st.integers(0, 2)) != 0:
@@ -1183,9 +1183,9 @@ def tp_divisible(model: ModelSpec, tp: int, pins: dict[str, Any]) -> ModelSpec:
     """`model` with every dimension its plan splits rounded up to a multiple of `tp` (the fields
     pinned stay as pinned: the case then refuses a pin that does not divide): the Transformer's
     heads (the dimension follows them), vocabulary, feed-forward width and sequence; the MLP's widths
-    between a colwise layer and the next."""
+    between a colwise layer and the next; a user's model's sequence (a plan of theirs may split it)."""
     if model.is_custom:
-        return model
+        return model if "seq_len" in pins else replace(model, seq_len=_round_up(model.seq_len, tp))
     if model.kind == "mlp":
         if "widths" in pins:
             return model
@@ -1204,14 +1204,17 @@ def tp_divisible(model: ModelSpec, tp: int, pins: dict[str, Any]) -> ModelSpec:
 
 
 @st.composite
-def tp_styles(draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: dict[str, Any]) -> dict[str, Any]:
+def tp_styles(
+    draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: dict[str, Any], tp: int = 2
+) -> dict[str, Any]:
     """Sequence parallelism (the built-in Transformer's plan) and loss parallelism (a token
     model's cross-entropy), each on or off. Not sequence parallelism where FSDP2 sums its norms'
     partial gradients over tp in param_dtype while reduce_dtype is wider (pytorch/pytorch#190626,
     torch 2.13: tests/upstream/test_fsdp2_tp_reduce_dtype.py, a strict xfail; `check` catches it).
     A pinned sequence parallelism draws that wider reduce_dtype only where it is pinned too (the
     zoo's `tp_grad_all_reduce_in_bf16`): a sweep asking for `--sequence-parallel true` with bf16
-    drew the bug (seed 20271202, e9c6f2b3196f) and cried it as a false alarm."""
+    drew the bug (seed 20271202, e9c6f2b3196f) and cried it as a false alarm. A user's plan with
+    SequenceParallel modules of its own (torchtitan's) is not drawn with that reduce_dtype either."""
     transformer = model.kind == "transformer" and pins.get("tp_plan") is None
     low = precision.param_dtype not in (None, "fp32") and precision.reduce_dtype not in (None, precision.param_dtype)
     sp = draw(_pinned(pins, "sequence_parallel", st.booleans() if transformer and not low else st.just(False)))
@@ -1221,7 +1224,13 @@ def tp_styles(draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: 
             pins, "loss_parallel", st.booleans() if model.kind != "mlp" and pins.get("loss") is None else st.just(False)
         )
     )
-    return {"sequence_parallel": sp, "loss_parallel": lp}
+    # a user's plan (a model of their own has no built-in one): as pinned
+    plan = draw(_pinned(pins, "tp_plan", st.just(None)))
+    if plan is not None and low:
+        from fsdp_verify.engines.tensor_parallel import sequence_parallel_modules
+
+        assume(not sequence_parallel_modules(model, tp, plan, False, lp))
+    return {"sequence_parallel": sp, "loss_parallel": lp, "tp_plan": plan}
 
 
 def _routing_never_decides_what_requires_grad(case: Case) -> Case:

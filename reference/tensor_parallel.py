@@ -48,7 +48,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from fsdp_verify.engines.arithmetic import gloo_allreduce_sum, squared_norms_reduced
 
@@ -105,6 +105,13 @@ class Ranks(torch.Tensor):
             # a DTensor stays one through a cast (FSDP2's output_dtype) or an alias of itself (an
             # identity autograd node's output: FSDP2's post-backward node on a unit's inputs)
             out.placement = args[0].placement
+        elif torch.Tag.pointwise in func.tags and isinstance(out, Ranks):
+            # a pointwise op of DTensors of one layout is a DTensor of it (a residual add of two
+            # sequence shards, where a plan keeps its activations DTensors: torchtitan's), so a
+            # style after it takes it as one, with no `from_local` node of its own
+            placements = {a.placement for a in tree_leaves((args, kwargs)) if isinstance(a, Ranks)}
+            if len(placements) == 1 and None not in placements and out.shape == args[0].shape:
+                out.placement = placements.pop()
         return out
 
 

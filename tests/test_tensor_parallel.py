@@ -383,3 +383,22 @@ def test_the_recorder_records_a_tensor_parallel_runs_2d_shards_whole(tmp_path):
         wq, wo = layout["layers.0.attention.wq.weight"], layout["layers.0.attention.wo.weight"]
         assert wq[1:4] == [16, 0, 16] and wo[1:4] == [16, 0, 16], (wq, wo)  # every row, from row 0
         assert tensors["full/opt1/params/layers.0.attention.wo.weight"].shape == (16, 16)
+
+
+def test_a_pointwise_op_of_dtensors_of_one_layout_stays_one_in_the_reference():
+    """The reference's `Ranks` follows DTensor where a plan keeps activations DTensors (torchtitan's):
+    a residual add of two sequence shards is a sequence shard (the next SequenceParallel takes it
+    with no `from_local` node, so its input gradients meet as on the ranks); a local operand, or an
+    op that is not pointwise, leaves a local tensor."""
+    import torch
+
+    from fsdp_verify.reference.tensor_parallel import Ranks
+
+    def shard(placement=("shard", 1)):
+        return Ranks([torch.ones(2, 3), torch.ones(2, 3)], placement)
+
+    assert (shard() + shard()).placement == ("shard", 1)
+    assert (shard() * 2.0).placement == ("shard", 1)
+    assert (shard() + Ranks([torch.ones(2, 3)] * 2)).placement is None
+    assert (shard() + shard(("replicate",))).placement is None
+    assert shard().sum(-1).placement is None

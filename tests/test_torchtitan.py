@@ -6,6 +6,8 @@ tests/test_zoo.py runs them)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 from fsdp_verify.case import Case
@@ -20,7 +22,7 @@ TWO_BLOCKS = {"n_layers": 2}
 def titan_case(world: int, **changes) -> Case:
     fields = preset("torchtitan", "llama3:debugmodel", TWO_BLOCKS)
     batch = changes.pop("batch", 2 * world)
-    return Case(world_size=world, steps=2).with_(**fields, **{"data.batch_size": batch}, **changes)
+    return Case(world_size=world, steps=2).with_(**{**fields, "data.batch_size": batch, **changes})
 
 
 def test_the_preset_is_torchtitans_units_engine_loss_and_reduction():
@@ -211,3 +213,64 @@ def test_torchtitan_takes_only_its_own_compile_and_is_drawn_only_that():
     assert drawn and {(c.compile, c.compile_fullgraph) for c in drawn} == {("blocks", True)}, drawn
     with pytest.raises(PinError, match=r"compile: expected one of \('blocks',\)"):  # a pin it cannot take
         cases(engine=fields["engine"], compile="units", **pins)
+
+
+# ---- torchtitan's own tensor parallelism ---------------------------------------------------------
+def test_torchtitans_tp_is_bit_exact_with_its_checkpointing_and_clip(tmp_path):
+    """dp 2 x tp 2 through torchtitan's own `model.parallelize(parallel_dims)` (its sharding
+    declarations, sequence parallelism on as by default), its `SelectiveAC`, its clip over both
+    meshes, its vocabulary-parallel cross-entropy: every record bit for bit. Before the
+    reference kept torchtitan's activations DTensors between modules (`tp_plan`'s
+    `local_outputs=False`), each norm's input gradient met its residual's in another order and
+    the attention's gradients parted by an ulp (235x at step 1 after Adam); before the
+    communication probe named a group by its ranks, torchtitan's "fsdp" dim was not the case's
+    "shard" (the clip's all-reduce)."""
+    r = run_cli(
+        ["check", "--framework", "torchtitan", "--model-kwargs", '{"n_layers": 1}', "--tp", "2", "--world-size", "4"]
+        + ["--steps", "2", "--activation-checkpointing", "--clip-norm", "1.0", "--json", str(tmp_path / "v.json")]
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    assert report["case"]["tp_plan"] == "fsdp_verify.frameworks.torchtitan:tp_plan" and report["case"]["loss_parallel"]
+    numbers = [f for f in report["findings"] if f["kind"] == "deviation" and f["phase"] != "param_sums"]
+    assert {f["phase"] for f in numbers} >= {"logits", "loss", "grads", "grad_norm", "params", "optim_state"}
+    assert all(f["max_abs"] == 0 for f in numbers), [f for f in numbers if f["max_abs"]][:3]
+    checked = {f["comparator"] for f in report["findings"] if f["kind"] == "check" and f["ok"]}
+    assert {"KnobsApplied", "CommContract", "OwnershipCheck"} <= checked, checked
+
+
+def test_torchtitans_tp_with_bf16_parameters_meets_the_known_pytorch_bug(fsdp_check):
+    """torchtitan's default tp (sequence parallelism) with bf16 parameters and fp32 reduction is
+    where FSDP2 sums a norm's tp-partial gradient in bf16 (pytorch/pytorch#190626): caught at the
+    first norm's gradient, and the hint names it."""
+    verdict = fsdp_check(titan_tp_case(2, steps=1, **{"precision.param_dtype": "bf16"}))
+    first = verdict.first_divergence
+    assert not verdict.ok and first.phase == "grads" and first.name.endswith("norm.weight"), verdict.summary()
+    assert "pytorch/pytorch#190626" in verdict.hint, verdict.hint
+
+
+TP = {"tp_plan": "fsdp_verify.frameworks.torchtitan:tp_plan", "loss_parallel": True}
+
+
+def titan_tp_case(world: int, kwargs: dict | None = None, **changes) -> Case:
+    fields = preset("torchtitan", "llama3:debugmodel", kwargs or {"n_layers": 1}, tp=True)
+    return Case(world_size=world, steps=2).with_(**{**fields, "tp": 2, "data.batch_size": world, **changes})
+
+
+def test_torchtitans_tp_without_sequence_parallelism_is_refused_and_bf16_is_not_drawn():
+    from fsdp_verify.frameworks.torchtitan import TP_FIELDS
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.validation import CaseError
+
+    assert TP == TP_FIELDS and preset("torchtitan", None, TWO_BLOCKS, tp=True).items() >= TP.items()
+    with pytest.raises(CaseError, match="model.kwargs: expected sequence_parallel true under tp"):
+        titan_tp_case(2, {"n_layers": 1, "sequence_parallel": False})
+    fields = preset("torchtitan", "llama3:debugmodel", {"n_layers": 1}, tp=True)
+    pins = {k: v for k, v in fields.items() if k != "engine"}
+    drawn = draw_cases(
+        cases(engine=fields["engine"], world_sizes=(2, 4), precisions=("fp32", "bf16"), tp=2, **pins), 8, 7
+    )
+    assert drawn and all(c.tp == 2 and c.tp_plan == TP["tp_plan"] for c in drawn), drawn
+    assert {c.precision.param_dtype for c in drawn} == {None}  # bf16 would draw #190626 every time
+    assert all(c.model.seq_len % 2 == 0 for c in drawn)  # the sequence splits over the tp ranks

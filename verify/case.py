@@ -229,6 +229,14 @@ class LossScaleSpec:
 RESUMED_ON = ("resume_world_size", "resume_mesh_shape", "resume_engine", "resume_tp", "resume_ep", "resume_pp")
 
 
+# Losses (by their import path: data, nothing imported to know it) that are the summed next-token
+# cross-entropy and take vocabulary-sharded logits themselves, with the arithmetic the reference
+# emulates for loss parallelism (reference/tensor_parallel.py `vocab_parallel_cross_entropy`):
+# torchtitan's `cross_entropy_loss` (its `_LossParallelCrossEntropy`: the max, the sum of
+# exponentials and the target's log-probability all-reduced, the same fused backward).
+VOCABULARY_PARALLEL_LOSSES = ("fsdp_verify.frameworks.torchtitan:loss",)
+
+
 @dataclass(frozen=True)
 class Case:
     model: ModelSpec = field(default_factory=ModelSpec)
@@ -855,7 +863,7 @@ class Case:
         )
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         if any(units.is_group(u) for u in plan):
-            for name in ("tp", "ep", "pp"):  # a group's one unit over several modules: tried alone so far
+            for name in ("ep", "pp"):  # a group's one unit over several modules: tried with tp, not these
                 check(getattr(self, name) == 1, "wrap", f"units of one module each beside {name} (not modelled)", plan)
             # explicit prefetching's replay places a unit's pre-forward by module nesting, which
             # a group's first member does not follow (verify/checks/prefetch.py)
@@ -985,9 +993,10 @@ class Case:
             )
         if self.loss_parallel:
             check(
-                self.model.kind != "mlp" and self.loss is None,
+                self.model.kind != "mlp" and self.loss in (None, *VOCABULARY_PARALLEL_LOSSES),
                 "loss_parallel",
-                "false for an MLP or a loss of your own (loss parallelism computes the cross-entropy)",
+                "false for an MLP or a loss of your own (loss parallelism computes the cross-entropy; of the"
+                f" losses named, only {VOCABULARY_PARALLEL_LOSSES} take it)",
                 True,
             )
         from fsdp_verify.engines.tensor_parallel import check_plan
@@ -1162,6 +1171,9 @@ def check_field_value(name: str, value: Any) -> None:
     if name in ("resume_ep", "resume_pp"):  # wrong only beside no resume or a resumed mesh it does not fit
         check(value is None or (is_int(value) and value >= 1), name, "null or a positive integer", value)
         return
+    if name == "tp_plan":  # its module names judged against the drawn model (a user's model's plan)
+        check(value is None or is_import_path(value), "tp_plan", f"null or {IMPORT_PATH}", value)
+        return
     head, _, tail = name.partition(".")
     try:
         if tail and head in _SPECS:
@@ -1174,7 +1186,7 @@ def check_field_value(name: str, value: Any) -> None:
                 changes.update(mesh_shape=(1, 2), world_size=2)
             if name in ("compile_fullgraph", "compile_backend"):  # options of compile: judged with it
                 changes.update(compile="model", wrap=("",))
-            if name in ("sequence_parallel", "loss_parallel", "tp_plan"):  # wrong only without tp
+            if name in ("sequence_parallel", "loss_parallel"):  # wrong only without tp
                 changes.update(tp=2)
             Case().with_(**changes)
     except CaseError as e:

@@ -76,6 +76,8 @@ import functools
 import torch
 from torch import nn
 
+from fsdp_verify import units
+
 COLLECTIVES_OVER = "tp"
 LOSS_REDUCTIONS = 3  # loss_parallel(): the max, the sum of exponentials, the target's log-probability
 
@@ -88,8 +90,8 @@ def underivable(case) -> str | None:
             " tensor parallelism's collectives are not in the contract there"
         )
     if case.activation_checkpointing:
-        units = [u for u in case.wrap_plan if u]
-        if any(a != b and b.startswith(a + ".") for a in units for b in units):
+        names = [u for u in case.wrap_plan if u]
+        if any(units.inside(b, a) for a in names for b in names):
             return (
                 "nested checkpointed units recompute their layers more than once (not measured);"
                 " tensor parallelism's collectives are not in the contract there"
@@ -116,7 +118,8 @@ def expected_tp(case, step: int, with_grad: set[str], recomputed: set[str], coll
         last = m == case.microbatches - 1
         synced = case.sync_every_microbatch or last
         for fqn, kind, io in layers:
-            again = any(fqn.startswith(u + ".") for u in recomputed)
+            # inside a recomputed unit (a member of it, for a unit over several modules)
+            again = any(units.is_ancestor(m, fqn) for u in recomputed if u for m in units.members(u))
             for phase, what, numel, dtype in io:  # dtype: what reaches the collective (module docstring)
                 size = numel * _size(dtype)
                 out.append(collective(step, m, phase, what, dtype, size, fqn))
@@ -333,7 +336,7 @@ def _name(dtype: torch.dtype) -> str:
     return canonical(name) if dtype.is_floating_point else name
 
 
-def _fsdp2_casts(model: nn.Module, param_dtype, output_dtype, cast_forward_inputs: bool, units) -> list:
+def _fsdp2_casts(model: nn.Module, param_dtype, output_dtype, cast_forward_inputs: bool, unit_names) -> list:
     """What FSDP2's mixed precision does to the dtypes of a forward, on a plain model: every
     parameter in param_dtype (each unit computes with its unsharded param_dtype copy), each
     unit's floating inputs cast to param_dtype first (`FSDPState._cast_forward_inputs`, a
@@ -355,8 +358,9 @@ def _fsdp2_casts(model: nn.Module, param_dtype, output_dtype, cast_forward_input
         return lambda tree: torch.utils._pytree.tree_map(to, tree)
 
     handles = []
-    for unit in units:
-        module = model.get_submodule(unit)
+    # a unit over several modules casts each member's inputs and outputs (FSDP2's hooks of a group
+    # are on every module of it)
+    for module in (model.get_submodule(m) for unit in unit_names for m in units.members(unit)):
         if cast_forward_inputs and param_dtype is not None:
             inputs = cast(to_torch(param_dtype))
             handles.append(

@@ -241,7 +241,11 @@ def framework_fields(args: argparse.Namespace) -> dict:
     kwargs = json.loads(args.model_kwargs) if getattr(args, "model_kwargs", None) else {}
     if not isinstance(kwargs, dict):
         raise CaseError("model.kwargs", "a JSON object", args.model_kwargs)
-    fields = preset(args.framework, getattr(args, "model", None), kwargs, getattr(args, "seq_len", None))
+    degrees = getattr(args, "tp", None)
+    tp = any(d > 1 for d in (degrees if isinstance(degrees, list) else [degrees or 1]) if isinstance(d, int))
+    fields = preset(args.framework, getattr(args, "model", None), kwargs, getattr(args, "seq_len", None), tp)
+    if tp and isinstance(degrees, int):
+        fields["tp"] = degrees  # the case those fields are set on has it already (the flag sets it again)
     args.model = args.model_kwargs = None
     return fields
 

@@ -70,11 +70,20 @@ def _style(name: str, where: str):
     return styles[name]()
 
 
-def transformer_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: bool) -> dict[str, Any]:
+def transformer_plan(
+    model: nn.Module,
+    sequence_parallel: bool,
+    loss_parallel: bool,
+    projections: tuple[str, ...] = ("attention.wq", "attention.wk", "attention.wv"),
+    head: str = "output",
+    local_outputs: bool = True,
+) -> dict[str, Any]:
     """torchtitan's plan for the built-in Transformer (its llama3 `apply_tp`): the vocabulary-
-    sharded embedding, colwise q/k/v and feed-forward inputs, rowwise outputs, the head colwise
-    (its output left sharded over the vocabulary under loss parallelism). With sequence
-    parallelism the norms run on sequence shards and every block's input is gathered first."""
+    sharded embedding, colwise q/k/v (`projections`, in each block) and feed-forward inputs,
+    rowwise outputs, the head colwise (its output left sharded over the vocabulary under loss
+    parallelism). With sequence parallelism the norms run on sequence shards and every block's
+    input is gathered first. `local_outputs=False` keeps the embedding's and the rowwise layers'
+    outputs DTensors (a model that runs its activations as DTensors between modules)."""
     from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
@@ -85,8 +94,10 @@ def transformer_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: b
 
     between = Shard(1) if sequence_parallel else Replicate()
     plan: dict[str, Any] = {
-        "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=between),
-        "output": ColwiseParallel(
+        "tok_embeddings": RowwiseParallel(
+            input_layouts=Replicate(), output_layouts=between, use_local_output=local_outputs
+        ),
+        head: ColwiseParallel(
             input_layouts=between,
             output_layouts=Shard(-1) if loss_parallel else Replicate(),
             use_local_output=not loss_parallel,
@@ -96,12 +107,10 @@ def transformer_plan(model: nn.Module, sequence_parallel: bool, loss_parallel: b
         plan["norm"] = SequenceParallel()
     for i in range(len(model.layers)):
         block = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=between),
+            **{name: ColwiseParallel() for name in projections},
+            "attention.wo": RowwiseParallel(output_layouts=between, use_local_output=local_outputs),
             "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=between),
+            "feed_forward.w2": RowwiseParallel(output_layouts=between, use_local_output=local_outputs),
             "feed_forward.w3": ColwiseParallel(),
         }
         if sequence_parallel:
@@ -283,7 +292,7 @@ def _meta_plan(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: b
 
 
 @functools.lru_cache(maxsize=64)
-def _sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset:
+def sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, loss_parallel: bool) -> frozenset:
     from torch.distributed.tensor.parallel import SequenceParallel
 
     _, plan = _meta_plan(spec, tp, tp_plan, sequence_parallel, loss_parallel)
@@ -301,13 +310,13 @@ def reduce_dtype_hint(case, first) -> str:
     """Where the first record to part is the gradient of a SequenceParallel module's parameter
     (the one gradient summed over the tp ranks) and the case has every ingredient of #190626 (a
     param_dtype below reduce_dtype): that bug, named; else nothing."""
-    if first is None or first.ok or first.phase != "grads" or case.tp == 1 or not case.sequence_parallel:
-        return ""
+    if first is None or first.ok or first.phase != "grads" or case.tp == 1:
+        return ""  # (a plan of the user's may have SequenceParallel modules without the flag)
     p = case.precision
     if p.param_dtype in (None, "fp32") or p.reduce_dtype in (None, p.param_dtype):
         return ""
     spec = (case.model, case.tp, case.tp_plan, case.sequence_parallel, case.loss_parallel)
-    if first.name.rpartition(".")[0] not in _sequence_parallel_modules(*spec):
+    if first.name.rpartition(".")[0] not in sequence_parallel_modules(*spec):
         return ""
     return (
         f"the first gradient to part, {first.name}, is a sequence-parallel module's, the one gradient summed over"
@@ -354,6 +363,7 @@ def check_plan(case) -> None:
     heads: `n_heads`, a transformers config's `num_attention_heads` and `num_key_value_heads`)
     and, under sequence parallelism, the sequence."""
     import torch
+    from torch.distributed.tensor.parallel import SequenceParallel
 
     from fsdp_verify.models import _construct
 
@@ -362,13 +372,12 @@ def check_plan(case) -> None:
     plan = plan_for(case, model)
     tp = case.tp
     spec = case.model
-    if spec.kind == "transformer":
-        if spec.n_heads % tp:
-            raise CaseError("model.n_heads", f"a multiple of tp={tp} (each rank computes whole heads)", spec.n_heads)
-        if case.sequence_parallel and spec.seq_len % tp:
-            raise CaseError(
-                "model.seq_len", f"a multiple of tp={tp} (sequence parallelism splits the sequence)", spec.seq_len
-            )
+    if spec.kind == "transformer" and spec.n_heads % tp:
+        raise CaseError("model.n_heads", f"a multiple of tp={tp} (each rank computes whole heads)", spec.n_heads)
+    if spec.kind != "mlp" and any(isinstance(s, SequenceParallel) for s in plan.values()) and spec.seq_len % tp:
+        raise CaseError(
+            "model.seq_len", f"a multiple of tp={tp} (sequence parallelism splits the sequence)", spec.seq_len
+        )
     config = getattr(model, "config", None)
     for name in ("num_attention_heads", "num_key_value_heads"):
         heads = getattr(config, name, None)

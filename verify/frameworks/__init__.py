@@ -25,11 +25,17 @@ FRAMEWORKS = {
 
 
 def preset(
-    framework: str, model: str | None, kwargs: dict[str, Any] | None = None, seq_len: int | None = None
+    framework: str,
+    model: str | None,
+    kwargs: dict[str, Any] | None = None,
+    seq_len: int | None = None,
+    tp: bool = False,
 ) -> dict[str, Any]:
     """The case fields `--framework framework --model model` stands for (field path -> value);
-    without `model`, the framework's default (torchtitan's llama3:debugmodel, the tiny Llama)."""
+    without `model`, the framework's default (torchtitan's llama3:debugmodel, the tiny Llama).
+    `tp`: a tensor-parallel degree above 1 is asked for (a framework's tp fields are added)."""
     if framework not in FRAMEWORKS:
         raise CaseError("--framework", f"one of {list(FRAMEWORKS)}", framework)
     module = importlib.import_module(f"fsdp_verify.frameworks.{framework}")
-    return module.preset(model or module.DEFAULT_MODEL, kwargs or {}, seq_len)
+    fields = module.preset(model or module.DEFAULT_MODEL, kwargs or {}, seq_len)
+    return {**fields, **getattr(module, "TP_FIELDS", {})} if tp else fields

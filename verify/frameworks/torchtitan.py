@@ -7,7 +7,7 @@ reference, with every record and contract.
 What differs from a torchtitan run, and why, each a CPU substitute named in the verdict's case:
 
 - attention: torchtitan's language models are registered with FlexAttention (its registry refuses
-  `attn_backend="sdpa"`), which has no CPU backward; each block's `inner_attention` is replaced by
+  `attn_backend="sdpa"`), which has no CPU backward; each block's `inner_attention` config is
   torchtitan's own `ScaledDotProductAttention` (`attention="sdpa"`, the factory's default).
 - the device: torchtitan picks its device type once, at import, and without an accelerator it is
   "cuda" (`torchtitan.tools.utils.device_type`); `ParallelDims.build_mesh` is run with the mesh's
@@ -24,6 +24,10 @@ the data-parallel ranks (`grad_reduction: sum`, as `disable_fsdp_gradient_divisi
 do). The toolkit's loop applies that scale as it applies every scale (each micro-batch's sum times
 dp / global tokens, then / dp for the sum: torchtitan's value to an ulp), so that the reference
 emulates it bit for bit.
+
+Under tp (`--tp N`) torchtitan applies its own sharding declarations (`model.parallelize`); the
+reference emulates them as `tp_plan` translates them into torch's styles, which the knobs check
+holds against the placements torchtitan built (docs/frameworks/torchtitan.md).
 """
 
 from __future__ import annotations
@@ -46,34 +50,44 @@ SPMD_BACKEND = "partial_dtensor"
 
 
 def llama3(
-    flavor: str = "debugmodel", n_layers: int | None = None, seq_len: int | None = None, attention: str = "sdpa"
+    flavor: str = "debugmodel",
+    n_layers: int | None = None,
+    seq_len: int | None = None,
+    attention: str = "sdpa",
+    sequence_parallel: bool = True,
 ):
     """torchtitan's Llama 3 `flavor` from its registry, built as torchtitan builds it (its
     `param_init`s draw from the global generator, seeded by the toolkit), with the substitutes
-    above."""
+    above. Its tensor-parallel declarations are set on the config as torchtitan's trainer sets
+    them (`set_llama3_sharding_config`, sequence parallelism on by default, as its
+    `enable_sequence_parallel`); they act only where `parallelize` gets a tp mesh."""
     require("torchtitan", "torchtitan")
     from torchtitan.models.llama3 import model_registry
+    from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
     config = model_registry(flavor, attn_backend="flex").model
     if n_layers is not None:
         config.layers = config.layers[:n_layers]
-    if seq_len is not None:
-        for block in config.layers:
+    for block in config.layers:
+        if seq_len is not None:
             block.attention.rope.max_seq_len = seq_len
+        block.attention.inner_attention = _cpu_attention(block.attention.inner_attention, attention)
+    set_llama3_sharding_config(config, enable_sp=sequence_parallel)
     model = config.build()
-    _cpu_attention(model, attention)
+    model.sequence_parallel = sequence_parallel  # what `tp_plan` and `parallelize` read
     return model
 
 
-def _cpu_attention(model: nn.Module, attention: str) -> None:
+def _cpu_attention(config, attention: str):
+    """The inner attention's config: torchtitan's SDPA module for `attention="sdpa"`. Set on the
+    config, before the declarations, so that under tp torchtitan installs its `local_map` on it."""
     if attention == "flex":
-        return
+        return config
     if attention != "sdpa":
         raise ValueError(f"attention: expected 'sdpa' or 'flex', got {attention!r}")
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
-    for block in model.layers.values():
-        block.attention.inner_attention = ScaledDotProductAttention(None)
+    return ScaledDotProductAttention.Config()
 
 
 def loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
@@ -126,6 +140,8 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
         data_parallel_replicate_degree=replicate,
         data_parallel_shard_degree=shard,
         fsdp_reshard_after_forward="default" if case.reshard_after_forward else "never",
+        tensor_parallel_degree=case.tp,
+        enable_sequence_parallel=model.sequence_parallel,
         spmd_backend=SPMD_BACKEND,
     )
     dims = dims_module.ParallelDims.from_config(parallelism, case.world_size)  # as torchtitan's trainer
@@ -147,6 +163,38 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG, and the division is off
     model.verify_view = lambda: TorchtitanView(model)
     return model
+
+
+def tp_plan(model: nn.Module, tp_mesh) -> dict:
+    """torchtitan's llama3 tensor-parallel declarations (`set_llama3_sharding_config`, with
+    sequence parallelism) written as torch's ParallelStyles, for the reference's emulation (the
+    engine applies torchtitan's own): the vocabulary-sharded embedding, its partial output reduce-
+    scattered over the sequence; the norms on sequence shards; each attention's and feed-forward's
+    input gathered; the fused `wqkv`, `w1`, `w3` colwise (`wqkv`'s rows are grouped by kv head,
+    so a contiguous split keeps each rank's heads whole); `wo`, `w2` rowwise, reduce-scattered;
+    the head colwise over the vocabulary, its output left sharded for torchtitan's vocabulary-
+    parallel cross-entropy. The embedding's and the rowwise layers' outputs stay DTensors, as
+    torchtitan's model-parallel DTensor backend keeps every activation: a residual's gradients
+    then meet in the order they meet there (a norm's input takes no `from_local` of its own)."""
+    from fsdp_verify.engines.tensor_parallel import transformer_plan
+
+    sequence_parallel = getattr(model, "sequence_parallel", True)  # (a pin is checked on the built-in model too)
+    if not sequence_parallel:
+        # Without it torchtitan's activations are invariant over tp (`spmd.I`) and a replicated
+        # activation's gradient stays partial (DTensor's Partial) down the residual stream until
+        # a redistribution reduces it, where the reference's styles reduce it at each projection
+        # (measured: every gradient within the bound, none bit-exact): not modelled yet.
+        raise CaseError(
+            "model.kwargs", "sequence_parallel true under tp (torchtitan's default; without it: not modelled)", False
+        )
+    return transformer_plan(
+        model,
+        sequence_parallel,
+        loss_parallel=True,
+        projections=("attention.qkv_linear.wqkv",),
+        head="lm_head",
+        local_outputs=False,
+    )
 
 
 def _compile_config(case):
@@ -189,7 +237,7 @@ def _dtype(name: str | None) -> str:
 # It compiles as torchtitan's `apply_compile` does (`_compile_config`): the blocks only, fullgraph,
 # torch's automatic dynamic shapes, two Dynamo options set process-wide (the reference sets them too).
 parallelize.capabilities = Capabilities(
-    takes=("groups", "grad_reduction", "compile"),
+    takes=("groups", "grad_reduction", "compile", "tp", "sequence_parallel", "loss_parallel"),
     reshard_per_unit=True,
     checkpoints=True,
     compile_scopes=("blocks",),
@@ -206,6 +254,10 @@ FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}
 SEQ_LEN = 16
 
 
+# What a torchtitan run with tp adds (`--framework torchtitan --tp N`): its declarations as the
+# reference's plan, and its vocabulary-parallel loss (its lm_head's output is always sharded).
+TP_FIELDS = {"tp_plan": "fsdp_verify.frameworks.torchtitan:tp_plan", "loss_parallel": True}
+
 # `--framework torchtitan` without `--model`
 DEFAULT_MODEL = "llama3:debugmodel"
 
@@ -214,7 +266,7 @@ def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> di
     """The case fields of a torchtitan run of `model` ("llama3:debugmodel"): its factory with
     the flavor (and `kwargs`: `n_layers`, ...), torchtitan's units for that model, this engine,
     its loss, division off (a sum over the data-parallel ranks), and its MixedPrecisionPolicy's
-    `cast_forward_inputs=False`."""
+    `cast_forward_inputs=False` and fp32 reduction."""
     from fsdp_verify.models import ModelSpec
     from fsdp_verify.models.custom import info
 
@@ -232,6 +284,7 @@ def preset(model: str, kwargs: dict[str, Any], seq_len: int | None = None) -> di
         "loss": "fsdp_verify.frameworks.torchtitan:loss",
         "grad_reduction": "sum",
         "precision.cast_forward_inputs": False,
+        "precision.reduce_dtype": "fp32",  # its TrainingConfig's mixed_precision_reduce, whatever the parameters'
     }
 
 

@@ -20,6 +20,12 @@ def tensor_hash(t: torch.Tensor) -> str:
     return hashlib.sha256(data.numpy().tobytes()).hexdigest()[:16]
 
 
+def _whole(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor buffer whole, on every rank (torchtitan's tp keeps RoPE's cache as one,
+    replicated over the tp ranks: its local tensor, no collective)."""
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
 class BuffersProbe(Probe):
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         self.module = model
@@ -30,7 +36,7 @@ class BuffersProbe(Probe):
         self._record(step)
 
     def _record(self, step: int) -> None:
-        buffers = dict(module_names.named_buffers(self.module))
+        buffers = {name: _whole(b) for name, b in module_names.named_buffers(self.module)}
         for name, b in buffers.items():
             self.add(step, "buffers", name, b)
         self.hashes[str(step)] = {name: tensor_hash(b) for name, b in buffers.items()}

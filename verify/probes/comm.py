@@ -147,15 +147,14 @@ def _install_wrappers() -> None:
 
 
 def _group_dim(group: Any) -> Any:
-    """A functional collective's group as `CommLog.seen`'s `over`: the mesh dim's name where DTensor
-    names it ((mesh, dim)), else its global ranks, on demand."""
+    """A functional collective's group as `CommLog.seen`'s `over`: its global ranks, on demand,
+    which `mesh_dim_of` names by the case's mesh. Not the engine's name for the dim: a framework
+    names its own meshes (torchtitan's "fsdp" is the case's "shard")."""
     if isinstance(group, tuple):
         mesh, dim = group
-        if isinstance(dim, str):
-            return dim
-        return mesh.mesh_dim_names[dim] if mesh.mesh_dim_names else ""
-    if isinstance(group, DeviceMesh) and group.ndim == 1 and group.mesh_dim_names:
-        return group.mesh_dim_names[0]
+        return lambda: dist.get_process_group_ranks(mesh.get_group(dim))
+    if isinstance(group, DeviceMesh) and group.ndim == 1:
+        return lambda: dist.get_process_group_ranks(group.get_group())
     if isinstance(group, list):
         return lambda: group
     if isinstance(group, str):
@@ -212,8 +211,7 @@ class CommProbe(Probe):
         _log = None  # a case that crashed may have left its log behind
         self.log = CommLog()
         if self.case.parallel.tp > 1:
-            names = ("shard",) if len(self.case.mesh) == 1 else ("replicate", "shard")
-            self.log.mesh = (self.case.device_mesh_shape, (*names, "tp"))
+            self.log.mesh = (self.case.parallel.shape, self.case.parallel.names)
         _install_wrappers()
         _install_functional_wrappers()
 

@@ -65,7 +65,8 @@ class ZooBug:
             from fsdp_verify.frameworks import preset
 
             name, model, kwargs = self.framework
-            pins = {**{k: v for k, v in preset(name, model, dict(kwargs)).items() if k != "engine"}, **pins}
+            tp = pins.get("tp", 1) > 1
+            pins = {**{k: v for k, v in preset(name, model, dict(kwargs), tp=tp).items() if k != "engine"}, **pins}
         return cases(
             engine=self.engine,
             world_sizes=sizes,
@@ -989,6 +990,17 @@ ZOO += [
         world_sizes=(2,),
         precisions=("fp32",),
         pins={**_CHEAP, "data.padded": True},
+        framework=_TITAN,
+    ),
+    ZooBug(
+        "titan_tokens_counted_per_tp_rank",
+        "fsdp_verify.zoo.torchtitan:titan_tokens_counted_per_tp_rank",
+        "torchtitan's tp with the global token count all-reduced over the world: each tp rank's batch counted once more",
+        "a count of the step's tokens over the wrong mesh (the world, not the batch's data-parallel ranks)",
+        ("loss", "grads"),
+        world_sizes=(2,),
+        precisions=("fp32",),
+        pins={**_CHEAP, "tp": 2},
         framework=_TITAN,
     ),
 ]

@@ -64,3 +64,16 @@ def _group_mesh(choose) -> Iterator[None]:
 
 for _mutant in (titan_division_left_on, titan_norm_head_over_the_shard_dim, titan_loss_normalised_per_rank):
     _mutant.capabilities = titan.parallelize.capabilities
+
+
+def titan_tokens_counted_per_tp_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's tp, the step's global token count all-reduced over the whole world instead of
+    the data-parallel ranks (its batch mesh): each tp rank's copy of a batch counted as another
+    replica's, every gradient 1/tp."""
+    titan.parallelize(model, mesh, spec)
+    tp = spec.case.tp
+    model.loss_scale = lambda microbatch_items, rank_items, global_items, dp_size: dp_size / (global_items * tp)
+    return model
+
+
+titan_tokens_counted_per_tp_rank.capabilities = titan.parallelize.capabilities
