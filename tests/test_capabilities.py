@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 from hypothesis import HealthCheck, given, settings
-from hypothesis import find as hypothesis_find
 
 from fsdp_verify.case import ModelSpec
 from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, PARALLEL_KNOBS, TAKEABLE, Capabilities
@@ -16,14 +15,11 @@ from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.sharded.pool import RankFailure
 from fsdp_verify.validation import CaseError
 from tests.conftest import mlp_case
+from tests.found import find
 from tests.in_process import run_cli
 
 PLAIN = "examples/engine/my_engine.py:shard"
 EVERYTHING = "examples/engine/my_engine.py:shard_everything"
-
-
-def find(strategy, condition):
-    return hypothesis_find(strategy, condition, settings=settings(max_examples=2000, database=None, derandomize=True))
 
 
 # ---- the draw ----------------------------------------------------------------------------------------

@@ -7,7 +7,7 @@ without the knobs refuse them as bad input."""
 from dataclasses import replace
 
 import pytest
-from hypothesis import find, given, settings
+from hypothesis import given, settings
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec
 from fsdp_verify.checks.comm import check_comm, expected_collectives, measured_collectives
@@ -22,6 +22,7 @@ from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.validation import CaseError
 from tests.conftest import MLP, TINY_LM, lm_case, mlp_case, regression
+from tests.found import find
 
 MESHES = [(1, None), (2, None), (3, None), (4, None), (4, (2, 2))]
 ADAM = OptimSpec(name="adam")

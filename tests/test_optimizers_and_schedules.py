@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import find, settings
 
 from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.engines import refuse_untakeable
@@ -16,6 +15,7 @@ from fsdp_verify.properties.strategies import PinError, cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.training.optim import make_optimizer, make_scheduler, step_scheduler
 from tests.conftest import MLP
+from tests.found import find
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")
 MUTANT = "fsdp_verify.zoo.mutants:"
@@ -115,7 +115,7 @@ KNOBS = {
 
 @pytest.mark.parametrize("knob", list(KNOBS))
 def test_the_strategies_draw_each_knob(knob):
-    find(cases(), KNOBS[knob], settings=settings(max_examples=500, database=None, derandomize=True))
+    find(cases(), KNOBS[knob], max_examples=500)
 
 
 # ---- correct engines at world sizes 1 to 4 --------------------------------------------------------

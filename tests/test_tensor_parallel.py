@@ -10,8 +10,7 @@ import os
 from dataclasses import replace
 
 import pytest
-from hypothesis import HealthCheck, Phase, given, settings
-from hypothesis import find as hypothesis_find
+from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
@@ -19,20 +18,12 @@ from fsdp_verify.properties.strategies import PinError, cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
 from tests.conftest import require
+from tests.found import find
 from tests.in_process import run_cli
 from tests.ranks import spawn
 
 PLAIN = "examples/engine/my_engine.py:shard"
 TINY = ModelSpec(vocab_size=64, dim=16, n_heads=2, ffn_hidden=24, n_layers=1, seq_len=4)
-
-
-def find(strategy, condition):
-    """The first drawn example that satisfies `condition`, not shrunk (shrinking a Case to the
-    smallest one took most of a minute and shows nothing here)."""
-    phases = (Phase.explicit, Phase.reuse, Phase.generate)
-    return hypothesis_find(
-        strategy, condition, settings=settings(max_examples=2000, database=None, phases=phases, derandomize=True)
-    )
 
 
 def tp_case(**changes) -> Case:

@@ -17,13 +17,14 @@ from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.validation import CaseError
 from tests.conftest import regression
+from tests.found import FOUND
 from tests.in_process import run_cli
 
 PLAIN = "examples/engine/my_engine.py:shard"
 EVERYTHING = "examples/engine/my_engine.py:shard_everything"
 MLP = ModelSpec(kind="mlp", widths=(8, 6, 5, 4))
 LM = ModelSpec(kind="transformer", vocab_size=32, dim=16, n_layers=2, n_heads=2, ffn_hidden=24, seq_len=4)
-FIND = settings(database=None, max_examples=400, derandomize=True)
+FIND = settings(FOUND, max_examples=400)
 
 
 def _case(world: int, model: ModelSpec = MLP, **changes) -> Case:
