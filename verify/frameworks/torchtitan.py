@@ -183,7 +183,8 @@ def tp_plan(model: nn.Module, tp_mesh) -> dict:
         # Without it torchtitan's activations are invariant over tp (`spmd.I`) and a replicated
         # activation's gradient stays partial (DTensor's Partial) down the residual stream until
         # a redistribution reduces it, where the reference's styles reduce it at each projection
-        # (measured: every gradient within the bound, none bit-exact): not modelled yet.
+        # (measured: every gradient within its bound, none bit-exact; 41x at the parameters after
+        # Adam's first step): not modelled yet.
         raise CaseError(
             "model.kwargs", "sequence_parallel true under tp (torchtitan's default; without it: not modelled)", False
         )
