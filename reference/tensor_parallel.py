@@ -109,8 +109,9 @@ class Ranks(torch.Tensor):
             # a pointwise op of DTensors of one layout is a DTensor of it (a residual add of two
             # sequence shards, where a plan keeps its activations DTensors: torchtitan's), so a
             # style after it takes it as one, with no `from_local` node of its own
-            placements = {a.placement for a in tree_leaves((args, kwargs)) if isinstance(a, Ranks)}
-            if len(placements) == 1 and None not in placements and out.shape == args[0].shape:
+            ranks = [a for a in tree_leaves((args, kwargs)) if isinstance(a, Ranks)]
+            placements = {a.placement for a in ranks}
+            if len(placements) == 1 and None not in placements and all(a.shape == out.shape for a in ranks):
                 out.placement = placements.pop()
         return out
 

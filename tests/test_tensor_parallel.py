@@ -390,6 +390,7 @@ def test_a_pointwise_op_of_dtensors_of_one_layout_stays_one_in_the_reference():
 
     assert (shard() + shard()).placement == ("shard", 1)
     assert (shard() * 2.0).placement == ("shard", 1)
+    assert (2.0 ** shard()).placement == ("shard", 1)  # a scalar first: aten.pow.Scalar
     assert (shard() + Ranks([torch.ones(2, 3)] * 2)).placement is None
     assert (shard() + shard(("replicate",))).placement is None
     assert shard().sum(-1).placement is None
