@@ -1205,7 +1205,7 @@ def tp_divisible(model: ModelSpec, tp: int, pins: dict[str, Any]) -> ModelSpec:
 
 @st.composite
 def tp_styles(
-    draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: dict[str, Any], tp: int = 2
+    draw: Callable, model: ModelSpec, precision: PrecisionSpec, pins: dict[str, Any], tp: int
 ) -> dict[str, Any]:
     """Sequence parallelism (the built-in Transformer's plan) and loss parallelism (a token
     model's cross-entropy), each on or off. Not sequence parallelism where FSDP2 sums its norms'

@@ -266,6 +266,8 @@ def test_torchtitans_tp_without_sequence_parallelism_is_refused_and_bf16_is_not_
     assert TP == TP_FIELDS and preset("torchtitan", None, TWO_BLOCKS, tp=True).items() >= TP.items()
     with pytest.raises(CaseError, match="model.kwargs: expected sequence_parallel true under tp"):
         titan_tp_case(2, {"n_layers": 1, "sequence_parallel": False})
+    with pytest.raises(CaseError, match="model.seq_len: expected a multiple of tp=2 .sequence parallelism"):
+        titan_tp_case(2).with_(**{"model.seq_len": 15})  # a plan with SequenceParallel modules splits it
     fields = preset("torchtitan", "llama3:debugmodel", {"n_layers": 1}, tp=True)
     pins = {k: v for k, v in fields.items() if k != "engine"}
     drawn = draw_cases(

@@ -996,7 +996,7 @@ class Case:
                 self.model.kind != "mlp" and self.loss in (None, *VOCABULARY_PARALLEL_LOSSES),
                 "loss_parallel",
                 "false for an MLP or a loss of your own (loss parallelism computes the cross-entropy; of the"
-                f" losses named, only {VOCABULARY_PARALLEL_LOSSES} take it)",
+                f" losses named, only {', '.join(VOCABULARY_PARALLEL_LOSSES)} takes it)",
                 True,
             )
         from fsdp_verify.engines.tensor_parallel import check_plan

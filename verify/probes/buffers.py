@@ -9,10 +9,12 @@ import hashlib
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from fsdp_verify import module_names
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe
+from fsdp_verify.sharded.gather import full_quietly
 
 
 def tensor_hash(t: torch.Tensor) -> str:
@@ -23,7 +25,7 @@ def tensor_hash(t: torch.Tensor) -> str:
 def _whole(t: torch.Tensor) -> torch.Tensor:
     """A DTensor buffer whole, on every rank (torchtitan's tp keeps RoPE's cache as one,
     replicated over the tp ranks: its local tensor, no collective)."""
-    return t.full_tensor() if hasattr(t, "full_tensor") else t
+    return full_quietly(t) if isinstance(t, DTensor) else t
 
 
 class BuffersProbe(Probe):

@@ -33,6 +33,7 @@ import socket
 import subprocess
 import sys
 import threading
+import time
 from multiprocessing.connection import Connection, wait
 from multiprocessing.reduction import recvfds, sendfds
 
@@ -172,8 +173,6 @@ class Zygote:
     def pump(self, timeout_s: float) -> None:
         """Read what the zygote sent (exit codes) for up to `timeout_s` (0: what is there). Another
         thread talking to the zygote meanwhile: what it reads lands in `exits` all the same."""
-        import time
-
         deadline = time.monotonic() + max(timeout_s, 0.0)
         if not (self._lock.acquire(timeout=timeout_s) if timeout_s > 0 else self._lock.acquire(blocking=False)):
             return

@@ -65,7 +65,7 @@ class ZooBug:
             from fsdp_verify.frameworks import preset
 
             name, model, kwargs = self.framework
-            tp = pins.get("tp", 1) > 1
+            tp = isinstance(pins.get("tp"), int) and pins["tp"] > 1  # a bug planted in its tp
             pins = {**{k: v for k, v in preset(name, model, dict(kwargs), tp=tp).items() if k != "engine"}, **pins}
         return cases(
             engine=self.engine,
