@@ -916,7 +916,7 @@ ASKS_GROUPED = {
     "model.aux_loss": 0.0,
     "model.router_bias": 0.0,
 }
-ASKS_PIPELINE = {"pp": 1, "pp_schedule": None, "pp_split": None}
+ASKS_PIPELINE = {"pp": 1, "pp_schedule": None, "pp_split": None, "pp_scale_grads": True}
 
 
 def _asked(pins: dict[str, Any], asks: dict[str, Any]) -> bool:
@@ -960,9 +960,10 @@ def group_candidates(case: Case) -> list[tuple[str, ...]]:
 def unit_groups(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     """`case` with one unit over several modules in a third of the draws where the plan has
     candidates (`group_candidates`), for an engine that takes `groups`; drawn after everything
-    else, so that a seed's earlier draws stay what they were. Not beside ep, pp or prefetch (the
-    Case refuses those), nor where the plan was pinned."""
-    if "wrap" in pins or case.ep > 1 or case.pp > 1 or case.prefetch is not None:
+    else, so that a seed's earlier draws stay what they were. Not beside ep or prefetch (the
+    Case refuses those), nor where the plan was pinned; under pp a group across two stages is
+    refused by the Case, and the draw keeps the plan as it was."""
+    if "wrap" in pins or case.ep > 1 or case.prefetch is not None:
         return case
     candidates = group_candidates(case)
     if not candidates or draw(st.integers(0, 2)) != 0:
@@ -1073,11 +1074,18 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     )
     if pp == 1:
         assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
+        assume(pins.get("pp_scale_grads") in (None, True))
         return case
     assume(ranks % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
-    fitting = [name for name in SCHEDULES if _schedule_fits(name, pp, blocks, case.microbatches)]
+    from fsdp_verify.engines import engine_capabilities
+
+    capabilities = engine_capabilities(case.engine)  # an engine that builds its own schedule: its
+    built = capabilities.pp_schedules or SCHEDULES
+    fitting = [name for name in built if _schedule_fits(name, pp, blocks, case.microbatches)]
     assume(fitting)
     schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
+    scales = st.booleans() if capabilities.pp_scale_grads is None else st.just(capabilities.pp_scale_grads)
+    scale_grads = draw(_pinned(pins, "pp_scale_grads", scales))
     dp = ranks // pp
     mesh = draw(hsdp_meshes(dp)) if case.mesh_shape is not None else None
     shard = mesh[-1] if mesh else dp
@@ -1101,6 +1109,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     changes: dict[str, Any] = {
         "pp": pp,
         "pp_schedule": schedule,
+        "pp_scale_grads": scale_grads,
+        "pp_split": draw(_pinned(pins, "pp_split", st.just(case.pp_split))),  # a user's (a framework's) split
         "mesh_shape": mesh,
         "model": model,
         "sync_every_microbatch": False,

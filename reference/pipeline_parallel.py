@@ -5,7 +5,9 @@ docs/pipeline-parallel.md). The reference trains the unsplit model on the same m
 - The schedule's loss: each micro-batch's loss is its sum over items times dp x micro-batches /
   the step's items (`backward_loss`), and the schedule divides the reduced gradients by the
   number of micro-batches once all have run (`scale_grads`, `after_reduction`): the same mean,
-  rounded the schedule's way. The loss recorded is the plain one.
+  rounded the schedule's way. The loss recorded is the plain one. A schedule without
+  `scale_grads` (the case's `pp_scale_grads` false: torchtitan's) backpropagates each
+  micro-batch's share of the step's loss as it is, and divides nothing.
 - The stages accumulate every micro-batch's gradients unreduced and reduce once after the last
   (the case's `sync_every_microbatch` is false, as Case requires): the reference's no-sync path.
 - Each stage is sharded on its own: its parameters that no unit of the plan holds belong to the
@@ -25,11 +27,13 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from fsdp_verify.units import modules_of
+
 
 def backward_loss(case, loss_of, loss_factor: float, loss: torch.Tensor) -> torch.Tensor:
     """The loss a rank's micro-batch backpropagates: the schedule's (see the module docstring);
     `loss_of(factor)` is the micro-batch's loss scaled by `factor` (its tp ranks' under tp)."""
-    if case.pp == 1:
+    if case.pp == 1 or not case.pp_scale_grads:
         return loss
     return loss_of(loss_factor * case.microbatches)
 
@@ -70,7 +74,7 @@ def staged_forward(model: nn.Module, case) -> list[tuple[nn.Module, bool]]:
 
     model.forward = forward
     plan = case.wrap_plan
-    units = [model.get_submodule(u) for u in plan if u]
+    units = [m for u in plan if u for m in modules_of(model, u)]  # a group's members, each
     out = []
     for stage in stages:
         in_units = {id(p) for u in units for p in u.parameters()}
@@ -126,7 +130,7 @@ def average(rank_grads, case, reduce_dtype, divide, hsdp_average) -> dict[str, t
 def after_reduction(case, master_grads: dict[str, torch.Tensor]) -> None:
     """The schedule's `scale_grads`: every reduced gradient divided by the micro-batches; then a
     tied embedding's two copies summed (an all-reduce of two: a + b either way)."""
-    if case.pp > 1 and case.microbatches != 1:
+    if case.pp > 1 and case.pp_scale_grads and case.microbatches != 1:
         for g in master_grads.values():
             g.div_(case.microbatches)
     if untied(case) and TIED_HEAD in master_grads:

@@ -301,6 +301,17 @@ def test_each_pipeline_mutant_is_caught(fsdp_check, mutant):
     assert verdict.first_divergence.phase == "grads", verdict.summary()
 
 
+def test_a_schedule_that_does_not_scale_the_gradients_is_bit_exact_and_one_that_does_is_caught(fsdp_check):
+    """`pp_scale_grads: false` (torchtitan's schedule): each micro-batch's loss its share of the
+    step's, nothing divided after; the built-in engine's schedule takes it bit for bit, and a
+    schedule that divides anyway is M times too small."""
+    case = pp_case(4, 2, "gpipe", LM4, m=2, pp_scale_grads=False, clip_norm=0.5)
+    verdict = fsdp_check(case)
+    assert verdict.ok and not _inexact(verdict), verdict.summary()
+    verdict = fsdp_check(case.with_(engine="fsdp_verify.zoo.mutants:pp_loss_not_divided_by_microbatches"))
+    assert not verdict.ok and verdict.first_divergence.phase == "grads", verdict.summary()
+
+
 def test_tied_gradients_not_summed_between_the_stages_are_caught(fsdp_check):
     model = replace(LM4, tie_embeddings=True)
     case = pp_case(4, 2, "gpipe", model, m=2, engine="fsdp_verify.zoo.mutants:pp_tied_embedding_grads_not_summed")
@@ -361,6 +372,8 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"model": ModelSpec(kind="mlp", widths=(4, 4))}, "pp", "as many stages"),
         ({"model": ModelSpec(kind="mlp", widths=(4, 4, 4), dropout=0.1)}, "model.dropout", "own masks"),
         ({"pp": 1}, "pp_schedule", "with pp=1"),
+        ({"pp": 1, "pp_schedule": "1f1b", "pp_scale_grads": False}, "pp_scale_grads", "with pp=1"),
+        ({"pp_scale_grads": "no"}, "pp_scale_grads", "true or false"),
         ({"compile": "model"}, "compile", "None or 'units' or 'blocks' with pp=2"),
         ({"tp": 2, "loss_parallel": True, "world_size": 8}, "loss_parallel", "not vocabulary-parallel"),
         (

@@ -276,3 +276,55 @@ def test_torchtitans_tp_without_sequence_parallelism_is_refused_and_bf16_is_not_
     assert drawn and all(c.tp == 2 and c.tp_plan == TP["tp_plan"] for c in drawn), drawn
     assert {c.precision.param_dtype for c in drawn} == {None}  # bf16 would draw #190626 every time
     assert all(c.model.seq_len % 2 == 0 for c in drawn)  # the sequence splits over the tp ranks
+
+
+# ---- its pipeline (issue 49): `pipeline_llm`, its split, its schedule --------------------------------------
+def test_torchtitans_pipeline_is_bit_exact_with_its_clip_over_the_stages(tmp_path):
+    """pp 2 x dp 2 through torchtitan's own `pipeline_llm`: its split (a copy of the model a stage,
+    the others' modules deleted), `parallelize_llama` on each part (its FSDP with `[norm, lm_head]`
+    in the last stage), its GPipe schedule with `scale_grads=False` (each micro-batch's loss its
+    share of the step's), its clip over the pp mesh; bf16 parameters, its `SelectiveAC`: every
+    record bit for bit. The reference learns the split from `pp_split` (torchtitan's own module
+    names per stage) and the schedule's scaling from `pp_scale_grads`."""
+    r = run_cli(
+        ["check", "--framework", "torchtitan", "--model-kwargs", '{"n_layers": 2}', "--pp", "2", "--world-size", "4"]
+        + ["--pp-schedule", "gpipe", "--microbatches", "2", "--steps", "2", "--param-dtype", "bf16"]
+        + ["--activation-checkpointing", "--clip-norm", "0.05", "--json", str(tmp_path / "v.json")]
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+    report = json.loads((tmp_path / "v.json").read_text())
+    case = report["case"]
+    assert (case["pp_split"], case["pp_scale_grads"], case["sync_every_microbatch"]) == (
+        "fsdp_verify.frameworks.torchtitan:pp_split",
+        False,
+        False,
+    )
+    numbers = [f for f in report["findings"] if f["kind"] == "deviation" and f["phase"] != "param_sums"]
+    assert {f["phase"] for f in numbers} >= {"logits", "loss", "grads", "grad_norm", "params", "optim_state"}
+    assert all(f["max_abs"] == 0 for f in numbers), [f for f in numbers if f["max_abs"]][:3]
+    # every rank holds only its stage's modules: the buffers of the other stage come from its ranks
+    buffers = {f["name"] for f in report["findings"] if f["phase"] == "buffers" and f["kind"] == "deviation"}
+    assert {"layers.0.attention.rope.cache", "layers.1.attention.rope.cache"} <= buffers, buffers
+
+
+def test_torchtitans_split_is_its_module_names_per_stage_as_views_of_the_model():
+    from fsdp_verify.frameworks.torchtitan import llama3, pp_split
+
+    model = llama3(n_layers=3, seq_len=4)
+    first, last = pp_split(model, 2)  # torchtitan: the embedding and the head each weigh one block
+    assert list(first.layers) == ["0", "1"] and first.norm is None and first.lm_head is None
+    assert list(last.layers) == ["2"] and last.tok_embeddings is None and last.lm_head is model.lm_head
+    assert list(model.layers) == ["0", "1", "2"] and model.norm is not None  # the model is untouched
+    shared = {id(p) for p in model.parameters()}
+    assert all(id(p) in shared for stage in (first, last) for p in stage.parameters())
+
+
+def test_what_torchtitans_pipeline_does_not_build_is_refused_naming_the_field():
+    for flags, field in (
+        (["--pp-schedule", "interleaved1f1b"], "pp_schedule"),
+        (["--pp-scale-grads", "true"], "pp_scale_grads"),
+    ):
+        r = run_cli(
+            ["check", "--framework", "torchtitan", "--pp", "2", "--world-size", "2", "--microbatches", "2", *flags]
+        )
+        assert r.returncode == 2 and f"bad case: {field}: expected" in r.stderr, r.stderr

@@ -69,6 +69,39 @@ def test_a_group_beside_tensor_parallelism_is_bit_exact(fsdp_check):
     assert numbers and all(f.max_abs == 0 for f in numbers)
 
 
+LM4 = ModelSpec(kind="transformer", vocab_size=31, dim=16, n_layers=4, n_heads=2, ffn_hidden=23, seq_len=6)
+
+
+def _pp(wrap: tuple[str, ...], **changes) -> Case:
+    """Two stages of two blocks each (the first with the embedding, the last with norm and head),
+    dp 2 each, two micro-batches."""
+    base = Case(model=LM4, world_size=4, pp=2, microbatches=2, sync_every_microbatch=False, steps=2)
+    return base.with_(data=DataSpec(batch_size=8), wrap=wrap, **changes)
+
+
+def test_groups_beside_pipeline_parallelism_are_bit_exact_and_one_across_two_stages_is_refused(fsdp_check):
+    """torchtitan's `[norm, lm_head]` in its last stage: each stage is sharded on its own, so a
+    group lies in one stage (the Case refuses one across two); bf16 parameters, a clip over the
+    stages; every number bit-exact."""
+    wrap = ("tok_embeddings", "layers.0+layers.1", "layers.2", "layers.3", "norm+output", "")
+    case = _pp(wrap, clip_norm=0.3, precision=PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32"))
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    numbers = [f for f in verdict.findings if f.kind == "deviation" and f.phase in ("grads", "params")]
+    assert numbers and all(f.max_abs == 0 for f in numbers)
+    with pytest.raises(CaseError) as e:
+        _pp(("layers.0", "layers.1+layers.2", "layers.3", ""))
+    assert e.value.field_path == "wrap" and "'layers.1+layers.2' lies in stages [0, 1]" in str(e.value)
+
+
+def test_a_group_sharded_module_by_module_in_a_stage_is_caught(fsdp_check):
+    wrap = ("layers.0", "layers.1", "layers.2", "layers.3", "norm+output", "")
+    verdict = fsdp_check(_pp(wrap, engine="fsdp_verify.zoo.mutants:group_sharded_module_by_module"))
+    first = verdict.first_divergence
+    assert (first.step, first.phase, first.name) == (0, "build", "<wrap>"), verdict.summary()
+    assert "the modules of 'norm+output' are not one unit" in first.message
+
+
 def test_an_engine_that_does_not_declare_groups_is_refused_them_and_never_drawn():
     r = run_cli(["check", "--model", "mlp", "--widths", "8,6,5,4", "--engine", PLAIN, "--wrap", "layers.0+layers.1"])
     assert r.returncode == 2, r.stdout + r.stderr

@@ -341,6 +341,10 @@ class Case:
     # The stages: None = the built-in model's blocks split evenly; "pkg.module:NAME" or
     # "file.py:NAME" = fn(model, n_stages) -> the stage modules (a user's code: verify/trust.py).
     pp_split: str | None = None
+    # The schedule's `scale_grads`: true (torch's default), it divides the reduced gradients by the
+    # micro-batches once all have run, and each micro-batch's loss is scaled up by their count;
+    # false (torchtitan's schedule), each micro-batch's loss is its share of the step's as it is.
+    pp_scale_grads: bool = True
     # torch.compile (docs/compile.md), applied by the engine in place (`module.compile()`, FQNs
     # kept) after activation checkpointing and before fully_shard, torchtitan's order: None, "units"
     # (each unit of the wrap plan but the root) or "model" (the whole model); the reference is
@@ -386,6 +390,7 @@ class Case:
         "pp",
         "pp_schedule",
         "pp_split",
+        "pp_scale_grads",
         "compile",
         "compile_fullgraph",
         "compile_backend",
@@ -788,7 +793,7 @@ class Case:
         none (then no schedule nor split: a case without stages has none)."""
         pp = self.resume_pp if self.resume_pp is not None else self.pp
         if pp == 1:
-            return {"pp": 1, "pp_schedule": "1f1b", "pp_split": None}
+            return {"pp": 1, "pp_schedule": "1f1b", "pp_split": None, "pp_scale_grads": True}
         return {"pp": pp}
 
     def _validate_custom(self) -> None:
@@ -863,8 +868,9 @@ class Case:
         )
         check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
         if any(units.is_group(u) for u in plan):
-            for name in ("ep", "pp"):  # a group's one unit over several modules: tried with tp, not these
-                check(getattr(self, name) == 1, "wrap", f"units of one module each beside {name} (not modelled)", plan)
+            # a group's one unit over several modules: tried with tp and pp (each group in one
+            # stage: verify/engines/pipeline_parallel.py), not with ep
+            check(self.ep == 1, "wrap", "units of one module each beside ep (not modelled)", plan)
             # explicit prefetching's replay places a unit's pre-forward by module nesting, which
             # a group's first member does not follow (verify/checks/prefetch.py)
             check(self.prefetch is None, "wrap", "units of one module each beside prefetch (not modelled)", plan)
@@ -1160,7 +1166,12 @@ def check_field_value(name: str, value: Any) -> None:
         return
     if name == "ignored" and isinstance(value, tuple) and all(isinstance(n, str) and n for n in value):
         return  # names, judged against the drawn model (the drawn Case refuses one that names none)
-    if name in ("pp", "pp_schedule", "pp_split"):  # wrong only beside the world, model, micro-batches drawn
+    if name in (
+        "pp",
+        "pp_schedule",
+        "pp_split",
+        "pp_scale_grads",
+    ):  # wrong only beside the world, model, micro-batches drawn
         from fsdp_verify.engines.pipeline_parallel import check_pipeline_value
 
         check_pipeline_value(name, value)

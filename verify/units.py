@@ -83,3 +83,13 @@ def inside(inner: str, outer: str) -> bool:
 def modules_of(model: nn.Module, unit: str) -> list[nn.Module]:
     """The unit's modules in `model`, in the unit's order (what `fully_shard` is given)."""
     return [model.get_submodule(m) for m in members(unit)]
+
+
+def modules_here(model: nn.Module, unit: str) -> list[nn.Module]:
+    """`modules_of`, or [] where a member is not in `model`: a pipeline rank's copy of the model
+    that another stage's modules were deleted from (torchtitan's `_split_module` sets them None)."""
+    try:
+        modules = modules_of(model, unit)
+    except AttributeError:
+        return []
+    return modules if all(isinstance(m, nn.Module) for m in modules) else []

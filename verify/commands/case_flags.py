@@ -631,6 +631,15 @@ FLAGS: tuple[Flag, ...] = (
         or_none(str),
         "IMPORT",
     ),
+    Flag(
+        "--pp-scale-grads",
+        "pp_scale_grads",
+        PP,
+        "the schedule divides the gradients by the micro-batches (torch's default: true); false: each micro-batch's"
+        " loss is its share of the step's, as torchtitan's schedule has it",
+        boolean,
+        "BOOL",
+    ),
     # tensor parallelism (docs/tensor-parallel.md)
     Flag(
         "--tp",

@@ -221,11 +221,12 @@ def case_from_args(args: argparse.Namespace) -> Case:
     if args.case and not Path(args.case).is_file():
         raise CaseError("--case", "a Case JSON file", str(args.case))
     case = load_case(args.case, None, args) if args.case else Case()
-    if getattr(args, "framework", None):
-        case = case.with_(**framework_fields(args))
+    # A framework's fields go in with the flags, one Case made of both: its pipeline's fields
+    # need the flags' micro-batches, its tp fields the flags' degree.
+    framework = framework_fields(args) if getattr(args, "framework", None) else {}
     flags = case_flags.given(args)
     try:
-        return _apply_flags(case, args, flags)
+        return _apply_flags(case, args, flags, framework)
     except CaseError as e:
         raise case_flags.name_flag(e, flags) from None
 
@@ -241,13 +242,15 @@ def framework_fields(args: argparse.Namespace) -> dict:
     kwargs = json.loads(args.model_kwargs) if getattr(args, "model_kwargs", None) else {}
     if not isinstance(kwargs, dict):
         raise CaseError("model.kwargs", "a JSON object", args.model_kwargs)
-    degrees = getattr(args, "tp", None)
-    tp = any(d > 1 for d in (degrees if isinstance(degrees, list) else [degrees or 1]) if isinstance(d, int))
-    fields = preset(args.framework, getattr(args, "model", None), kwargs, getattr(args, "seq_len", None), tp)
-    if tp and isinstance(degrees, int):
-        fields["tp"] = degrees  # the case those fields are set on has it already (the flag sets it again)
+    asked = {name: _asked_degree(getattr(args, name, None)) for name in ("tp", "pp")}
+    fields = preset(args.framework, getattr(args, "model", None), kwargs, getattr(args, "seq_len", None), **asked)
     args.model = args.model_kwargs = None
     return fields
+
+
+def _asked_degree(degrees) -> bool:
+    """Whether a dimension's flag (one degree, or a draw's list of them) asks for a degree above 1."""
+    return any(d > 1 for d in (degrees if isinstance(degrees, list) else [degrees or 1]) if isinstance(d, int))
 
 
 def framework_draw_pins(fields: dict) -> dict:
@@ -259,13 +262,16 @@ def framework_draw_pins(fields: dict) -> dict:
     return {**fields, "precision.reduce_dtype": "fp32", "precision.output_dtype": None}
 
 
-def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
-    """`case` with the flags in `flags` (field path -> value) applied."""
+def _apply_flags(case: Case, args: argparse.Namespace, flags: dict, framework: dict | None = None) -> Case:
+    """`case` with a framework's fields (field path -> value: `framework_fields`) and the flags
+    in `flags` (field path -> value) over them applied."""
+    framework = framework or {}
     changes = {
         f.field: flags[f.field]
         for f in case_flags.FLAGS
         if f.field in flags and not f.special and not f.field.startswith("model.")
     }
+    before = case.with_(**{k: v for k, v in framework.items() if k in ("model", "wrap")}) if framework else case
     tp = flags.get("tp", case.tp)
     if "mesh_shape" in flags:
         changes["mesh_shape"] = flags["mesh_shape"]
@@ -276,10 +282,10 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
     if "world_size" in flags:
         changes["world_size"] = flags["world_size"]
         changes.setdefault("mesh_shape", None)
-    model = model_from_args(args, case.model)
-    if model is not None and model != case.model:
+    model = model_from_args(args, before.model)
+    if model is not None and model != before.model:
         changes["model"] = model
-        if model.kind != case.model.kind or model.factory != case.model.factory:
+        if model.kind != before.model.kind or model.factory != before.model.factory:
             changes["wrap"] = None
     if args.wrap:
         changes["wrap"] = _wrap_plan(args.wrap)
@@ -293,6 +299,7 @@ def _apply_flags(case: Case, args: argparse.Namespace, flags: dict) -> Case:
     elif (not args.case or "microbatches" in changes) and isinstance(world, int) and world > 0:
         per = world * (microbatches if isinstance(microbatches, int) and microbatches > 0 else 1)
         changes["data.batch_size"] = -(-case.data.batch_size // per) * per
+    changes = {**framework, **changes}
     return case.with_(**changes) if changes else case
 
 

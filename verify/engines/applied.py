@@ -23,7 +23,7 @@ from torch.distributed.tensor import DTensor, Shard
 from fsdp_verify import module_names
 from fsdp_verify.case import Case
 from fsdp_verify.engines.capabilities import TAKEABLE
-from fsdp_verify.units import is_group, modules_of
+from fsdp_verify.units import is_group, modules_here
 
 
 def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tuple[str, str]]:
@@ -57,7 +57,10 @@ def _units(case: Case, model: nn.Module) -> list[tuple[str, object]]:
 def _units_of(plan, model: nn.Module) -> list[tuple[str, object]]:
     out = []
     for fqn in plan:
-        module = modules_of(model, fqn)[0]  # a group's modules share one state
+        modules = modules_here(model, fqn)  # under pp: the units of this rank's stages
+        if not modules:
+            continue
+        module = modules[0]  # a group's modules share one state
         get_state = getattr(module, "_get_fsdp_state", None)
         if callable(get_state):
             out.append((fqn, get_state()))
@@ -250,12 +253,15 @@ def _tp(case: Case, model: nn.Module) -> str:
 
 def _groups_applied(case: Case, model: nn.Module) -> str:
     """Each unit over several modules one FSDP2 state: `fully_shard` called on the list, not on
-    each member (their states would differ)."""
+    each member (their states would differ). Under pp, the groups of this rank's stages."""
     for fqn in case.wrap_plan:
         if not is_group(fqn):
             continue
+        modules = modules_here(model, fqn)
+        if case.pp > 1 and not any(True for m in modules for _ in m.parameters()):
+            continue  # another stage's group: this rank's copy holds none of its parameters
         states = []
-        for module in modules_of(model, fqn):
+        for module in modules:
             get_state = getattr(module, "_get_fsdp_state", None)
             states.append(get_state() if callable(get_state) else None)
         if any(s is None for s in states) or len({id(s) for s in states}) > 1:

@@ -82,7 +82,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.
     drop_others(model, mine)
     stages = []
     for i, stage in zip(indices, mine):
-        shard_stage(stage, dp_mesh, replace(spec, wrap=stage_wrap(case.wrap_plan, model, stage), stage=i))
+        shard_stage(stage, dp_mesh, replace(spec, wrap=stage_wrap(spec.wrap, model, stage), stage=i))
         stages.append(PipelineStage(stage, i, n_stages, device, group=pp_mesh.get_group()))
     pipe = Pipeline(case, model, mine, stages, first=0 in indices, last=n_stages - 1 in indices)
     kind = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B, "interleaved1f1b": ScheduleInterleaved1F1B}
@@ -91,6 +91,7 @@ def build_pipeline(model: nn.Module, mesh: DeviceMesh, spec, shard_stage) -> nn.
         stages if per > 1 else stages[0],
         n_microbatches=case.microbatches,
         loss_fn=lambda output, target: pipe.loss(output, target),
+        scale_grads=case.pp_scale_grads,
     )
     pipe.tied = _tied_copies(case, model, dp_mesh, pipe)
     model.pipeline = pipe

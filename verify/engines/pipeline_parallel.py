@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from fsdp_verify.units import group, modules_of
+from fsdp_verify.units import group, is_group, members, modules_of
 from fsdp_verify.validation import check, is_int
 
 PP = "pp"
@@ -44,16 +44,18 @@ def check_pipeline_value(name: str, value: Any) -> None:
         check(value in SCHEDULES, "pp_schedule", f"one of {SCHEDULES}", value)
     elif name == "pp_split":
         check(value is None or is_import_path(value), "pp_split", f"null or {IMPORT_PATH}", value)
+    elif name == "pp_scale_grads":
+        check(isinstance(value, bool), "pp_scale_grads", "true or false", value)
 
 
 def check_pipeline(case) -> None:
     """The case's pipeline: a degree, a schedule the micro-batches fit, a model that splits into
     its stages, beside only what the reference models with it."""
-    for name in ("pp", "pp_schedule", "pp_split"):
+    for name in ("pp", "pp_schedule", "pp_split", "pp_scale_grads"):
         check_pipeline_value(name, getattr(case, name))
     pp = case.pp
     if pp == 1:
-        for name, off in (("pp_schedule", "1f1b"), ("pp_split", None)):
+        for name, off in (("pp_schedule", "1f1b"), ("pp_split", None), ("pp_scale_grads", True)):
             check(getattr(case, name) == off, name, f"{off!r} with pp=1 (no pipeline)", getattr(case, name))
         return
     stages, m = pp * stages_per_rank(case.pp_schedule), case.microbatches
@@ -92,6 +94,8 @@ def check_pipeline(case) -> None:
             "null beside tied parameters of your own model (tied across stages: the built-in Transformer's only)",
             case.pp_split,
         )
+    if any(is_group(u) for u in case.wrap_plan):
+        _check_groups_in_one_stage(case, stages)
     if case.unfreeze_step is not None:
         _check_unfrozen_stages(case, stages)
     check(
@@ -110,6 +114,28 @@ def check_pipeline(case) -> None:
     from fsdp_verify.dims.together import check_together
 
     check_together(case, PP)
+
+
+def _check_groups_in_one_stage(case, n_stages: int) -> None:
+    """Each unit over several modules inside one stage: a stage is sharded on its own, so a group
+    across two would be two units (torchtitan's `[norm, lm_head]` lies in its last stage)."""
+    from fsdp_verify.models import _construct
+
+    with torch.device("meta"):
+        model = _construct(case.model)
+    where: dict[int, int] = {}
+    for s, stage in enumerate(split(case, model, n_stages)):
+        for module in stage.modules():
+            where.setdefault(id(module), s)
+    for unit in case.wrap_plan:
+        if is_group(unit):
+            stages = sorted({where.get(id(model.get_submodule(m)), -1) for m in members(unit)})
+            check(
+                len(stages) == 1 and stages[0] >= 0,
+                "wrap",
+                f"each unit over several modules inside one stage ({unit!r} lies in stages {stages}, -1: none)",
+                case.wrap,
+            )
 
 
 def _check_unfrozen_stages(case, n_stages: int) -> None:

@@ -30,12 +30,17 @@ def preset(
     kwargs: dict[str, Any] | None = None,
     seq_len: int | None = None,
     tp: bool = False,
+    pp: bool = False,
 ) -> dict[str, Any]:
-    """The case fields `--framework framework --model model` stands for (field path -> value);
+    """The case fields `--framework framework --model model` stand for (field path -> value);
     without `model`, the framework's default (torchtitan's llama3:debugmodel, the tiny Llama).
-    `tp`: a tensor-parallel degree above 1 is asked for (a framework's tp fields are added)."""
+    `tp`, `pp`: a degree above 1 is asked for (the framework's fields of that dimension are added:
+    its `TP_FIELDS`, `PP_FIELDS`)."""
     if framework not in FRAMEWORKS:
         raise CaseError("--framework", f"one of {list(FRAMEWORKS)}", framework)
     module = importlib.import_module(f"fsdp_verify.frameworks.{framework}")
     fields = module.preset(model or module.DEFAULT_MODEL, kwargs or {}, seq_len)
-    return {**fields, **getattr(module, "TP_FIELDS", {})} if tp else fields
+    for asked, extra in ((tp, "TP_FIELDS"), (pp, "PP_FIELDS")):
+        if asked:
+            fields = {**fields, **getattr(module, extra, {})}
+    return fields

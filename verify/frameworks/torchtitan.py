@@ -32,6 +32,7 @@ holds against the placements torchtitan built (docs/frameworks/torchtitan.md).
 
 from __future__ import annotations
 
+import copy
 import tempfile
 from typing import Any
 
@@ -41,6 +42,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify.engines.capabilities import Capabilities
+from fsdp_verify.engines.pipeline_engine import PipelineView
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.integrations import require
@@ -133,8 +135,11 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
 
     case = spec.case
     replicate, shard = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])
+    local_batch = case.data.batch_size // case.dp_size  # a data-parallel rank's block of the step
     training = TrainingConfig(
-        mixed_precision_param=_dtype(case.precision.param_dtype), mixed_precision_reduce="float32"
+        mixed_precision_param=_dtype(case.precision.param_dtype),
+        mixed_precision_reduce="float32",
+        local_batch_size=local_batch,
     )
     parallelism = ParallelismConfig(
         data_parallel_replicate_degree=replicate,
@@ -143,11 +148,16 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
         tensor_parallel_degree=case.tp,
         enable_sequence_parallel=model.sequence_parallel,
         spmd_backend=SPMD_BACKEND,
+        pipeline_parallel_degree=case.pp,
+        pipeline_parallel_schedule=SCHEDULES[case.pp_schedule],
+        pipeline_parallel_microbatch_size=max(1, local_batch // case.microbatches),
     )
     dims = dims_module.ParallelDims.from_config(parallelism, case.world_size)  # as torchtitan's trainer
     dims_module.device_type = mesh.device_type  # torchtitan's import-time guess: "cuda" without one
     dims.build_mesh()
     dist_utils.set_spmd_backend(parallelism.spmd_backend)  # torchtitan's trainer does, first
+    if case.pp > 1:
+        return _pipeline(model, mesh, case, dims, training, parallelism, _ac_config(case, full_ac))
     with tempfile.TemporaryDirectory() as dump:
         parallelize_llama(
             model,
@@ -158,11 +168,88 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
             ac_config=_ac_config(case, full_ac),
             dump_folder=dump,
         )
+    _force_sum(model)
+    model.verify_view = lambda: TorchtitanView(model)
+    return model
+
+
+def _force_sum(model: nn.Module) -> None:
     for module in model.modules():
         if isinstance(module, FSDPModule):
             module.set_force_sum_reduction_for_comms(True)  # gloo has no AVG, and the division is off
-    model.verify_view = lambda: TorchtitanView(model)
-    return model
+
+
+def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallelism, ac_config) -> nn.Module:
+    """torchtitan's `pipeline_llm`: its split (`_split_module`: a copy of the model a stage, the
+    other stages' modules deleted), `parallelize_llama` on each part (its FSDP over the
+    data-parallel mesh, every unit kept unsharded after forward under pp), its `PipelineStage`s and
+    its schedule (`scale_grads=False`). Its loss function is the loop's (`Pipeline.loss`, the
+    micro-batch's share of the step's loss as torchtitan's trainer scales it). One stage a rank
+    (GPipe or 1F1B, as the capabilities declare): the part is the rank's copy of the model under
+    the model's names."""
+    from torchtitan.distributed.pipeline_parallel import pipeline_llm
+    from torchtitan.models.llama3 import parallelize_llama
+
+    from fsdp_verify.engines.pipeline_engine import Pipeline
+
+    held: dict[str, Pipeline] = {}
+    with tempfile.TemporaryDirectory() as dump:
+        schedule, parts, first, last = pipeline_llm(
+            model,
+            parallel_dims=dims,
+            training=training,
+            parallelism=parallelism,
+            compile_config=_compile_config(case),
+            ac_config=ac_config,
+            dump_folder=dump,
+            device=torch.device(mesh.device_type),
+            model_config=model.config,
+            parallelize_fn=parallelize_llama,
+            loss_fn=lambda output, target: (held["pipe"].loss(output, target), None),  # its (loss, extra)
+        )
+    (part,) = parts
+    _force_sum(part)
+    stages = list(getattr(schedule, "_stages", None) or [schedule._stage])  # torch's schedules keep them so
+    pipe = held["pipe"] = Pipeline(case, part, parts, stages, schedule, first=first, last=last)
+    part.pipeline, part.pp_mesh = pipe, dims.get_mesh("pp")
+    part.verify_view = lambda: TorchtitanPipelineView(part)
+    return part
+
+
+def pp_split(model: nn.Module, n_stages: int) -> list[nn.Module]:
+    """torchtitan's default stages of a Llama model (`_generate_llm_fqn_per_model_part`, the
+    embedding and the norm and head each weighted as one block, its `ParallelismConfig`'s
+    defaults), as views sharing the model's modules, for the reference: a stage's forward is the
+    model's own on the modules it keeps (the others None, its blocks a subset under their keys),
+    as `_split_module`'s copies run on the ranks."""
+    from torchtitan.config import ParallelismConfig
+    from torchtitan.distributed.pipeline_parallel import _generate_llm_fqn_per_model_part
+
+    defaults = ParallelismConfig()
+    names = _generate_llm_fqn_per_model_part(
+        n_stages,
+        len(model.layers),
+        defaults.pipeline_parallel_first_stage_less_layers,
+        defaults.pipeline_parallel_last_stage_less_layers,
+    )
+    return [_stage_view(model, set(keep)) for keep in names]
+
+
+def _stage_view(model: nn.Module, keep: set[str]) -> nn.Module:
+    view = copy.copy(model)  # the same class and forward
+    for name, value in vars(model).items():  # its own tables: modules, parameters, hooks
+        if isinstance(value, dict):
+            setattr(view, name, copy.copy(value))
+    for name, child in model.named_children():
+        if name == "layers":
+            blocks = type(child)()
+            for key, block in child.items():
+                if f"layers.{key}" in keep:
+                    blocks[key] = block
+            view.layers = blocks
+        elif name not in keep:
+            setattr(view, name, None)
+    return view
 
 
 def tp_plan(model: nn.Module, tp_mesh) -> dict:
@@ -224,6 +311,17 @@ class TorchtitanView(EngineView):
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
+class TorchtitanPipelineView(PipelineView):
+    """The pipeline's view, with torchtitan's own clip over the stages: its `clip_grad_norm_`
+    with the pp mesh (each stage's norm, squared, all-reduced over "pp", its square root)."""
+
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        from torchtitan.distributed.utils import clip_grad_norm_
+
+        params = [p for part in self.module.pipeline.modules for p in part.parameters()]
+        return clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=self.module.pp_mesh, ep_enabled=False)
+
+
 def _dtype(name: str | None) -> str:
     if name in (None, "fp32"):
         return "float32"
@@ -238,13 +336,15 @@ def _dtype(name: str | None) -> str:
 # It compiles as torchtitan's `apply_compile` does (`_compile_config`): the blocks only, fullgraph,
 # torch's automatic dynamic shapes, two Dynamo options set process-wide (the reference sets them too).
 parallelize.capabilities = Capabilities(
-    takes=("groups", "grad_reduction", "compile", "tp", "sequence_parallel", "loss_parallel"),
+    takes=("groups", "grad_reduction", "compile", "tp", "sequence_parallel", "loss_parallel", "pp"),
     reshard_per_unit=True,
     checkpoints=True,
     compile_scopes=("blocks",),
     compile_fullgraph=True,
     dynamo_config=(("capture_scalar_outputs", True), ("skip_fwd_side_effects_in_bwd_under_checkpoint", True)),
     compile_dynamic=None,
+    pp_schedules=("gpipe", "1f1b"),  # one stage a rank: its part is the rank's copy of the model
+    pp_scale_grads=False,
 )
 parallelize_full_ac.capabilities = parallelize.capabilities
 
@@ -258,6 +358,16 @@ SEQ_LEN = 16
 # What a torchtitan run with tp adds (`--framework torchtitan --tp N`): its declarations as the
 # reference's plan, and its vocabulary-parallel loss (its lm_head's output is always sharded).
 TP_FIELDS = {"tp_plan": "fsdp_verify.frameworks.torchtitan:tp_plan", "loss_parallel": True}
+
+# What a torchtitan run with pp adds (`--framework torchtitan --pp N`): its stages for the
+# reference, its schedule's gradient scaling (none), and each stage's one reduction a step.
+PP_FIELDS = {
+    "pp_split": "fsdp_verify.frameworks.torchtitan:pp_split",
+    "pp_scale_grads": False,
+    "sync_every_microbatch": False,
+}
+# the case's schedules by torchtitan's names (`get_schedule_class`)
+SCHEDULES = {"gpipe": "GPipe", "1f1b": "1F1B", "interleaved1f1b": "Interleaved1F1B"}
 
 # `--framework torchtitan` without `--model`
 DEFAULT_MODEL = "llama3:debugmodel"

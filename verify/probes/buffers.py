@@ -29,9 +29,15 @@ def _whole(t: torch.Tensor) -> torch.Tensor:
 
 
 class BuffersProbe(Probe):
+    """Under pipeline parallelism a rank may hold only its stages' buffers (torchtitan's split
+    deletes the other stages' modules): each rank then sends its buffers with their hashes, and
+    rank 0 records those it lacks from the first rank that holds them; a rank that holds none
+    of a buffer is left out of its comparison (hash "")."""
+
     def after_shard(self, model: nn.Module, view: EngineView) -> None:
         self.module = model
         self.hashes: dict[str, dict[str, str]] = {}  # this rank's, by step; gathered at the end
+        self.kept: dict[str, dict[str, torch.Tensor]] = {}  # under pp: this rank's buffers, by step
         self._record(0)
 
     def after_step(self, step: int) -> None:
@@ -42,16 +48,24 @@ class BuffersProbe(Probe):
         for name, b in buffers.items():
             self.add(step, "buffers", name, b)
         self.hashes[str(step)] = {name: tensor_hash(b) for name, b in buffers.items()}
+        if self.case.pp > 1 and self.rank != 0:
+            self.kept[str(step)] = {name: b.detach().cpu().clone() for name, b in buffers.items()}
 
     def to_gather(self):
-        return getattr(self, "hashes", {})
+        return getattr(self, "hashes", {}), getattr(self, "kept", {})
 
     def gathered(self, per_rank):
-        mine = per_rank[self.rank]
+        hashes = [h for h, _ in per_rank]
+        steps = {step: sorted({n for h in hashes for n in h.get(step, {})}) for step in hashes[self.rank]}
+        for step, names in steps.items():
+            for name in names:
+                if name not in hashes[self.rank][step]:  # another stage's: from the first rank holding it
+                    holder = next(kept for h, kept in per_rank if name in h.get(step, {}))
+                    self.add(int(step), "buffers", name, holder[step][name])
         self.meta(
             "buffer_hashes",
             {
-                step: {name: [h.get(step, {}).get(name, "") for h in per_rank] for name in names}
-                for step, names in mine.items()
+                step: {name: [h.get(step, {}).get(name, "") for h in hashes] for name in names}
+                for step, names in steps.items()
             },
         )

@@ -54,7 +54,7 @@ from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
-from fsdp_verify.units import is_group, members
+from fsdp_verify.units import is_group, members, modules_here
 
 _ATOMS = (type, types.ModuleType, str, bytes, int, float, bool, complex, type(None), weakref.ReferenceType)
 # Most of what a walk meets, skipped by a set lookup: a shape is a tuple of ints.
@@ -279,8 +279,7 @@ class MemoryProbe(Probe):
         self.record["sharded"] = self._bytes(self.sharded_params)
         self._where("sharded", self.sharded_params)
         for unit in self.case.wrap_plan:
-            for member in members(unit):
-                module = model.get_submodule(member)
+            for member, module in zip(members(unit), modules_here(model, unit)):  # under pp: this rank's
                 module = getattr(module, "_fsdp_wrapped_module", module)
                 if is_group(unit):
                     module.register_forward_pre_hook(eager_hook(self.case, self._opening(unit)))

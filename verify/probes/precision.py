@@ -35,7 +35,7 @@ from fsdp_verify import module_names
 from fsdp_verify.dtypes import name_of
 from fsdp_verify.engines.view import EngineView
 from fsdp_verify.probes.base import Probe, eager_hook
-from fsdp_verify.units import modules_of, owner_of_param
+from fsdp_verify.units import modules_here, owner_of_param
 
 # The reduce-scatter functions an engine may call; wrapped once per process, recording only while
 # a PrecisionProbe on this rank has a window open.
@@ -116,7 +116,9 @@ class PrecisionProbe(Probe):
         for name, _ in module_names.named_parameters(model):
             owned[owner_of_param(plan, name)].append(name)
         for unit in plan:
-            for module in modules_of(model, unit):  # each member of a unit over several modules casts
+            for module in modules_here(
+                model, unit
+            ):  # each member of a unit over several modules casts (under pp: this rank's)
                 # FSDP1 unshards and casts inside its forward, not in hooks: observe the module it wraps.
                 module = getattr(module, "_fsdp_wrapped_module", module)
                 pre = eager_hook(self.case, self._pre_forward(model, unit, owned[unit]))

@@ -251,6 +251,7 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
     dp_rank, m_count = case.parallel.dp_rank(ctx.rank), case.microbatches
     group = pipe.stages[0].group
     last = dist.get_global_rank(group, case.pp - 1)  # the last stage of this rank's pipeline
+    factor = m_count if case.pp_scale_grads else 1
     dtypes: dict[str, str] = {}
     items: dict[str, list[list[int]]] = {}
     first, position = 1, 0  # a resume (docs/resume.md): each rank loads its stages' parameters
@@ -263,12 +264,12 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         counts = [[item_count(case, targets[s]) for s in microbatch_slices(case, r)] for r in range(case.dp_size)]
         items[str(step)] = counts
         scale = _global_mean(0, 0, sum(map(sum, counts)), case.dp_size)
-        # the schedule averages the micro-batches' losses (scale_grads): each is scaled by their
-        # count; under grad_reduction sum the stages sum over their data-parallel ranks, so each
+        # the schedule averages the micro-batches' losses (`scale_grads`): each is scaled by their
+        # count (without it, as torchtitan's schedule, each is its share as it is); under grad_reduction sum the stages sum over their data-parallel ranks, so each
         # rank's is divided by their count too, as without stages (the loss recorded is the loss itself)
         divisor = view.sum_loss_divisor(case.dp_size) if case.grad_reduction == "sum" else 1
-        pipe.loss = lambda out, target, s=scale, d=divisor: (
-            microbatch_loss(case, logits_of(case.model, out), target, s * m_count) / d
+        pipe.loss = lambda out, target, s=scale * factor, d=divisor: (
+            microbatch_loss(case, logits_of(case.model, out), target, s) / d
         )
         block = rank_slice(case, dp_rank)
         args, _ = as_call(take(inputs, block, ctx.device))

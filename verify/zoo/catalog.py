@@ -65,8 +65,9 @@ class ZooBug:
             from fsdp_verify.frameworks import preset
 
             name, model, kwargs = self.framework
-            tp = isinstance(pins.get("tp"), int) and pins["tp"] > 1  # a bug planted in its tp
-            pins = {**{k: v for k, v in preset(name, model, dict(kwargs), tp=tp).items() if k != "engine"}, **pins}
+            tp, pp = (isinstance(pins.get(d), int) and pins[d] > 1 for d in ("tp", "pp"))  # a bug in its tp or pp
+            fields = preset(name, model, dict(kwargs), tp=tp, pp=pp)
+            pins = {**{k: v for k, v in fields.items() if k != "engine"}, **pins}
         return cases(
             engine=self.engine,
             world_sizes=sizes,
@@ -1001,6 +1002,17 @@ ZOO += [
         world_sizes=(2,),
         precisions=("fp32",),
         pins={**_CHEAP, "tp": 2},
+        framework=_TITAN,
+    ),
+    ZooBug(
+        "titan_pp_schedule_scales_grads",
+        "fsdp_verify.zoo.torchtitan:titan_pp_schedule_scales_grads",
+        "torchtitan's pipeline with its schedule dividing by the micro-batches a loss already scaled to the step",
+        "a schedule built with torch's default scale_grads=True beside torchtitan's global-token loss",
+        ("grads",),
+        world_sizes=(2,),
+        precisions=("fp32",),
+        pins={**_CHEAP, "pp": 2, "pp_schedule": "gpipe", "microbatches": 2},
         framework=_TITAN,
     ),
 ]

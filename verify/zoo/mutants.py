@@ -909,10 +909,12 @@ def _keep_by_score(moe, order, flat, counts, limit, probs):
 # ---- pipeline parallelism (docs/pipeline-parallel.md) ----------------------------------------------
 def pp_loss_not_divided_by_microbatches(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """The schedule told not to divide the gradients by the micro-batches (`scale_grads=False`)
-    while each micro-batch's loss is scaled for a mean over them: every gradient M times too large."""
+    while each micro-batch's loss is scaled for a mean over them: every gradient M times too large.
+    Where the case's schedule does not scale (`pp_scale_grads` false, torchtitan's), the opposite:
+    told to divide a loss already each micro-batch's share, every gradient M times too small."""
     fully_shard_engine(model, mesh, spec)
     if spec.case.pp > 1:
-        model.pipeline.schedule.scale_grads = False
+        model.pipeline.schedule.scale_grads = not spec.case.pp_scale_grads
     return model
 
 

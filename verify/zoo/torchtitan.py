@@ -77,3 +77,17 @@ def titan_tokens_counted_per_tp_rank(model: nn.Module, mesh: DeviceMesh, spec: S
 
 
 titan_tokens_counted_per_tp_rank.capabilities = titan.parallelize.capabilities
+
+
+def titan_pp_schedule_scales_grads(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's pipeline with its schedule told to divide the gradients by the micro-batches
+    (`scale_grads=True`, torch's default) while each micro-batch's loss is already its share of
+    the step's (torchtitan's global-token scaling): a schedule built outside `pipeline_llm` with
+    torch's defaults, every gradient 1/M."""
+    part = titan.parallelize(model, mesh, spec)
+    if spec.case.pp > 1:
+        part.pipeline.schedule.scale_grads = True
+    return part
+
+
+titan_pp_schedule_scales_grads.capabilities = titan.parallelize.capabilities
