@@ -242,6 +242,8 @@ def test_compile_mutants_inside_a_stage_are_caught(fsdp_check, mutant, phase):
 LM4_TP = replace(LM4, vocab_size=32, ffn_hidden=24)
 TP_PP = [
     pytest.param(4, None, {"clip_norm": 0.05}, id="pp2-tp2-fp32-clip"),
+    # the schedule's loss on the last stage over vocabulary shards, forward and backward (torchtitan's)
+    pytest.param(4, BF16, {"loss_parallel": True, "sequence_parallel": True}, id="pp2-tp2-bf16-sp-loss-parallel"),
     pytest.param(
         8, BF16, {"clip_norm": 0.05, "sequence_parallel": True}, id="pp2-dp2-tp2-bf16-sp-clip", marks=pytest.mark.slow
     ),
@@ -263,6 +265,7 @@ def test_tp_beside_pp_is_bit_exact(fsdp_check, world, precision, knobs):
         ("tp_plan_on_first_stage_only", 4, {}, "build"),
         ("rowwise_output_not_all_reduced", 4, {}, "logits"),
         ("pp_clip_norm_of_own_stages", 4, {"clip_norm": 0.05}, "grad_norm"),
+        ("rowwise_output_not_all_reduced", 4, {"loss_parallel": True}, "logits"),
     ],
 )
 def test_tp_beside_pp_mutants_are_caught(fsdp_check, mutant, world, knobs, phase):
@@ -375,7 +378,6 @@ def test_fsdp2_is_drawn_pipelines_of_every_schedule_with_fsdp_and_hsdp():
         ({"pp": 1, "pp_schedule": "1f1b", "pp_scale_grads": False}, "pp_scale_grads", "with pp=1"),
         ({"pp_scale_grads": "no"}, "pp_scale_grads", "true or false"),
         ({"compile": "model"}, "compile", "None or 'units' or 'blocks' with pp=2"),
-        ({"tp": 2, "loss_parallel": True, "world_size": 8}, "loss_parallel", "not vocabulary-parallel"),
         (
             {"model": ModelSpec(kind="mlp", widths=(4, 4, 4), frozen=("layers.0",)), "unfreeze_step": 2, "steps": 2},
             "unfreeze_step",

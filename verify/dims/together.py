@@ -99,11 +99,6 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
         NotModelled("replica_sync_last", False, "replica_sync_last (the stage decides what each backward reduces)"),
         NotModelled("reshard_after_backward_last", False, "reshard_after_backward_last (the stage decides it)"),
         NotModelled("ep", 1, "expert parallelism"),
-        NotModelled(
-            "loss_parallel",
-            False,
-            "loss parallelism (the schedule's loss on the last stage is not vocabulary-parallel)",
-        ),
         # Each stage compiled whole on its ranks and in the reference: bf16 gradients 0.9989x under
         # aot_eager (sweep seed 6020, case 2536711b10c6; fp32 within 0.53 of the bound), a graph
         # boundary the reference does not yet draw where the ranks do. Units (and blocks, some of them)

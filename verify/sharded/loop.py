@@ -276,7 +276,8 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         ctx.phase(f"step {step} pipeline schedule")
         for probe in probes:
             probe.before_forward(step, 0)
-        out = pipe.step(args[0], targets[block].to(ctx.device))
+        with vocabulary_parallel(case):  # the schedule's loss over vocabulary shards, and its backward
+            out = pipe.step(args[0], targets[block].to(ctx.device))
         pipe.sync_tied()  # a tied embedding's two copies: one gradient
         for probe in probes:
             probe.after_backward(step, m_count - 1)
@@ -285,9 +286,10 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         if pipe.last:
             logits = logits_of(case.model, out).detach()
             loss = torch.zeros((), dtype=torch.float32, device=ctx.device)
-            for part, index in zip(logits.tensor_split(m_count), microbatch_slices(case, dp_rank)):
-                loss += microbatch_loss(case, part, targets[index].to(ctx.device), scale).detach().float()
-            handed = [logits.cpu(), loss.cpu()]
+            with vocabulary_parallel(case):
+                for part, index in zip(logits.tensor_split(m_count), microbatch_slices(case, dp_rank)):
+                    loss += whole(microbatch_loss(case, part, targets[index].to(ctx.device), scale).detach()).float()
+            handed = [whole(logits).cpu(), loss.cpu()]
         dist.broadcast_object_list(handed, src=last, group=group)
         dtypes["logits"] = str(handed[0].dtype)
         records.rows(step, "logits", "logits", handed[0])
