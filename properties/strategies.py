@@ -1073,8 +1073,11 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
         _pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))
     )
     if pp == 1:
-        assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
-        assume(pins.get("pp_scale_grads") in (None, True))
+        # A pipeline's own pins ask for one, unless the degrees asked for include 1 (`--pp 1 2`
+        # beside a framework's pipeline fields): then a draw of 1 has no pipeline, its fields off.
+        if not isinstance(pins.get("pp"), SearchStrategy):
+            assume(pins.get("pp_schedule") in (None, "1f1b") and pins.get("pp_split") is None)
+            assume(pins.get("pp_scale_grads") in (None, True))
         return case
     assume(ranks % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
     from fsdp_verify.engines import engine_capabilities

@@ -36,6 +36,18 @@ def test_check_default_case_passes_and_writes_json(tmp_path):
     assert {"OwnershipCheck", "PrecisionContract", "RngCheck"} <= set(checks), checks
 
 
+def test_json_dash_is_standard_output_alone_and_writes_no_file(tmp_path):
+    """`--json -` (the Unix spelling): the document alone on standard output, the text for a person
+    on standard error, no file named "-" left behind; the same for a command's other JSON."""
+    r = run_cli(["check", "--model", "mlp", "--steps", "1", "--json", "-"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["ok"] is True and "EQUIVALENT" in r.stderr
+    r = run_cli(["comm", "--model", "mlp", "--steps", "1", "--json", "-"], cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert isinstance(json.loads(r.stdout), dict)
+    assert not (tmp_path / "-").exists()
+
+
 @pytest.mark.parametrize("spelling", [("bf16", "fp32"), ("bfloat16", "float32")], ids=["short", "long"])
 def test_check_takes_every_dtype_spelling_and_prints_the_short_one(tmp_path, spelling):
     """`check --param-dtype bf16` works as `fuzz --precisions bf16` does; both print `bf16`."""

@@ -342,3 +342,26 @@ def test_torchtitans_3d_pipeline_and_tp_is_bit_exact(fsdp_check):
     assert verdict.ok, verdict.summary()
     numbers = [f for f in verdict.findings if f.kind == "deviation" and f.phase in ("loss", "grads", "params")]
     assert {f.phase for f in numbers} == {"loss", "grads", "params"} and all(f.max_abs == 0 for f in numbers)
+
+
+def test_its_dimensions_are_drawn_together_and_apart():
+    """`sweep --framework torchtitan --tp 1 2 --pp 1 2`: its tp and pipeline fields pinned, every
+    combination drawn (a degree of 1 among those asked draws that dimension off, its fields with it)."""
+    from collections import Counter
+
+    from fsdp_verify.commands.options import framework_draw_pins
+    from fsdp_verify.properties.draw import draw_cases
+    from fsdp_verify.properties.strategies import cases
+    from fsdp_verify.runner import refuse_untakeable
+
+    fields = preset("torchtitan", None, TWO_BLOCKS, tp=True, pp=True)
+    engine = fields.pop("engine")
+    pins = framework_draw_pins(fields)
+    strategy = cases(
+        engine=engine, world_sizes=(2, 4, 8), precisions=("fp32",), hsdp=True, tp=[1, 2], pp=[1, 2], **pins
+    )
+    drawn = draw_cases(strategy, 40, 7)
+    assert set(Counter((c.tp, c.pp) for c in drawn)) == {(1, 1), (1, 2), (2, 1), (2, 2)}
+    for case in drawn:
+        assert (case.pp_split is not None) == (case.pp > 1) and case.loss_parallel == (case.tp > 1)
+        refuse_untakeable(case)

@@ -116,9 +116,10 @@ def env_trusts() -> bool:
 
 
 def is_toolkit(field: str, name: str) -> bool:
-    """`fsdp_verify.MODULE:NAME` whose object that module defines (not one it imported, as
-    `subprocess.run` or `import_where`, nor reached through attributes); a model factory only
-    among the toolkit's models."""
+    """`fsdp_verify.MODULE:NAME` whose object that module (or, for a package, one of its own
+    submodules: the zoo's mutants) defines, not one it imported, as `subprocess.run` or
+    `import_where`, nor reached through attributes; a model factory only among the toolkit's
+    models."""
     where, attr = name.rsplit(":", 1)
     if where.endswith(".py") or not (where == TOOLKIT or where.startswith(TOOLKIT + ".")) or not attr.isidentifier():
         return False
@@ -128,7 +129,8 @@ def is_toolkit(field: str, name: str) -> bool:
         obj = getattr(importlib.import_module(where), attr, None)
     except Exception:
         return True  # load_object then reports it as not importable, naming the field
-    return obj is None or getattr(obj, "__module__", None) == where
+    module = getattr(obj, "__module__", None) or ""
+    return obj is None or module == where or module.startswith(where + ".")
 
 
 def pyproject(start: Path | None = None) -> Path | None:

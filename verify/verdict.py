@@ -175,7 +175,7 @@ class Verdict:
     def save_json(self, path: str | Path) -> Path:
         path = Path(path)
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(self.to_dict(), indent=2, default=_json_default) + "\n")
+        path.write_text(json.dumps(self.to_dict(), indent=2, default=json_default) + "\n")
         return path
 
 
@@ -198,7 +198,7 @@ def _where(f: Finding) -> str:
     return f"step {f.step}, {PHASE_TITLES[f.phase]}, {f.name!r}"
 
 
-def _json_default(o: Any) -> Any:
+def json_default(o: Any) -> Any:
     if isinstance(o, float):
         return str(o)
     return repr(o)

@@ -31,7 +31,7 @@ def gathers_the_sequence_per_linear(model, mesh, spec):
     from torch.distributed.tensor.parallel import ColwiseParallel, PrepareModuleInput
 
     from fsdp_verify.engines.tensor_parallel import plan_for
-    from fsdp_verify.zoo.mutants import _parallel_then_shard
+    from fsdp_verify.zoo.mutants.tensor_parallel import _parallel_then_shard
 
     plan = plan_for(spec.case, model, mesh["tp"])
     for fqn in [k for k, v in plan.items() if isinstance(v, PrepareModuleInput) and k.endswith("feed_forward")]:

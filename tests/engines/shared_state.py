@@ -1,5 +1,5 @@
 """Broken engines for the ownership, RNG and shared-state checks' own tests (loaded by file path).
-The named mutants of the bug zoo live in verify/zoo/mutants.py; these are the extra ones the tests
+The named mutants of the bug zoo live in verify/zoo/mutants/; these are the extra ones the tests
 need to prove each check can fail."""
 
 import dataclasses

@@ -6,6 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -16,11 +18,12 @@ from fsdp_verify.commands.options import (
     case_from_args,
 )
 from fsdp_verify.validation import CaseError
+from fsdp_verify.verdict import json_default
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here " + JSON_HELP)
     p.add_argument("--html", type=Path, metavar="PATH", help="write a page with a heat map and plot of the verdict")
     p.add_argument("--out", type=Path, metavar="DIR", help="write report.json and report.html (the one report format)")
     add_timeout(p)
@@ -87,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
             print(f"fsdp-verify: infrastructure failure while zooming: {e}", file=sys.stderr)
             return EXIT_INFRA
     if args.json:
-        verdict.save_json(args.json)
+        write_json(args.json, verdict.to_dict(), default=json_default)
     if args.html:
         from fsdp_verify.reports.verdict_page import save_html
 

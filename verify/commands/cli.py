@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from fsdp_verify import __version__
+from fsdp_verify.commands.json_out import to_stderr
 from fsdp_verify.commands.options import EXIT_BAD_INPUT
 from fsdp_verify.sharded.allocator import keep_freed_memory
 
@@ -99,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
             if part != RECORDER:
                 print(f"fsdp-verify: note: {part_off_note(part)}", file=sys.stderr)
     keep_freed_memory()  # the reference's records reuse the last case's pages (verify/sharded/allocator.py)
-    return args._run(args)
+    with to_stderr(args):  # `--json -`: the JSON alone on standard output (verify/commands/json_out.py)
+        return args._run(args)
 
 
 if __name__ == "__main__":

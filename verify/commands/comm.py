@@ -6,11 +6,12 @@ per step, kind, dtype and group, then the contract's verdict (exit 1 on a findin
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections import Counter
 from pathlib import Path
 
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -25,7 +26,9 @@ from fsdp_verify.validation import CaseError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
-    p.add_argument("--json", type=Path, metavar="PATH", help="write expected and measured collectives as JSON here")
+    p.add_argument(
+        "--json", type=Path, metavar="PATH", help="write expected and measured collectives as JSON here " + JSON_HELP
+    )
     add_timeout(p)
 
 
@@ -145,6 +148,5 @@ def run(args: argparse.Namespace) -> int:
             "measured": [[g.__dict__ for g in r] for r in measured_collectives(got) or []],
             "findings": [f.to_dict() for f in findings],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        write_json(args.json, data, default=None)
     return EXIT_DIVERGED if findings else EXIT_OK

@@ -8,16 +8,19 @@ finding."""
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from fsdp_verify.commands.comm import describe, run_sharded, table
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import EXIT_DIVERGED, EXIT_OK, add_case_arguments, add_timeout
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the budget, the measurements and findings here")
+    p.add_argument(
+        "--json", type=Path, metavar="PATH", help="write the budget, the measurements and findings here " + JSON_HELP
+    )
     add_timeout(p)
 
 
@@ -92,6 +95,5 @@ def run(args: argparse.Namespace) -> int:
             "memory": got.meta.get("memory"),
             "findings": [f.to_dict() for f in findings],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2) + "\n")
+        write_json(args.json, data, default=None)
     return EXIT_DIVERGED if findings else EXIT_OK

@@ -6,13 +6,14 @@ their shapes and each rank's shard size (and padding), followed by the ownership
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 from pathlib import Path
 
 from fsdp_verify.case import Case
 from fsdp_verify.checks.ownership import check_ownership, expected_params
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import (
     EXIT_BAD_INPUT,
     EXIT_DIVERGED,
@@ -30,7 +31,7 @@ from fsdp_verify.validation import CaseError
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     add_case_arguments(p)
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the map and the findings as JSON here")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the map and the findings as JSON here " + JSON_HELP)
     add_timeout(p)
 
 
@@ -110,6 +111,5 @@ def run(args: argparse.Namespace) -> int:
             "units": by_unit(ownership),
             "findings": [f.to_dict() for f in findings],
         }
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(data, indent=2, default=str) + "\n")
+        write_json(args.json, data)
     return EXIT_DIVERGED if findings else EXIT_OK

@@ -6,10 +6,11 @@ another schema_version, shards of different sweeps) exits 2 naming the file and 
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from pathlib import Path
 
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INFRA, EXIT_OK
 
 
@@ -34,7 +35,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     d.add_argument(
         "--factor", type=_factor, default=2.0, help="a ratio moving by more than this is reported (default 2)"
     )
-    d.add_argument("--json", type=Path, metavar="PATH", help="write the diff as JSON here")
+    d.add_argument("--json", type=Path, metavar="PATH", help="write the diff as JSON here " + JSON_HELP)
     d.add_argument("--html", type=Path, metavar="PATH", help="write the diff as an HTML page here")
     t = sub.add_parser("trend", help="one HTML page over the last K nights")
     t.add_argument("nights", type=Path, metavar="NIGHTS_DIR", help="a folder of night folders (names sort by date)")
@@ -75,8 +76,7 @@ def _diff(args) -> int:
     result = diff(args.old, args.new, args.factor)
     print(text(result))
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(result, indent=2, default=str) + "\n")
+        write_json(args.json, result)
     if args.html:
         args.html.parent.mkdir(parents=True, exist_ok=True)
         args.html.write_text(page("fsdp-verify report diff", "<h1>fsdp-verify report diff</h1>" + html_section(result)))

@@ -18,9 +18,12 @@ import sys
 import traceback
 from pathlib import Path
 
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import ENGINE_HELP, EXIT_DIVERGED, EXIT_OK, add_timeout, engine_name, load_case
 from fsdp_verify.trust import UntrustedCode, add_trust_argument
 from fsdp_verify.validation import CaseError
+from fsdp_verify.verdict import json_default
 
 EXIT_CANNOT_RUN = 125  # `git bisect run`'s "skip this revision"
 
@@ -28,7 +31,7 @@ EXIT_CANNOT_RUN = 125  # `git bisect run`'s "skip this revision"
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", type=Path, metavar="CASE.json", help="the repro file (a Case JSON)")
     p.add_argument("--engine", type=engine_name, help=f"run this engine instead of the case's ({ENGINE_HELP})")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here")
+    p.add_argument("--json", type=Path, metavar="PATH", help="write the machine-readable verdict here " + JSON_HELP)
     add_timeout(p)
     add_trust_argument(p)
 
@@ -77,7 +80,7 @@ def _repro(args: argparse.Namespace) -> int:
         return EXIT_DIVERGED
     print(verdict.summary())
     if args.json:
-        verdict.save_json(args.json)
+        write_json(args.json, verdict.to_dict(), default=json_default)
     if verdict.ok:
         print("exit 0: the engine agrees with the reference (good)")
         return EXIT_OK

@@ -6,11 +6,12 @@ and per-operation probes and name the module and the op where the two runs part
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from pathlib import Path
 
+from fsdp_verify.commands.json_out import HELP as JSON_HELP
+from fsdp_verify.commands.json_out import write_json
 from fsdp_verify.commands.options import EXIT_BAD_INPUT, EXIT_DIVERGED, EXIT_INFRA, EXIT_OK, add_timeout
 from fsdp_verify.validation import CaseError
 
@@ -19,7 +20,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("case", type=Path, help="a case file (a fuzz or shrink repro, or `check --save-case`)")
     p.add_argument("--step", type=int, help="the step to zoom into (default: the first divergence's)")
     p.add_argument("--out", type=Path, metavar="DIR", default=Path("."), help="where the op's safetensors go")
-    p.add_argument("--json", type=Path, metavar="PATH", help="write the zoom (with the verdict) as JSON here")
+    p.add_argument(
+        "--json", type=Path, metavar="PATH", help="write the zoom (with the verdict) as JSON here " + JSON_HELP
+    )
     p.add_argument("--trust-code", action="store_true", help="import the code the case file names")
     add_timeout(p)
 
@@ -47,10 +50,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"fsdp-verify: bad case: {e}", file=sys.stderr)
         return EXIT_BAD_INPUT
     if args.json:
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(
-            json.dumps({"verdict": verdict.to_dict(), "zoom": result.to_dict()}, indent=2, default=str)
-        )
+        write_json(args.json, {"verdict": verdict.to_dict(), "zoom": result.to_dict()})
     return EXIT_OK if verdict.ok and not result.named else EXIT_DIVERGED
 
 

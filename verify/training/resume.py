@@ -57,7 +57,7 @@ OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 class Checkpointer:
     """Saves and loads one engine's model and optimizer plus the trainer's state. Every method is
-    a collective. The zoo's resume mutants (verify/zoo/mutants.py) override one step of `load`."""
+    a collective. The zoo's resume mutants (verify/zoo/mutants/) override one step of `load`."""
 
     def __init__(self, module: nn.Module):
         self.module = module

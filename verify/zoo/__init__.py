@@ -1,2 +1,3 @@
-"""The bug zoo: mutant engines with injected bugs (`mutants.py`) and the catalogue that says where
-each can show (`catalog.py`); `fsdp-verify selftest` must catch every one."""
+"""The bug zoo: mutant engines with injected bugs (`mutants/`), each with its catalogue entry that
+says where it can show (`registry.py`), gathered in `catalog.py`; `fsdp-verify selftest` must
+catch every one."""

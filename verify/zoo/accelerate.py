@@ -16,8 +16,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.frameworks import accelerate as accel
+from fsdp_verify.zoo.pins import CHEAP
+from fsdp_verify.zoo.registry import registrar
+
+bug = registrar(__name__)
+
+# The tiny Llama, every unit kept unsharded after forward as Accelerate keeps its [norm, head]
+# (docs/frameworks/accelerate.md).
+_ACCEL = ("accelerate", "fsdp_verify.models.hf:tiny_llama", ())
+_ACCEL_PINS = {**CHEAP, "reshard_after_forward": False}
 
 
+@bug(
+    "Accelerate's FSDP2 with RoPE's inv_freq left at transformers' zero placeholder on the ranks other than 0",
+    "cpu_ram_efficient_loading: the non-persistent buffers are not in the state dict Accelerate broadcasts"
+    " (fsdp2_prepare_model keeps each rank's own), and a model's _init_weights that does not recompute them",
+    ("buffers",),
+    world_sizes=(2, 3),
+    pins=dict(_ACCEL_PINS),
+    framework=_ACCEL,
+)
 def accel_rope_buffer_left_zero(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Accelerate's preparation of a model whose non-persistent buffers (RoPE's `inv_freq`) the
     ranks other than 0 hold as transformers' zero placeholders: under `cpu_ram_efficient_loading`
@@ -40,6 +58,15 @@ def accel_rope_buffer_left_zero(model: nn.Module, mesh: DeviceMesh, spec: ShardS
     return accel._prepare(model, mesh, spec, before=zero_buffers)
 
 
+@bug(
+    "Accelerate's fsdp2_load_full_state_dict broadcasting a stale copy of rank 0's weights",
+    "a full state dict copied before the checkpoint (or initialisation) replaced the factory's weights",
+    ("init",),
+    world_sizes=(2, 3),
+    precisions=("fp32",),
+    pins=dict(_ACCEL_PINS),
+    framework=_ACCEL,
+)
 def accel_full_state_dict_stale(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Accelerate's preparation with rank 0's full state dict, the one `fsdp2_load_full_state_dict`
     broadcasts, a stale copy: the weights the model factory built before the run's own (a
@@ -53,6 +80,15 @@ def accel_full_state_dict_stale(model: nn.Module, mesh: DeviceMesh, spec: ShardS
         return accel.prepare(model, mesh, spec)
 
 
+@bug(
+    "Accelerate's FSDP2 plugin reaching fsdp2_prepare_model without its mixed precision: fp32 throughout",
+    "an FSDP2 plugin forced past Accelerate's device check without the branch's set_mixed_precision",
+    ("precision", "logits", "loss"),
+    world_sizes=(2, 3),
+    precisions=("bf16",),
+    pins=dict(_ACCEL_PINS),
+    framework=_ACCEL,
+)
 def accel_mixed_precision_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Accelerate's preparation with the plugin's mixed precision gone by the time
     `fsdp2_prepare_model` reads it (a plugin past the device check whose policy never reached

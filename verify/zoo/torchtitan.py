@@ -15,8 +15,24 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.frameworks import torchtitan as titan
+from fsdp_verify.zoo.pins import CHEAP
+from fsdp_verify.zoo.registry import registrar
+
+bug = registrar(__name__)
+
+# Its debug Llama cut to two blocks (issue 49).
+_TITAN = ("torchtitan", "llama3:debugmodel", (("n_layers", 2),))
 
 
+@bug(
+    "torchtitan's FSDP with FSDP2's gradient division back on while the loss is normalised by the global tokens",
+    "global-token normalisation added to a loop that kept FSDP's average (torchtitan's own migration)",
+    ("build",),  # the knobs check: `grad_reduction: sum` declared, the divide factor not 1.0
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins=dict(CHEAP),
+    framework=_TITAN,
+)
 def titan_division_left_on(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's FSDP, then FSDP2's gradient division turned back on (the data-parallel size),
     while the loss is still normalised by the global token count: a loop that kept FSDP's average
@@ -29,6 +45,15 @@ def titan_division_left_on(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) 
     return model
 
 
+@bug(
+    "torchtitan's [norm, lm_head] unit sharded over the HSDP mesh's shard dim alone: never reduced over replicas",
+    "a unit over several modules given a mesh of its own (torchtitan's separate [norm, lm_head] call)",
+    ("grads",),
+    world_sizes=(4,),
+    precisions=("fp32",),
+    pins={**CHEAP, "mesh_shape": (2, 2)},
+    framework=_TITAN,
+)
 def titan_norm_head_over_the_shard_dim(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's FSDP with its `[norm, lm_head]` unit handed the shard dim of the HSDP mesh
     alone (a plan that builds that unit's mesh apart from the blocks'): its gradients are never
@@ -37,6 +62,15 @@ def titan_norm_head_over_the_shard_dim(model: nn.Module, mesh: DeviceMesh, spec:
         return titan.parallelize(model, mesh, spec)
 
 
+@bug(
+    "torchtitan's FSDP with each rank's loss divided by its own valid tokens instead of the global count",
+    "per-rank token normalisation in a data-parallel loop (torchtitan's loss before global-token scaling)",
+    ("loss", "grads"),
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins={**CHEAP, "data.padded": True},
+    framework=_TITAN,
+)
 def titan_loss_normalised_per_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's FSDP with each rank's loss divided by its own valid tokens (times the ranks)
     instead of the step's global count: right only where every rank holds as many real tokens."""
@@ -66,6 +100,15 @@ for _mutant in (titan_division_left_on, titan_norm_head_over_the_shard_dim, tita
     _mutant.capabilities = titan.parallelize.capabilities
 
 
+@bug(
+    "torchtitan's tp with the global token count all-reduced over the world: each tp rank's batch counted once more",
+    "a count of the step's tokens over the wrong mesh (the world, not the batch's data-parallel ranks)",
+    ("loss", "grads"),
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins={**CHEAP, "tp": 2},
+    framework=_TITAN,
+)
 def titan_tokens_counted_per_tp_rank(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's tp, the step's global token count all-reduced over the whole world instead of
     the data-parallel ranks (its batch mesh): each tp rank's copy of a batch counted as another
@@ -79,6 +122,15 @@ def titan_tokens_counted_per_tp_rank(model: nn.Module, mesh: DeviceMesh, spec: S
 titan_tokens_counted_per_tp_rank.capabilities = titan.parallelize.capabilities
 
 
+@bug(
+    "torchtitan's pipeline with its schedule dividing by the micro-batches a loss already scaled to the step",
+    "a schedule built with torch's default scale_grads=True beside torchtitan's global-token loss",
+    ("grads",),
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins={**CHEAP, "pp": 2, "pp_schedule": "gpipe", "microbatches": 2},
+    framework=_TITAN,
+)
 def titan_pp_schedule_scales_grads(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """torchtitan's pipeline with its schedule told to divide the gradients by the micro-batches
     (`scale_grads=True`, torch's default) while each micro-batch's loss is already its share of

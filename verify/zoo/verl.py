@@ -6,13 +6,27 @@ Registered here, beside their definitions; the catalog adds them (verify/zoo/cat
 from __future__ import annotations
 
 import torch
+from hypothesis import strategies as st
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.frameworks import verl
+from fsdp_verify.zoo.pins import CHEAP
+from fsdp_verify.zoo.registry import registrar
+
+bug = registrar(__name__)
 
 
+@bug(
+    "verl's FSDP2 with each rank's gradients clipped by its local shards' norm, not the DTensor's",
+    "a clip handed grad.to_local() (unwrapped before the norm): verl's fsdp2_clip_grad_norm_ reads the DTensors",
+    ("grad_norm",),
+    world_sizes=(2, 3),
+    precisions=("fp32",),
+    pins={**CHEAP, "clip_norm": st.sampled_from((1e-3, 1e-2))},
+    framework=("verl", "fsdp_verify.models.hf:tiny_llama", ()),
+)
 def verl_clip_by_local_norm(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """verl's FSDP2 with a clip that takes the norm of each rank's local shards: verl's
     `fsdp2_clip_grad_norm_` reads DTensor gradients, whose norm DTensor reduces over the mesh;

@@ -11,8 +11,9 @@ worked example for anyone writing their own FSDP. One concern per file, read in 
 * view.py: FlatView, how the toolkit reads any flat-buffer engine (FSDP1's too).
 * engine.py: `flat_engine(model, mesh, spec)`, the engine function, and its view.
 
-Known bugs of such engines live in verify/zoo/mutants.py: `flat_nested_double_ownership` (seed 004's
-`parameters(recurse=True)` on the root) and `flat_meta_init_consumes_rng`.
+Known bugs of such engines live in verify/zoo/mutants/fsdp1_and_flat.py:
+`flat_nested_double_ownership` (seed 004's `parameters(recurse=True)` on the root) and
+`flat_meta_init_consumes_rng`.
 """
 
 from fsdp_verify.engines.flat.api import fully_shard, shard_all, units
