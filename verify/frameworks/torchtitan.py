@@ -185,8 +185,8 @@ def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallel
     data-parallel mesh, every unit kept unsharded after forward under pp), its `PipelineStage`s and
     its schedule (`scale_grads=False`). Its loss function is the loop's (`Pipeline.loss`, the
     micro-batch's share of the step's loss as torchtitan's trainer scales it). One stage a rank
-    (GPipe or 1F1B, as the capabilities declare): the part is the rank's copy of the model under
-    the model's names."""
+    (GPipe, 1F1B): the part is the rank's copy of the model under the model's names; two
+    (Interleaved1F1B): the two parts' modules gathered under those names (`_RankCopy`)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
     from torchtitan.models.llama3 import parallelize_llama
 
@@ -207,13 +207,31 @@ def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallel
             parallelize_fn=parallelize_llama,
             loss_fn=lambda output, target: (held["pipe"].loss(output, target), None),  # its (loss, extra)
         )
-    (part,) = parts
-    _force_sum(part)
+    for part in parts:
+        _force_sum(part)
+    module = parts[0] if len(parts) == 1 else _RankCopy(parts)
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])  # torch's schedules keep them so
-    pipe = held["pipe"] = Pipeline(case, part, parts, stages, schedule, first=first, last=last)
-    part.pipeline, part.pp_mesh = pipe, dims.get_mesh("pp")
-    part.verify_view = lambda: TorchtitanPipelineView(part)
-    return part
+    pipe = held["pipe"] = Pipeline(case, module, parts, stages, schedule, first=first, last=last)
+    module.pipeline, module.pp_mesh = pipe, dims.get_mesh("pp")
+    module.verify_view = lambda: TorchtitanPipelineView(module)
+    return module
+
+
+class _RankCopy(nn.Module):
+    """A rank's parts under an interleaved schedule (two stages a rank, each a copy of the model
+    with the others' modules deleted) as one module under the model's names: the parts' own
+    blocks and ends, shared, for the loop's records. Never called: the schedule runs the parts."""
+
+    def __init__(self, parts: list[nn.Module]):
+        super().__init__()
+        self.tok_embeddings, self.norm, self.lm_head = (
+            next((getattr(p, name) for p in parts if getattr(p, name, None) is not None), None)
+            for name in ("tok_embeddings", "norm", "lm_head")
+        )
+        self.layers = type(parts[0].layers)()
+        for part in parts:
+            for key, block in part.layers.items():
+                self.layers[key] = block
 
 
 def pp_split(model: nn.Module, n_stages: int) -> list[nn.Module]:
@@ -343,7 +361,7 @@ parallelize.capabilities = Capabilities(
     compile_fullgraph=True,
     dynamo_config=(("capture_scalar_outputs", True), ("skip_fwd_side_effects_in_bwd_under_checkpoint", True)),
     compile_dynamic=None,
-    pp_schedules=("gpipe", "1f1b"),  # one stage a rank: its part is the rank's copy of the model
+    pp_schedules=("gpipe", "1f1b", "interleaved1f1b"),  # the schedules its `pipeline_llm` is run with here
     pp_scale_grads=False,
 )
 parallelize_full_ac.capabilities = parallelize.capabilities

@@ -100,18 +100,22 @@ class _ReplicaSyncView(EngineView):
             self.module.set_requires_all_reduce(False)
 
 
+# HSDP accumulation with the replicas' all-reduce on the last micro-batch only (issue 28).
+_REPLICA_SYNC_LAST = {
+    **CHEAP,
+    "mesh_shape": (2, 2),
+    "microbatches": MICROBATCHES,
+    "sync_every_microbatch": True,
+    "replica_sync_last": True,
+}
+
+
 @bug(
     "HSDP accumulation whose replica all-reduce, off for the earlier micro-batches, is skipped on the last too",
     "issue 28: set_requires_all_reduce(False) for accumulation, never turned back on",
     ("grads",),
     world_sizes=(4,),
-    pins={
-        **CHEAP,
-        "mesh_shape": (2, 2),
-        "microbatches": MICROBATCHES,
-        "sync_every_microbatch": True,
-        "replica_sync_last": True,
-    },
+    pins=dict(_REPLICA_SYNC_LAST),
 )
 def replica_all_reduce_skipped_on_last(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """HSDP accumulation that turns the replicas' all-reduce off for the micro-batches before the
@@ -128,13 +132,7 @@ def replica_all_reduce_skipped_on_last(model: nn.Module, mesh: DeviceMesh, spec:
     "issue 28: set_requires_all_reduce never called; the same average, more traffic",
     ("comm",),
     world_sizes=(4,),
-    pins={
-        **CHEAP,
-        "mesh_shape": (2, 2),
-        "microbatches": MICROBATCHES,
-        "sync_every_microbatch": True,
-        "replica_sync_last": True,
-    },
+    pins=dict(_REPLICA_SYNC_LAST),
 )
 def replica_all_reduce_every_microbatch(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """HSDP accumulation asked for (`replica_sync_last`) but `set_requires_all_reduce` never
