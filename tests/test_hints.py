@@ -283,10 +283,11 @@ def _composed(world_size: int, model=TP_MLP, microbatches: int = 1, **changes) -
             " replicas",
             ("pp stages", "once too often", "cannot tell"),
         ),
-        # pp 2 x dp 1: the same, the stages as replicas
+        # pp 2 x dp 1: the same, the stages as replicas (3 micro-batches: at 2, dividing by them once
+        # too often would fit as well, and both are named)
         (
             "pp",
-            _composed(2, pp=2, microbatches=2, sync_every_microbatch=False, engine=DIVISORS + "divides_by_the_world"),
+            _composed(2, pp=2, microbatches=3, sync_every_microbatch=False, engine=DIVISORS + "divides_by_the_world"),
             "every gradient of the step is 1/2 x the reference's (the world size 2: pp 2 x data-parallel 1):"
             " divided by the world size (2) where the data-parallel size (1) was meant: the pp stages counted as"
             " replicas",
@@ -342,6 +343,20 @@ def test_a_pipeline_not_dividing_by_its_microbatches_names_them_and_not_a_group(
     assert verdict.hint == (
         "every gradient of the step is 3 x the reference's (the world size 2: pp 2 x data-parallel 1): not divided"
         " by the micro-batches (3): each micro-batch's loss scaled for their mean, the sum kept"
+    )
+
+
+def test_a_pipeline_dividing_by_its_microbatches_once_too_often_names_them(fsdp_check):
+    """The same mutant where the case's schedule does not scale (`pp_scale_grads` false,
+    torchtitan's): told to divide anyway, every gradient 1/3; at 3 micro-batches no group fits."""
+    mutant = "fsdp_verify.zoo.mutants:pp_loss_not_divided_by_microbatches"
+    case = _composed(2, pp=2, microbatches=3, sync_every_microbatch=False, pp_scale_grads=False, engine=mutant)
+    verdict = fsdp_check(case)
+    assert not verdict.ok
+    assert verdict.hint == (
+        "every gradient of the step is 1/3 x the reference's (the world size 2: pp 2 x data-parallel 1): divided by"
+        " the micro-batches (3) once too often: the schedule's `scale_grads` on, where each micro-batch's loss is"
+        " already its share of the step's"
     )
 
 

@@ -199,6 +199,7 @@ class Groups:
     ep: int = 1
     experts: tuple[str, ...] = ()
     microbatches: int = 1  # a pipeline's schedule divides by them
+    scale_grads: bool = True  # ... where it scales (`pp_scale_grads`; torchtitan's does not)
 
     def is_expert(self, name: str) -> bool:
         return any(name.startswith(f"{fqn}.") for fqn in self.experts)
@@ -222,4 +223,6 @@ def step_groups(case, got: Trace, step: int) -> Groups:
 
         experts = tuple(n for n, cls in module_classes(case.model).items() if cls == "GroupedExperts")
     dims = case.parallel
-    return Groups(dims.world_size, dims.dp_size, dims.tp, dims.pp, dims.ep, experts, case.microbatches)
+    return Groups(
+        dims.world_size, dims.dp_size, dims.tp, dims.pp, dims.ep, experts, case.microbatches, case.pp_scale_grads
+    )

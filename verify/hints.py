@@ -401,9 +401,19 @@ def _divisions(c: float, g: evidence.Groups) -> list[tuple[str, str]]:
         out.append((f"not divided by the data-parallel size ({d})", "summed over its ranks, not averaged"))
     m = g.microbatches
     if g.pp > 1 and m > 1 and evidence.near(c, m):
-        out.append(
-            (f"not divided by the micro-batches ({m})", "each micro-batch's loss scaled for their mean, the sum kept")
+        why = (
+            "each micro-batch's loss scaled for their mean, the sum kept"
+            if g.scale_grads
+            else "each micro-batch's loss scaled for a division by them the schedule does not make"
         )
+        out.append((f"not divided by the micro-batches ({m})", why))
+    if g.pp > 1 and m > 1 and evidence.near(c, 1 / m):
+        why = (
+            "the loss divided by them before the schedule's own division"
+            if g.scale_grads
+            else "the schedule's `scale_grads` on, where each micro-batch's loss is already its share of the step's"
+        )
+        out.append((f"divided by the micro-batches ({m}) once too often", why))
     if evidence.near(c, 2):
         out.append(("a gradient added twice", ""))
     return out
@@ -440,7 +450,7 @@ def _experts_hint(c, considered, alike, ref: Trace, got: Trace, g: evidence.Grou
 
 
 def _group_factors(g: evidence.Groups) -> list[float]:
-    sizes = {g.world, g.dp, g.tp, g.pp, g.world // g.dp} - {1}
+    sizes = {g.world, g.dp, g.tp, g.pp, g.world // g.dp, g.microbatches if g.pp > 1 else 1} - {1}
     return [f for n in sizes for f in (n, 1 / n)]
 
 
