@@ -99,8 +99,9 @@ def main() -> None:
             "fsdp": "full_shard",
             "fsdp_config": {"fsdp_version": 2, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]},
         }
+    scratch = tempfile.TemporaryDirectory(prefix="hf-trainer-")  # the Trainer's output_dir: it saves nothing
     training = TrainingArguments(
-        output_dir=tempfile.mkdtemp(prefix="hf-trainer-"),
+        output_dir=scratch.name,
         per_device_train_batch_size=args.global_batch // world,
         gradient_accumulation_steps=args.grad_accum,
         max_steps=args.steps,
@@ -139,6 +140,7 @@ def main() -> None:
         # exception") after training and recording were done.
         dist.barrier()
         dist.destroy_process_group()
+    scratch.cleanup()
 
 
 if __name__ == "__main__":
