@@ -1082,9 +1082,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     assume(ranks % pp == 0 and blocks >= pp)  # a pinned degree this draw cannot take
     from fsdp_verify.engines import engine_capabilities
 
-    capabilities = engine_capabilities(case.engine)  # an engine that builds its own schedule: its
-    built = capabilities.pp_schedules or SCHEDULES
-    fitting = [name for name in built if _schedule_fits(name, pp, blocks, case.microbatches)]
+    capabilities = engine_capabilities(case.engine)  # an engine that builds its own schedule: its scaling
+    fitting = [name for name in SCHEDULES if _schedule_fits(name, pp, blocks, case.microbatches)]
     assume(fitting)
     schedule = draw(_pinned(pins, "pp_schedule", st.sampled_from(fitting)))
     scales = st.booleans() if capabilities.pp_scale_grads is None else st.just(capabilities.pp_scale_grads)

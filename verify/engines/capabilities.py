@@ -175,10 +175,8 @@ class Capabilities:
     # fullgraph=True)`), which the reference then compiles with too. `ShardSpec.compile` compiles
     # with False: an engine that compiles through it leaves this False.
     compile_dynamic: bool | None = False
-    # Under pp, where the engine builds its own schedule (torchtitan's `pipeline_llm`): the
-    # schedules it builds (verify/engines/pipeline_parallel.py SCHEDULES; None: every one, the
-    # toolkit's `ShardSpec.pipeline` builds them) and its `scale_grads` (None: the case's).
-    pp_schedules: tuple[str, ...] | None = None
+    # Under pp, where the engine builds its own schedule (torchtitan's `pipeline_llm`): its
+    # `scale_grads` (None: the case's, as the toolkit's `ShardSpec.pipeline` builds it).
     pp_scale_grads: bool | None = None
 
     def __post_init__(self) -> None:
@@ -209,10 +207,6 @@ class Capabilities:
         refused = self.compile_refusal(engine, case.compile, case.compile_fullgraph)
         if refused is not None:
             raise CaseError(*refused)
-        if case.pp > 1 and self.pp_schedules is not None and case.pp_schedule not in self.pp_schedules:
-            raise CaseError(
-                "pp_schedule", f"one of {self.pp_schedules}: what engine {engine!r} builds", case.pp_schedule
-            )
         if case.pp > 1 and self.pp_scale_grads is not None and case.pp_scale_grads != self.pp_scale_grads:
             expected = f"{str(self.pp_scale_grads).lower()}: how engine {engine!r} builds its schedule"
             raise CaseError("pp_scale_grads", expected, case.pp_scale_grads)

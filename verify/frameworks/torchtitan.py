@@ -32,7 +32,6 @@ holds against the placements torchtitan built (docs/frameworks/torchtitan.md).
 
 from __future__ import annotations
 
-import copy
 import tempfile
 from typing import Any
 
@@ -254,10 +253,9 @@ def pp_split(model: nn.Module, n_stages: int) -> list[nn.Module]:
 
 
 def _stage_view(model: nn.Module, keep: set[str]) -> nn.Module:
-    view = copy.copy(model)  # the same class and forward
-    for name, value in vars(model).items():  # its own tables: modules, parameters, hooks
-        if isinstance(value, dict):
-            setattr(view, name, copy.copy(value))
+    from fsdp_verify.models.stages import module_view
+
+    view = module_view(model)
     for name, child in model.named_children():
         if name == "layers":
             blocks = type(child)()
@@ -361,7 +359,6 @@ parallelize.capabilities = Capabilities(
     compile_fullgraph=True,
     dynamo_config=(("capture_scalar_outputs", True), ("skip_fwd_side_effects_in_bwd_under_checkpoint", True)),
     compile_dynamic=None,
-    pp_schedules=("gpipe", "1f1b", "interleaved1f1b"),  # the schedules its `pipeline_llm` is run with here
     pp_scale_grads=False,
 )
 parallelize_full_ac.capabilities = parallelize.capabilities

@@ -38,16 +38,23 @@ def block_ranges(n_blocks: int, n_stages: int) -> list[range]:
     return out
 
 
+def module_view(model: nn.Module) -> nn.Module:
+    """A shallow copy of `model` with tables of its own (modules, parameters, buffers, hooks):
+    the same class, forward and submodules; setting a child on it leaves the model alone."""
+    view = copy.copy(model)
+    for name, value in vars(model).items():
+        if isinstance(value, dict):
+            setattr(view, name, copy.copy(value))
+    return view
+
+
 def stage_views(model: nn.Module, spec: ModelSpec, n_stages: int) -> list[nn.Module]:
     """The built-in model's stages, each a view sharing the model's blocks (see the module
     docstring)."""
     ranges = block_ranges(spec.n_blocks, n_stages)
     stages = []
     for s, blocks in enumerate(ranges):
-        view = copy.copy(model)  # the same class, forward and attributes
-        for name, value in vars(model).items():  # its own tables: modules, parameters, hooks
-            if isinstance(value, dict):
-                setattr(view, name, copy.copy(value))
+        view = module_view(model)
         view.layers = nn.ModuleList(model.layers[i] if i in blocks else Skipped() for i in range(len(model.layers)))
         if spec.kind == "mlp" and getattr(model, "moe", None) is not None and 0 not in blocks:
             view.moe = None  # after block 0: with it

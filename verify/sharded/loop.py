@@ -265,8 +265,9 @@ def _pipeline_steps(case, ctx, sharded, view, optimizers, params, probes, record
         items[str(step)] = counts
         scale = _global_mean(0, 0, sum(map(sum, counts)), case.dp_size)
         # the schedule averages the micro-batches' losses (`scale_grads`): each is scaled by their
-        # count (without it, as torchtitan's schedule, each is its share as it is); under grad_reduction sum the stages sum over their data-parallel ranks, so each
-        # rank's is divided by their count too, as without stages (the loss recorded is the loss itself)
+        # count (without it, as torchtitan's schedule, each is its share as it is); under
+        # grad_reduction sum the stages sum over their data-parallel ranks, so each rank's is
+        # divided by their count too, as without stages (the loss recorded is the loss itself)
         divisor = view.sum_loss_divisor(case.dp_size) if case.grad_reduction == "sum" else 1
         pipe.loss = lambda out, target, s=scale * factor, d=divisor: (
             microbatch_loss(case, logits_of(case.model, out), target, s) / d
