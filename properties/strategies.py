@@ -39,6 +39,7 @@ from fsdp_verify.case import (
     PrecisionSpec,
     check_field_value,
 )
+from fsdp_verify.dims import registry
 from fsdp_verify.dims.together import beside_another, drawn_off, not_modelled_beside, pinned_beside
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.engines.placement import PLACEMENTS
@@ -68,6 +69,9 @@ def _valid_pin_names() -> set[str]:
         ("loss_scaling", LossScaleSpec),
     ):
         names |= {f"{head}.{f.name}" for f in fields(spec)}
+    for package in registry.packages():  # a dimension package's spec, whole or by field
+        names |= {f"{registry.FIELD}.{package.name}"}
+        names |= {f"{registry.FIELD}.{package.name}.{f.name}" for f in fields(package.spec)}
     return names
 
 
@@ -743,7 +747,25 @@ def cases(
     if "groups" in engine_capabilities(engine).takes:
         drawn = drawn.flatmap(lambda case: unit_groups(case, pins))
     if resume:  # docs/resume.md
-        return drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, tps, pins))
+        drawn = drawn.flatmap(lambda case: resumes(case, tuple(sorted(world_sizes)), hsdp, tps, pins))
+    return _with_packages(drawn, engine, pins)
+
+
+def _with_packages(drawn: SearchStrategy[Case], engine: str, pins: dict[str, Any]) -> SearchStrategy[Case]:
+    """Each registered dimension package's draw step (verify/dims/registry.py), last, for an
+    engine that takes it: on or off, beside what the together table allows."""
+    from fsdp_verify.engines import engine_capabilities
+    from fsdp_verify.engines.capabilities import not_declared
+
+    takes = engine_capabilities(engine).takes
+    for package in registry.packages():
+        field = f"{registry.FIELD}.{package.name}"
+        asked = {k: v for k, v in pins.items() if k.startswith(field + ".") and v not in (None, (), False)}
+        if package.name not in takes and asked:
+            key = next(iter(asked))
+            raise PinError(f"{key}: expected {package.off!r}: {not_declared(engine, package.name)}, got {asked[key]!r}")
+        if package.draw is not None and package.name in takes:
+            drawn = drawn.flatmap(lambda case, p=package: p.draw(case, pins))
     return drawn
 
 

@@ -24,6 +24,7 @@ from torch.func import functional_call
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
+from fsdp_verify.dims import registry
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.engines import engine_arithmetic, engine_capabilities
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum, squared_norms_reduced
@@ -163,6 +164,9 @@ class _Run:
     fusion: FusionJolt | None = None  # the compiler's freedoms, on an eager run (reference/fusion.py)
     # Tensor parallelism's arithmetic, emulated on `model` (reference/tensor_parallel.py).
     tp: TensorParallel | None = None
+    # Parameters a dimension package has the ranks compute with in another dtype than
+    # `param_dtype` (float8's all-gathered weights: fp32, verify/dims/float8/runtime.py).
+    compute_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
 
     @classmethod
     def build(
@@ -225,6 +229,7 @@ class _Run:
             views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
             fusion=jolted,
             tp=TensorParallel(case, model) if case.tp > 1 else None,
+            compute_dtypes={k: v for d in registry.call(case, "compute_dtypes", model) for k, v in d.items()},
         )
 
     def unfreeze(self, step: int) -> None:
@@ -341,7 +346,11 @@ class _Run:
         where the engine computes on views of a unit's flat buffer, views of such a buffer at the
         engine's offsets (a matmul's rounding depends on where its weight starts)."""
         if self.views is None:
-            return {n: p.detach().to(self.param_dtype).requires_grad_(p.requires_grad) for n, p in self.params.items()}
+            dtype = self.compute_dtypes
+            return {
+                n: p.detach().to(dtype.get(n, self.param_dtype)).requires_grad_(p.requires_grad)
+                for n, p in self.params.items()
+            }
         compute = self.views.compute(self.params, self.param_dtype)
         return {n: compute[n] for n in self.params}  # in the parameters' order, as above
 
@@ -416,6 +425,11 @@ class _Run:
                 got = torch.autograd.grad(backpropagated, flat, allow_unused=True, materialize_grads=True)
                 per = [list(got[i * self.case.tp : (i + 1) * self.case.tp]) for i in range(len(state.trainable))]
                 grads = self.tp.gradients(state.trainable, per)
+        if self.compute_dtypes:
+            # A parameter computed with in another dtype still has FSDP2's unsharded parameter in
+            # `param_dtype` beneath it: autograd casts its gradient to that dtype (float8's
+            # all-gathered weights: cast from fp32, their gradients bf16 under a bf16 policy).
+            grads = [g.to(self.param_dtype) if n in self.compute_dtypes else g for n, g in zip(state.trainable, grads)]
         self.rng_states[r] = torch.get_rng_state()
         backward = rng_fingerprint(self.rng_states[r])  # after its backward (verify/probes/rng.py)
         passed = (out.detach(), loss.detach().float(), before, after, backward)
@@ -709,6 +723,7 @@ def reference_model(
     the engine's arithmetic installed, compiled as the case compiles (`compiled=False`: eager):
     what every reference run computes with."""
     model = build_model(case.model, case.seed, init="eager")
+    registry.call(case, "convert_reference", model)  # the dimension packages' conversions (float8)
     compile_it = case.compile is not None and compiled
     if case.activation_checkpointing:
         # Eager, the reference never checkpoints (recomputation must not change a value), but it runs

@@ -15,6 +15,7 @@ from fsdp_verify.commands import case_flags
 from fsdp_verify.commands.case_flags import case_to_flags, flag_of
 from fsdp_verify.commands.cli import build_parser, main
 from fsdp_verify.commands.options import case_from_args, strategy_from_args
+from fsdp_verify.dims.registry import packages
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.draw import draw_cases
 from fsdp_verify.properties.strategies import PinError, cases
@@ -33,7 +34,8 @@ def test_every_field_of_a_case_and_its_specs_has_a_flag_and_check_help_lists_it(
     nested["loss_scaling"] = LossScaleSpec
     paths = [f.name for f in dataclasses.fields(Case)]
     paths += [f"{head}.{f.name}" for head, spec in nested.items() for f in dataclasses.fields(spec)]
-    missing = [p for p in paths if flag_of(p) is None and p not in ("model", "precision", "optim", "data")]
+    paths += [f"dims.{p.name}.{f.name}" for p in packages() for f in dataclasses.fields(p.spec)]
+    missing = [p for p in paths if flag_of(p) is None and p not in ("model", "precision", "optim", "data", "dims")]
     assert not missing, f"Case fields without a flag in verify/commands/case_flags.py: {missing}"
     with pytest.raises(SystemExit):
         main(["check", "--help"])

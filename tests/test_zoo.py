@@ -9,6 +9,7 @@ import pytest
 
 from fsdp_verify.commands.cli import main
 from fsdp_verify.commands.selftest import hunt
+from fsdp_verify.dims.registry import packages
 from fsdp_verify.zoo.catalog import BY_NAME, ZOO
 
 BUDGET = 20  # generated cases per bug
@@ -40,8 +41,13 @@ def test_every_bug_of_the_issue_is_in_the_zoo():
         "frozen_params_move",
     }
     assert required <= set(BY_NAME)
-    # a bug planted around a framework's code lives beside its framework (verify/zoo/torchtitan.py, ...)
-    assert all(bug.engine == f"fsdp_verify.zoo.{(bug.framework or ['mutants'])[0]}:{bug.name}" for bug in ZOO)
+    # a bug planted around a framework's code lives beside its framework (verify/zoo/torchtitan.py, ...),
+    # a dimension package's in its package (verify/dims/float8/mutants.py)
+    homes = [f"fsdp_verify.zoo.{(bug.framework or ['mutants'])[0]}" for bug in ZOO]
+    dims = {p.mutants for p in packages() if p.mutants}
+    assert all(
+        bug.engine in (f"{home}:{bug.name}", *(f"{d}:{bug.name}" for d in dims)) for bug, home in zip(ZOO, homes)
+    )
 
 
 def test_a_bug_whose_mutant_does_not_exist_is_reported_missing_not_passed():

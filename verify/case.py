@@ -18,7 +18,9 @@ from pathlib import Path
 from typing import Any
 
 from fsdp_verify import dtypes, units
+from fsdp_verify.dims import registry
 from fsdp_verify.dims.parallel_dims import ParallelDims
+from fsdp_verify.dims.registry import DimSpecs
 from fsdp_verify.dims.together import check_together
 from fsdp_verify.models import ModelSpec, default_wrap_plan, module_classes
 from fsdp_verify.models.spec import IMPORT_PATH, is_import_path
@@ -370,6 +372,10 @@ class Case:
     sequence_parallel: bool = False
     loss_parallel: bool = False
 
+    # ---- the registered dimension packages (verify/dims/registry.py) ----
+    # Each package's spec, off by default (`case.dims.float8`); a case file holds only those on.
+    dims: DimSpecs = field(default_factory=DimSpecs)
+
     OPTIONAL_FIELDS = (
         "loss",
         "step",
@@ -530,6 +536,7 @@ class Case:
         self._validate_wrap()
         self._validate_checkpointing()
         self._validate_modelled_together()
+        self._validate_dims()
         from fsdp_verify.engines.expert_parallel import check_experts
 
         check_experts(self)
@@ -970,6 +977,16 @@ class Case:
         the one table; ep, pp and compile are checked there too, after their own fields)."""
         check_together(self, "tp")
 
+    def _validate_dims(self) -> None:
+        """Each registered package's spec: its own fields, what it asks of the case, and the
+        together table's rows beside it (verify/dims/registry.py)."""
+        check(isinstance(self.dims, DimSpecs), registry.FIELD, "dimension specs (verify/dims/registry.py)", self.dims)
+        self.dims.validate()
+        for package, spec in registry.on(self):
+            if package.validate is not None:
+                package.validate(self, spec)
+            check_together(self, package.name)
+
     def _validate_tp(self) -> None:
         """Tensor parallelism's fields (docs/tensor-parallel.md): a degree, a plan that splits the
         model evenly over it, and the knobs modelled beside it."""
@@ -1078,6 +1095,8 @@ class Case:
                 default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
                 if where[name] == default or (isinstance(default, tuple) and tuple(where[name]) == default):
                     del where[name]
+        if not data[registry.FIELD]:  # no package on: the JSON and hash of a case from before them
+            del data[registry.FIELD]
         if self.model.is_custom:  # the built-in models' sizes mean nothing to a factory
             for name in ModelSpec.BUILTIN_FIELDS:
                 if getattr(self.model, name) == getattr(ModelSpec(), name):
@@ -1129,7 +1148,8 @@ class Case:
             else:
                 flat[key] = value
         for head, sub in nested.items():
-            flat[head] = replace(getattr(self, head), **sub)
+            current = flat.get(head, getattr(self, head))
+            flat[head] = current.with_(**sub) if isinstance(current, DimSpecs) else replace(current, **sub)
         return replace(self, **flat)
 
 
@@ -1187,7 +1207,11 @@ def check_field_value(name: str, value: Any) -> None:
         return
     head, _, tail = name.partition(".")
     try:
-        if tail and head in _SPECS:
+        if head == registry.FIELD:  # a package's field: judged by its spec, on (a pin may leave other fields drawn)
+            DimSpecs().with_(**{tail: value})[tail.partition(".")[0]].validate(
+                name.rpartition(".")[0] if "." in tail else name
+            )
+        elif tail and head in _SPECS:
             _SPECS[head](**{tail: value}).validate()
         elif not tail:
             changes = {name: value}
@@ -1285,9 +1309,11 @@ def _build(cls: type, data: Any, prefix: str) -> Any:
         path = f"{prefix}.{name}" if prefix else name
         if cls is Case and name == "loss_scaling" and value is None:
             pass
+        elif cls is Case and name == registry.FIELD:
+            value = DimSpecs.from_dict(value, _build)
         elif cls is Case and name in sub_specs:
             value = _build(sub_specs[name], value, path)
-        elif name in _TUPLE_FIELDS and value is not None:
+        elif (name in _TUPLE_FIELDS or isinstance(known[name].default, tuple)) and value is not None:
             if not isinstance(value, (list, tuple)):
                 raise CaseError(path, "a list", value)
             value = tuple(value)
@@ -1320,6 +1346,8 @@ def _plain(value: Any) -> Any:
     and its hash three or four times."""
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, DimSpecs):
+        return {name: _plain(spec) for name, spec in value.items() if spec != registry.by_name()[name].off}
     if isinstance(value, (tuple, list)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):

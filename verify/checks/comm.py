@@ -117,6 +117,7 @@ from fsdp_verify import units
 from fsdp_verify.case import Case
 from fsdp_verify.checks.prefetch import ForwardPass
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.dims import registry
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.models import is_ignored
 from fsdp_verify.probes.comm import padded_shard_numel
@@ -159,9 +160,12 @@ class Collective:
 
 
 def _size(dtype: str) -> int:
+    """Bytes an element: the policy's names ("bf16"), or torch's ("float8_e4m3fn")."""
     import torch
 
-    return torch.empty((), dtype=to_torch(dtype)).element_size()
+    if dtype in ("fp32", "bf16", "fp16"):
+        return torch.empty((), dtype=to_torch(dtype)).element_size()
+    return getattr(torch, dtype).itemsize
 
 
 def params_by_unit(case: Case, got: Trace) -> dict[str, list[tuple[str, list[int]]]]:
@@ -410,27 +414,30 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 start = backward_group if kept and backward_group else shard
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
                 grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
-                if shard > 1 and shards:
-                    gathered = shard * shards * _size(param_dtype)
-                    if fp is not None and unit in fp.ran:
+                first = step == got.first_step
+                gather_dtype, gathered, casts = _all_gather_traffic(case, got, params, dims, shard, param_dtype, first)
+                if shards and (shard > 1 or casts):  # at S = 1 no all-gather, a package's casts still
+                    if fp is not None and unit in fp.ran and shard > 1:  # at S = 1 no gathers to replay
                         groups = [g for u, g in fp.run.gathers if u == unit]
                     else:
                         groups = [] if unit in held else [start]
                     for group in groups:
-                        fwd = Collective(step, m, "forward", "all_gather", param_dtype, group, gathered, name)
-                        out.append(replace(fwd, over=on["shard"]))
+                        fwd = Collective(step, m, "forward", "all_gather", gather_dtype, group, gathered, name)
+                        out += _gather(fwd, casts, shard, on["shard"])
                     moved = fp is not None and unit in fp.run.pending  # gathered in forward already
                     if backward_group is not None and unit in reached and not moved:
-                        bwd = Collective(step, m, "backward", "all_gather", param_dtype, backward_group, gathered, name)
-                        out.append(replace(bwd, over=on["shard"]))
+                        bwd = Collective(
+                            step, m, "backward", "all_gather", gather_dtype, backward_group, gathered, name
+                        )
+                        out += _gather(bwd, casts, shard, on["shard"])
                     # prefetch under checkpointing: gathered again, from its full shards, unless
                     # this backward keeps it unsharded (reshard_after_backward_last)
                     keeps = not last and getattr(case, "reshard_after_backward_last", False)
                     if unit in regathered and not keeps:
                         # a recompute's re-issued forward list only allows it (`regathered_in_recompute`)
                         optional = unit in recomputed and unit not in out_of_order
-                        again = Collective(step, m, "backward", "all_gather", param_dtype, shard, gathered, name)
-                        out.append(replace(again, optional=optional, over=on["shard"]))
+                        again = Collective(step, m, "backward", "all_gather", gather_dtype, shard, gathered, name)
+                        out += _gather(replace(again, optional=optional), casts, shard, on["shard"])
                 again = reduced_again(case, unit)
                 if synced and grad_shards and shard > 1:
                     rs = shard * grad_shards * _size(reduce_dtype)
@@ -457,6 +464,44 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
         out += tp_collectives(case, got, step, with_grad)
         out += _clip_collectives(case, step, with_grad, shard, on["shard"])
     return out
+
+
+def _gather(all_gather: Collective, casts: list[tuple[str, str, int]], shard: int, over: str) -> list[Collective]:
+    """One all-gather of a unit, and what a package casts before one from the unit's full shards
+    (float8's amax all-reduces, over the shard group)."""
+    out = [replace(all_gather, over=over)] if shard > 1 else []
+    if all_gather.group == shard:
+        out += [replace(all_gather, kind=k, dtype=d, bytes=b, over=over) for k, d, b in casts]
+    return out
+
+
+def _all_gather_traffic(
+    case: Case,
+    got: Trace,
+    params: list[tuple[str, list[int]]],
+    dims: dict[str, int],
+    shard: int,
+    param_dtype: str,
+    first: bool,
+) -> tuple[str, int, list[tuple[str, str, int]]]:
+    """A unit's all-gather: its dtype, bytes, and the collectives before one from full shards. Each
+    parameter goes in `param_dtype`, unless a dimension package says otherwise (float8's weights
+    as float8: verify/dims/registry.py `contributions`); inputs of several dtypes FSDP2 gathers as
+    uint8 bytes (`_get_all_gather_input_metadatas`)."""
+    dtypes: dict[str, str] = {}
+    casts: list[tuple[str, str, int]] = []
+    for overrides, before in registry.contributions(case, got, "all_gather", params, first):
+        dtypes.update(overrides)
+        casts += before
+    if not dtypes:
+        return (
+            param_dtype,
+            shard * sum(padded_shard_numel(s, shard, dims[n]) for n, s in params) * _size(param_dtype),
+            [],
+        )
+    per_rank = sum(padded_shard_numel(s, shard, dims[n]) * _size(dtypes.get(n, param_dtype)) for n, s in params)
+    kinds = {dtypes.get(n, param_dtype) for n, _ in params}
+    return (kinds.pop() if len(kinds) == 1 else "uint8"), shard * per_rank, casts
 
 
 def _clip_collectives(case: Case, step: int, with_grad: set[str], shard: int, over: str) -> list[Collective]:

@@ -8,6 +8,9 @@ that asks for a row draws the dimension off instead (`pinned_beside`), and a row
 another dimension, already drawn on, keeps this one off (`beside_another`). A pair modelled later
 is a row removed; a dimension added is one entry of `DIMENSIONS` and its rows here.
 
+A registered dimension package (verify/dims/registry.py) brings its own rows (`not_modelled`):
+`dimensions()` and `rows()` read them beside the four here.
+
 A pair can sit under both of its dimensions (tp's row "compile" and compile's row "tp"): the
 first dimension validated (`DIMENSIONS`' order) names the field.
 """
@@ -43,9 +46,7 @@ class NotModelled:
     also: tuple = ()  # values beside `off` that are modelled (compile "units" under pp, not "model")
 
     def value(self, case) -> Any:
-        head, _, rest = self.field.partition(".")
-        value = getattr(case, head)
-        return getattr(value, rest) if rest else value
+        return field_value(case, self.field)
 
     def ok(self, case) -> bool:
         """Whether `case`'s value of the field is modelled beside the dimension."""
@@ -121,18 +122,42 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
 }
 
 
+def field_value(case, path: str) -> Any:
+    """The value of a dotted field path ("model.experts", "dims.float8")."""
+    value = case
+    for part in path.split("."):
+        value = getattr(value, part)
+    return value
+
+
+def dimensions() -> dict[str, Dimension]:
+    """The four here and every registered package's (on when its spec is not its default)."""
+    from fsdp_verify.dims.registry import FIELD, packages
+
+    return {**DIMENSIONS, **{p.name: Dimension(f"{FIELD}.{p.name}", p.off, p.what) for p in packages()}}
+
+
+def rows(dimension: str) -> tuple[NotModelled, ...]:
+    """What is not modelled beside `dimension`: its rows here, or its package's."""
+    if dimension in NOT_MODELLED_TOGETHER:
+        return NOT_MODELLED_TOGETHER[dimension]
+    from fsdp_verify.dims.registry import by_name
+
+    return by_name()[dimension].not_modelled
+
+
 def is_on(case, dimension: str) -> bool:
-    d = DIMENSIONS[dimension]
-    return getattr(case, d.field) != d.off
+    d = dimensions()[dimension]
+    return field_value(case, d.field) != d.off
 
 
 def check_together(case, dimension: str) -> None:
     """Refuse, naming the row's field, what `case` has on beside `dimension` (when it is on)."""
     if not is_on(case, dimension):
         return
-    d = DIMENSIONS[dimension]
-    degree = getattr(case, d.field)
-    for row in NOT_MODELLED_TOGETHER[dimension]:
+    d = dimensions()[dimension]
+    degree = field_value(case, d.field)
+    for row in rows(dimension):
         check(
             row.ok(case),
             row.field,
@@ -144,14 +169,13 @@ def check_together(case, dimension: str) -> None:
 def not_modelled_beside(case, dimension: str) -> str | None:
     """Why the first row `case` has on is not modelled beside `dimension`, or None (whether or not
     the dimension is on: what a draw asks before turning it on)."""
-    return next((row.why for row in NOT_MODELLED_TOGETHER[dimension] if not row.ok(case)), None)
+    return next((row.why for row in rows(dimension) if not row.ok(case)), None)
 
 
 def drawn_off(dimension: str, case=None) -> dict[str, Any]:
     """What a draw of `dimension` turns off: its drawn rows, field -> value when off (those
     `case` holds a modelled value of kept, where a case is given)."""
-    rows = NOT_MODELLED_TOGETHER[dimension]
-    return {row.field: row.off for row in rows if row.drawn and (case is None or not row.ok(case))}
+    return {row.field: row.off for row in rows(dimension) if row.drawn and (case is None or not row.ok(case))}
 
 
 def pinned_beside(dimension: str, case, pins: dict[str, Any]) -> bool:
@@ -159,7 +183,7 @@ def pinned_beside(dimension: str, case, pins: dict[str, Any]) -> bool:
     on, or any sub-field of it): then the dimension is drawn off."""
     return any(
         (row.field in pins and not row.ok(case)) or any(k.startswith(row.field + ".") for k in pins)
-        for row in NOT_MODELLED_TOGETHER[dimension]
+        for row in rows(dimension)
     )
 
 
@@ -167,4 +191,4 @@ def beside_another(dimension: str, case) -> bool:
     """Whether `case` was drawn another dimension that `dimension` is not modelled beside (a row
     naming a dimension, on): the earlier draw stands, this one is not drawn (turning the other off
     would draw it less often than its own draw means to)."""
-    return any(row.field in DIMENSIONS and not row.ok(case) for row in NOT_MODELLED_TOGETHER[dimension])
+    return any(row.field in DIMENSIONS and not row.ok(case) for row in rows(dimension))

@@ -22,6 +22,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from fsdp_verify import module_names
 from fsdp_verify.case import Case
+from fsdp_verify.dims import registry
 from fsdp_verify.engines.capabilities import TAKEABLE
 from fsdp_verify.units import is_group, modules_here
 
@@ -35,6 +36,11 @@ def not_applied(case: Case, model: nn.Module, takes: frozenset[str]) -> list[tup
             evidence = _READERS[knob.name](case, model)
             if evidence:
                 out.append((knob.name, evidence))
+    for package, spec in registry.on(case):  # a dimension package reads its own (its `applied` hook)
+        read = package.hook("applied")
+        evidence = read(model, spec, case) if read is not None and package.name in takes else None
+        if evidence:
+            out.append((package.name, evidence))
     return out
 
 

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from fsdp_verify import units
+from fsdp_verify.dims import registry
 from fsdp_verify.validation import CaseError
 
 MESH_FORMS = {1: "(shard,)", 2: "(replicate, shard)"}
@@ -103,6 +104,11 @@ PARALLEL_KNOBS: dict[str, Knob] = {
         Knob("loss_parallel", "loss_parallel", False, "the plan's head sharded over the vocabulary"),
     )
 }
+# The registered dimension packages (verify/dims/registry.py): each applied by the engine
+# (`ShardSpec.convert`), opt-in as the parallelisms are.
+DIMENSION_KNOBS: dict[str, Knob] = {
+    p.name: Knob(p.name, f"{registry.FIELD}.{p.name}", p.off, p.applies) for p in registry.packages()
+}
 # What the toolkit's loop applies to the engine's module (FSDPModule's setters, requires_grad_):
 # taken by an engine that declares nothing, since any FSDP2 module has them; FSDP1 and the flat
 # engine do not (their modules lack the setters, or fix what trains when they shard).
@@ -116,9 +122,9 @@ LOOP_KNOBS: dict[str, Knob] = {
         Knob("unfreeze_step", "unfreeze_step", None, "requires_grad_(True) on the frozen parameters mid-run"),
     )
 }
-KNOBS: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS, **LOOP_KNOBS}
+KNOBS: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS, **DIMENSION_KNOBS, **LOOP_KNOBS}
 # What `takes` may name: what the engine applies itself.
-TAKEABLE: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS}
+TAKEABLE: dict[str, Knob] = {**ENGINE_KNOBS, **PARALLEL_KNOBS, **DIMENSION_KNOBS}
 
 
 def _names(given, allowed: dict[str, Knob], what: str) -> frozenset[str]:

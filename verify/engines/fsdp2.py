@@ -14,6 +14,7 @@ from fsdp_verify.engines.spec import ShardSpec
 
 
 def fully_shard_engine(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    spec.convert(model, mesh)  # the dimension packages' conversions (float8), before any parallelism
     pipelined = spec.pipeline(model, mesh, fully_shard_engine)  # each stage sharded as below
     if pipelined is not None:
         return pipelined

@@ -7,6 +7,7 @@ and torch.compile as one call before sharding, so a plug-in that passes them thr
 all and may declare so:
 
     def shard(model, mesh, spec):
+        spec.convert(model, mesh)
         spec.compile(model)
         kwargs = spec.fully_shard_kwargs(model, mesh)
         for fqn in spec.wrap:
@@ -143,6 +144,16 @@ class ShardSpec:
             ),
             "ignored_params": ignored or None,
         }
+
+    def convert(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        """The registered dimension packages the case has on, applied to `model` first, before any
+        parallelism (torchtitan's model converters: float8, verify/dims/float8/); nothing for a
+        pipeline's stage (the whole model was converted before the split) or a case with none on.
+        An engine that calls it declares the packages' knobs (`Capabilities(takes=("float8",))`)."""
+        if self.case is not None and self.stage is None:
+            from fsdp_verify.dims.registry import call
+
+            call(self.case, "convert", model, mesh)
 
     def compile(self, model: nn.Module) -> None:
         """torch.compile as the case asks (`case.compile`: each unit but the root, each block, or

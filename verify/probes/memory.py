@@ -79,7 +79,13 @@ _LAYOUT = (
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return getattr(t, "_local_tensor", t)  # a DTensor's shard on this rank
+    """A DTensor's shard on this rank; a wrapper subclass's first inner tensor, which holds its data
+    (torchao's float8 weight wrapper, `_tensor`; a float8 tensor's `_data`): a wrapper itself has
+    no storage (the `__tensor_flatten__` protocol of traceable subclasses)."""
+    t = getattr(t, "_local_tensor", t)
+    while hasattr(t, "__tensor_flatten__"):
+        t = getattr(t, t.__tensor_flatten__()[0][0])
+    return t
 
 
 def _storage(t: torch.Tensor) -> tuple[int, int]:

@@ -18,6 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
 from fsdp_verify.case import Case
+from fsdp_verify.dims import registry
 from fsdp_verify.engines import ShardSpec, capabilities_of, resolve_engine
 from fsdp_verify.engines.contracts import ENGINE_CHECKPOINTED
 from fsdp_verify.engines.fsdp2_ownership import BUILT_RESHARDS, built_reshards
@@ -94,6 +95,9 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
         wrapped = checkpoint_wrapped(sharded)  # checkpointed by the engine itself (the contracts read it)
         if wrapped:
             trace.meta[ENGINE_CHECKPOINTED] = wrapped
+        built_dims = registry.built(case, sharded)  # what each dimension package's engine step built
+        if built_dims:
+            trace.meta[registry.BUILT] = built_dims
     # Its aux loss and router bias count over the data-parallel ranks: set on the module the engine
     # returns (the flat engine builds its own from the case under meta init).
     for moe in moe_layers(sharded):
@@ -443,6 +447,9 @@ def _user_step(case, ctx, at, step_fn, sharded, view, optimizer, probes, records
 
 
 def _after_step(case, ctx, step, view, optimizer, params, probes, records) -> None:
+    if any(registry.on(case)):
+        ctx.phase(f"step {step} dimension packages after the optimizer step")
+        registry.call(case, "after_optimizer_step", view.module)  # float8's scales (verify/dims/float8/)
     ctx.phase(f"step {step} record params and optimizer state")
     _record_params_and_state(records, step, view, optimizer_state(optimizer, params))
     ctx.phase(f"step {step} probes after the step")

@@ -15,13 +15,18 @@ module gathers them, in the order of the modules below and, within one, of their
 
 from __future__ import annotations
 
+import importlib
+
+from fsdp_verify.dims.registry import packages
 from fsdp_verify.zoo import accelerate, mutants, torchtitan, verl
 from fsdp_verify.zoo.registry import MULTI_RANK, ZooBug, entries, registering_modules
 
 __all__ = ["BY_NAME", "MULTI_RANK", "ZOO", "ZooBug"]
 
-# The mutants' modules in the package's order, then the bugs planted around a framework's code.
-_MODULES = [module.__name__ for module in (*mutants.MODULES, torchtitan, accelerate, verl)]
+# The mutants' modules in the package's order, then the bugs planted around a framework's code,
+# then the registered dimension packages' mutants (verify/dims/registry.py).
+_DIMENSIONS = [importlib.import_module(p.mutants) for p in packages() if p.mutants is not None]
+_MODULES = [module.__name__ for module in (*mutants.MODULES, torchtitan, accelerate, verl, *_DIMENSIONS)]
 _unlisted = sorted(set(registering_modules()) - set(_MODULES))
 if _unlisted:
     raise ImportError(f"zoo bugs registered in modules the catalogue does not list: {_unlisted}")

@@ -42,6 +42,14 @@ class ZooBug:
                 from fsdp_verify.frameworks import FRAMEWORKS
 
                 return f"{self.framework[0]} is not installed ({FRAMEWORKS[self.framework[0]]})"
+        for key in self.pins:  # a dimension package's bug (verify/dims/registry.py): its modules installed
+            head, _, rest = key.partition(".")
+            if head == "dims":
+                from fsdp_verify.dims.registry import by_name
+
+                missing = by_name()[rest.partition(".")[0]].unavailable()
+                if missing is not None:
+                    return missing
         needs = self.needs + ((COMM_CONTRACT,) if "comm" in self.catchers else ())
         return next((why for why in map(part_off_note, needs) if why), None)
 
