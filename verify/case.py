@@ -1208,9 +1208,7 @@ def check_field_value(name: str, value: Any) -> None:
     head, _, tail = name.partition(".")
     try:
         if head == registry.FIELD:  # a package's field: judged by its spec, on (a pin may leave other fields drawn)
-            DimSpecs().with_(**{tail: value})[tail.partition(".")[0]].validate(
-                name.rpartition(".")[0] if "." in tail else name
-            )
+            DimSpecs.check_value(tail, value)
         elif tail and head in _SPECS:
             _SPECS[head](**{tail: value}).validate()
         elif not tail:

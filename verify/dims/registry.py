@@ -44,9 +44,13 @@ class DimensionPackage:
     the flag table (verify/commands/flag.py `Flag`, fields "dims.NAME.FIELD"). `draw(case, pins)`:
     a strategy of cases with it drawn on or off (`pins`: the draw's, its own under "dims.NAME."),
     for an engine that takes it. `not_modelled`: its rows of the together table
-    (verify/dims/together.py `NotModelled`). `runtime`: the module with its torch hooks
-    (`convert`, `convert_reference`, `compute_dtypes`, `after_optimizer_step`, `applied`), each
-    optional. `mutants`: the module registering its zoo bugs."""
+    (verify/dims/together.py `NotModelled`). `runtime`: the module with its torch hooks, each
+    optional: `convert(model, mesh, spec, case)` on the ranks (`ShardSpec.convert`),
+    `convert_reference(model, spec, case)` and `compute_dtypes(model, spec, case)` in the
+    reference, `after_optimizer_step(module, spec, case)` in the loop, `applied(model, spec, case)`
+    for the knobs check, `built(module, spec, case)` (a JSON record the trace keeps) and
+    `all_gather(params, first, built, spec, case)` for the communication contract. `mutants`: the
+    module registering its zoo bugs. `requires`: (module, extra) pairs its runtime imports."""
 
     name: str
     what: str
@@ -228,6 +232,13 @@ class DimSpecs(Mapping):
             if name not in known:
                 raise CaseError(f"{FIELD}.{name}", f"one of the dimension packages {sorted(known)}", name)
         return cls({n: build(known[n].spec, v, f"{FIELD}.{n}") for n, v in data.items()})
+
+    @staticmethod
+    def check_value(key: str, value: Any) -> None:
+        """Raise the CaseError a package's spec (`key` "float8") or field ("float8.recipe") gets
+        for `value` whatever else the case holds (a draw's pin, checked before any draw)."""
+        package = key.partition(".")[0]
+        DimSpecs().with_(**{key: value})[package].validate(f"{FIELD}.{package}")
 
     def with_(self, **changes: Any) -> DimSpecs:
         """Specs replaced whole (`float8=Float8Spec(...)`) or by field (`**{"float8.recipe": ...}`)."""
