@@ -75,15 +75,16 @@ def test_correct_float8_training_is_bit_exact_contracts_included(fsdp_check, wor
     [
         ("float8_amax_of_local_shard", GATHER, "logits"),
         ("float8_scales_never_recomputed", GATHER, "comm"),
+        ("float8_gather_scale_cached", GATHER, "comm"),
         ("float8_grad_output_in_e4m3", Float8Spec("tensorwise"), "grads"),
     ],
 )
 def test_each_float8_mutant_is_caught_where_it_breaks(fsdp_check, mutant, float8, phase):
     """Each at the first record it changes: the local amax in the first forward's logits; the
-    stale scales in the first step's communication (the scales were precomputed though the case
-    says not, so no amax all-reduce before a gather) and then in the second step's logits (the
-    weights cast with the first step's scales); the e4m3 output gradients in the first step's
-    gradients, located to a converted layer."""
+    stale scales (precomputed once at setup, or the first gather's cached) in the first step's
+    communication (a gather without its amax all-reduce, though the case precomputes none) and
+    then in the second step's logits (the weights cast with the first step's scales); the e4m3
+    output gradients in the first step's gradients, located to a converted layer."""
     caught = fsdp_check(_case(2, float8=float8, steps=2, engine=MUTANTS + mutant), calibrate=False)
     assert not caught.ok
     first = caught.first_divergence

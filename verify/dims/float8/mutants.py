@@ -32,14 +32,24 @@ def _converted(model: nn.Module, spec: ShardSpec, float8_config) -> nn.Module:
     return convert_to_float8_training(model, config=float8_config, module_filter_fn=lambda _m, fqn: fqn in chosen)
 
 
-# The amax mutant patches torchao's pre-all-gather once in a process, acting only on the weights
-# of the models this mutant converted: their LinearMMConfig objects, which every view and shard
-# of the weight carries by identity (a correct engine's later case in the same process makes its
-# own).
-_LOCAL_AMAX: list = []
+# Two mutants patch torchao's pre-all-gather, once in a process, acting only on the weights of
+# the models they converted: their LinearMMConfig objects, which every view and shard of the
+# weight carries by identity (a correct engine's later case in the same process makes its own).
+_LOCAL_AMAX: list = []  # configs whose casts take the shard's own amax
+_CACHED: list = []  # configs whose first scale is kept for every later gather
 
 
-def _install_local_amax() -> None:
+def _armed(config, configs: list) -> bool:
+    return any(config is c for c in configs)
+
+
+def _arm(model: nn.Module, configs: list) -> None:
+    configs.extend(
+        m.weight._linear_mm_config for m in model.modules() if hasattr(getattr(m, "weight", None), "_linear_mm_config")
+    )
+
+
+def _install_pre_all_gather() -> None:
     from torchao.float8.float8_training_tensor import GemmInputRole
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, hp_tensor_to_float8_dynamic
 
@@ -48,16 +58,20 @@ def _install_local_amax() -> None:
         return
 
     def pre_all_gather(self, mesh):
-        if not any(self._linear_mm_config is c for c in _LOCAL_AMAX) or self._precomputed_scale is not None:
-            return correct(self, mesh)
-        cast = hp_tensor_to_float8_dynamic(
-            self._tensor,
-            self._dtype,
-            self._linear_mm_config,
-            reduce_amax=False,  # the bug: the shard's own amax, never all-reduced
-            gemm_input_role=GemmInputRole.WEIGHT,
-        )
-        return (cast._data,), (cast._scale,)
+        config = self._linear_mm_config
+        if _armed(config, _LOCAL_AMAX) and self._precomputed_scale is None:
+            cast = hp_tensor_to_float8_dynamic(
+                self._tensor,
+                self._dtype,
+                config,
+                reduce_amax=False,  # the bug: the shard's own amax, never all-reduced
+                gemm_input_role=GemmInputRole.WEIGHT,
+            )
+            return (cast._data,), (cast._scale,)
+        out = correct(self, mesh)
+        if _armed(config, _CACHED) and self._precomputed_scale is None:
+            self._precomputed_scale = out[1][0]  # the bug: this scale, for every later gather
+        return out
 
     pre_all_gather.mutant = True
     WeightWithDynamicFloat8CastTensor.fsdp_pre_all_gather = pre_all_gather
@@ -73,13 +87,25 @@ def float8_amax_of_local_shard(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     """Each rank casts its shard of a float8 weight to float8 with a scale from its own shard's
     amax (torchao's `tensor_to_amax(reduce_amax=False)`): the gathered weight is a patchwork of
     scales, the one scale it carries is the rank's own."""
-    _install_local_amax()
+    _install_pre_all_gather()
     _converted(model, spec, config(spec.case.dims.float8))
-    _LOCAL_AMAX.extend(
-        m.weight._linear_mm_config
-        for m in model.modules()
-        if hasattr(m, "weight") and hasattr(m.weight, "_linear_mm_config")
-    )
+    _arm(model, _LOCAL_AMAX)
+    return fully_shard_engine(model, mesh, spec)
+
+
+@bug(
+    "the float8 all-gather's first scale cached and reused by every later gather of the weight",
+    _SOURCE + " (a scale cached on the shard and never invalidated)",
+    ("comm", "logits"),
+    pins={**_ALL_GATHER, "steps": 2, "dims.float8": Float8Spec("tensorwise", all_gather=True, precompute=False)},
+)
+def float8_gather_scale_cached(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """Each weight's first all-gather computes its scale as torchao does (the shards' amaxes
+    all-reduced) and keeps it: every later gather, the backward's and the next steps', casts the
+    updated weight with it, and all-reduces no amax."""
+    _install_pre_all_gather()
+    _converted(model, spec, config(spec.case.dims.float8))
+    _arm(model, _CACHED)
     return fully_shard_engine(model, mesh, spec)
 
 
@@ -120,5 +146,10 @@ def float8_grad_output_in_e4m3(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     return fully_shard_engine(model, mesh, spec)
 
 
-for _engine in (float8_amax_of_local_shard, float8_scales_never_recomputed, float8_grad_output_in_e4m3):
+for _engine in (
+    float8_amax_of_local_shard,
+    float8_gather_scale_cached,
+    float8_scales_never_recomputed,
+    float8_grad_output_in_e4m3,
+):
     _engine.capabilities = FSDP2
