@@ -144,6 +144,10 @@ class FusionJolt(TorchDispatchMode):
         name = func.overloadpacket.__name__
         if self.quiet or not (self.backward or self.inside) or name in _EXACT or func.is_view:
             return out
+        if any(_wrapper(t) for t in _tensors((args, kwargs, out))):
+            # A tensor subclass's op (torchao's float8 tensors): its own implementation runs the
+            # plain ops it is made of, which come through here and are moved themselves.
+            return out
         results = [t for t in (out if isinstance(out, (tuple, list)) else (out,)) if _floating(t)]
         for i, t in enumerate(results):
             bound = _bound(func, i, t, args, kwargs)
@@ -151,6 +155,11 @@ class FusionJolt(TorchDispatchMode):
                 signs = torch.randint(0, 2, t.shape, generator=self.generator).double() * 2 - 1
                 t.copy_((t.double() + signs * bound).to(t.dtype))
         return out
+
+
+def _wrapper(t: torch.Tensor) -> bool:
+    """A traceable wrapper subclass (its data in inner tensors, `__tensor_flatten__`)."""
+    return hasattr(t, "__tensor_flatten__")
 
 
 def _floating(t) -> bool:
