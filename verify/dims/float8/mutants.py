@@ -49,6 +49,14 @@ def _arm(model: nn.Module, configs: list) -> None:
     )
 
 
+def _with_patched_gather(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, configs: list) -> nn.Module:
+    """The built-in engine on `model` converted here, its weights' configs armed in `configs`."""
+    _install_pre_all_gather()
+    _converted(model, spec, config(spec.case.dims.float8))
+    _arm(model, configs)
+    return fully_shard_engine(model, mesh, spec)
+
+
 def _install_pre_all_gather() -> None:
     from torchao.float8.float8_training_tensor import GemmInputRole
     from torchao.float8.fsdp_utils import WeightWithDynamicFloat8CastTensor, hp_tensor_to_float8_dynamic
@@ -87,10 +95,7 @@ def float8_amax_of_local_shard(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     """Each rank casts its shard of a float8 weight to float8 with a scale from its own shard's
     amax (torchao's `tensor_to_amax(reduce_amax=False)`): the gathered weight is a patchwork of
     scales, the one scale it carries is the rank's own."""
-    _install_pre_all_gather()
-    _converted(model, spec, config(spec.case.dims.float8))
-    _arm(model, _LOCAL_AMAX)
-    return fully_shard_engine(model, mesh, spec)
+    return _with_patched_gather(model, mesh, spec, _LOCAL_AMAX)
 
 
 @bug(
@@ -103,10 +108,7 @@ def float8_gather_scale_cached(model: nn.Module, mesh: DeviceMesh, spec: ShardSp
     """Each weight's first all-gather computes its scale as torchao does (the shards' amaxes
     all-reduced) and keeps it: every later gather, the backward's and the next steps', casts the
     updated weight with it, and all-reduces no amax."""
-    _install_pre_all_gather()
-    _converted(model, spec, config(spec.case.dims.float8))
-    _arm(model, _CACHED)
-    return fully_shard_engine(model, mesh, spec)
+    return _with_patched_gather(model, mesh, spec, _CACHED)
 
 
 @bug(
