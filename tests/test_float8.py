@@ -84,6 +84,17 @@ def test_compiled_float8_is_bit_exact_and_inductor_is_refused(fsdp_check, scope,
         case.with_(compile_backend="inductor")
 
 
+def test_the_compilers_fusion_bound_runs_beside_float8_tensors():
+    """The compiler's check moves the eager reference by what a compiler may change
+    (reference/fusion.py); a float8 tensor's ops are left to the plain ops they are made of (it
+    raised on the first float8 matmul before: sweep 8201)."""
+    from fsdp_verify.reference import train_reference
+
+    case = _case(2, LM, GATHER, compile="units", compile_backend="aot_eager", steps=1)
+    moved = train_reference(case, fusion=1)
+    assert moved.meta["moved"] is not None and (1, "loss", "loss") in moved.records
+
+
 @pytest.mark.parametrize(
     ("mutant", "float8", "phase"),
     [

@@ -1345,7 +1345,7 @@ def _plain(value: Any) -> Any:
     if dataclasses.is_dataclass(value) and not isinstance(value, type):
         return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
     if isinstance(value, DimSpecs):
-        return {name: _plain(spec) for name, spec in value.items() if spec != registry.by_name()[name].off}
+        return {name: _plain(spec) for name, spec in value.turned_on()}
     if isinstance(value, (tuple, list)):
         return type(value)(_plain(v) for v in value)
     if isinstance(value, dict):

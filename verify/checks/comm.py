@@ -394,6 +394,12 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     for step in range(got.first_step, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
         reached = backward_reached(units, got, case, step)
+        # each unit's all-gather: its dtype, bytes, and what a package casts before one (per step:
+        # float8's precomputed scales start after the first)
+        traffic = {
+            u: _all_gather_traffic(case, got, p, dims, shard, param_dtype, step == got.first_step)
+            for u, p in units.items()
+        }
         for m in range(case.microbatches):
             last = m == case.microbatches - 1
             synced = case.sync_every_microbatch or last
@@ -414,8 +420,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                 start = backward_group if kept and backward_group else shard
                 shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params)
                 grad_shards = sum(padded_shard_numel(s, shard, dims[n]) for n, s in params if n in with_grad)
-                first = step == got.first_step
-                gather_dtype, gathered, casts = _all_gather_traffic(case, got, params, dims, shard, param_dtype, first)
+                gather_dtype, gathered, casts = traffic[unit]
                 if shards and (shard > 1 or casts):  # at S = 1 no all-gather, a package's casts still
                     if fp is not None and unit in fp.ran and shard > 1:  # at S = 1 no gathers to replay
                         groups = [g for u, g in fp.run.gathers if u == unit]
@@ -493,12 +498,6 @@ def _all_gather_traffic(
     for overrides, before in registry.contributions(case, got, "all_gather", params, first):
         dtypes.update(overrides)
         casts += before
-    if not dtypes:
-        return (
-            param_dtype,
-            shard * sum(padded_shard_numel(s, shard, dims[n]) for n, s in params) * _size(param_dtype),
-            [],
-        )
     per_rank = sum(padded_shard_numel(s, shard, dims[n]) * _size(dtypes.get(n, param_dtype)) for n, s in params)
     kinds = {dtypes.get(n, param_dtype) for n, _ in params}
     return (kinds.pop() if len(kinds) == 1 else "uint8"), shard * per_rank, casts

@@ -70,9 +70,6 @@ class DimensionPackage:
     def off(self) -> Any:
         return self.spec()
 
-    def is_on(self, case) -> bool:
-        return case.dims[self.name] != self.off
-
     def unavailable(self) -> str | None:
         """Why this installation cannot run it (a module it needs missing), or None."""
         import importlib.util
@@ -112,16 +109,24 @@ def packages() -> tuple[DimensionPackage, ...]:
     return tuple(out)
 
 
+@lru_cache(maxsize=1)
 def by_name() -> dict[str, DimensionPackage]:
     return {p.name: p for p in packages()}
 
 
+def package_named(name: str) -> DimensionPackage:
+    """The registered package `name`; a name no package has is bad input naming `dims.NAME`."""
+    known = by_name()
+    if name not in known:
+        raise CaseError(f"{FIELD}.{name}", f"one of the dimension packages {sorted(known)}", name)
+    return known[name]
+
+
 def on(case) -> Iterator[tuple[DimensionPackage, Any]]:
     """The packages `case` has on, with their specs."""
-    for package in packages():
-        spec = case.dims[package.name]
-        if spec != package.off:
-            yield package, spec
+    known = by_name()
+    for name, spec in case.dims.turned_on():
+        yield known[name], spec
 
 
 def call(case, hook: str, *args: Any) -> list[Any]:
@@ -167,14 +172,12 @@ class DimSpecs(Mapping):
     __slots__ = ("_specs",)
 
     def __init__(self, specs: Mapping[str, Any] | None = None):
-        known = by_name()
         given = dict(specs or {})
         for name, spec in given.items():
-            if name not in known:
-                raise CaseError(f"{FIELD}.{name}", f"one of the dimension packages {sorted(known)}", name)
-            if not isinstance(spec, known[name].spec):
-                raise CaseError(f"{FIELD}.{name}", f"a {known[name].spec.__name__}", spec)
-        object.__setattr__(self, "_specs", {n: given.get(n, p.off) for n, p in known.items()})
+            kind = package_named(name).spec
+            if not isinstance(spec, kind):
+                raise CaseError(f"{FIELD}.{name}", f"a {kind.__name__}", spec)
+        object.__setattr__(self, "_specs", {n: given.get(n, p.off) for n, p in by_name().items()})
 
     def __setattr__(self, name: str, value: Any) -> None:
         raise dataclasses.FrozenInstanceError(f"cannot assign to field {name!r}")
@@ -209,17 +212,16 @@ class DimSpecs(Mapping):
         return hash(tuple(sorted(self._specs.items())))
 
     def __repr__(self) -> str:
-        return f"DimSpecs({self.to_dict()!r})"
+        return f"DimSpecs({dict(self.turned_on())!r})"
+
+    def turned_on(self) -> Iterator[tuple[str, Any]]:
+        """(name, spec) of each package whose spec is not its default."""
+        known = by_name()
+        return ((n, s) for n, s in self._specs.items() if s != known[n].off)
 
     def validate(self) -> None:
         for name, spec in self._specs.items():
             spec.validate(f"{FIELD}.{name}")
-
-    def to_dict(self) -> dict[str, dict[str, Any]]:
-        """The specs that are on, as JSON objects: every field, the defaults included (a spec's
-        JSON is whole once it is on)."""
-        known = by_name()
-        return {n: dataclasses.asdict(s) for n, s in self._specs.items() if s != known[n].off}
 
     @classmethod
     def from_dict(cls, data: Any, build: Callable[[type, Any, str], Any]) -> DimSpecs:
@@ -227,11 +229,7 @@ class DimSpecs(Mapping):
         naming an unknown key by its path (verify/case.py `_build`)."""
         if not isinstance(data, dict):
             raise CaseError(FIELD, "a JSON object of dimension specs", data)
-        known = by_name()
-        for name in data:
-            if name not in known:
-                raise CaseError(f"{FIELD}.{name}", f"one of the dimension packages {sorted(known)}", name)
-        return cls({n: build(known[n].spec, v, f"{FIELD}.{n}") for n, v in data.items()})
+        return cls({n: build(package_named(n).spec, v, f"{FIELD}.{n}") for n, v in data.items()})
 
     @staticmethod
     def check_value(key: str, value: Any) -> None:
@@ -245,7 +243,6 @@ class DimSpecs(Mapping):
         specs = dict(self._specs)
         for key, value in changes.items():
             name, _, sub = key.partition(".")
-            if name not in specs:
-                raise CaseError(f"{FIELD}.{name}", f"one of the dimension packages {sorted(specs)}", name)
+            package_named(name)
             specs[name] = replace(specs[name], **{sub: value}) if sub else value
         return DimSpecs(specs)
