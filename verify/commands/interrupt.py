@@ -24,3 +24,37 @@ def finishing_after_interrupt() -> Iterator[None]:
     finally:
         if on_main:
             signal.signal(signal.SIGINT, previous)
+
+
+# Set by `noticing_interrupts`' handler: a Ctrl-C whose KeyboardInterrupt Python swallowed (raised
+# inside a gc callback, Hypothesis's among them, or a `__del__`: "Exception ignored in ...").
+_interrupted = threading.Event()
+
+
+@contextmanager
+def noticing_interrupts() -> Iterator[None]:
+    """SIGINT raises KeyboardInterrupt as Python's default handler does, and is remembered, so that
+    one swallowed where it landed is raised again at the next `raise_if_interrupted()` (a sweep
+    checks between cases). Only where SIGINT has Python's default handler: ignored (nohup) stays
+    ignored, a caller's own handler (pytest's) stays its."""
+    _interrupted.clear()
+    on_main = threading.current_thread() is threading.main_thread()
+    if not on_main or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+        yield
+        return
+
+    def handler(signum, frame):
+        _interrupted.set()
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+
+
+def raise_if_interrupted() -> None:
+    """Raise the KeyboardInterrupt of a Ctrl-C that was swallowed where it landed."""
+    if _interrupted.is_set():
+        raise KeyboardInterrupt

@@ -100,7 +100,7 @@ def load_zoo(path: Path) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from fsdp_verify.commands.interrupt import finishing_after_interrupt
+    from fsdp_verify.commands.interrupt import finishing_after_interrupt, noticing_interrupts
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.draw import draw_cases, in_shard
     from fsdp_verify.properties.strategies import PinError
@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     warned = Tally()  # the ranks' and this process's library warnings (verify/library_warnings.py)
     try:
-        with collecting(warned):
+        with collecting(warned), noticing_interrupts():
             rows, elapsed = _sweep(args, mine, done, rows_path)
     except KeyboardInterrupt:  # Ctrl-C: the report of the rows streamed so far (the case running is lost)
         interrupted = True
@@ -181,6 +181,7 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
     """Run the shard's cases not yet in rows.jsonl; the rows of all of them, and the case time."""
     from tqdm import tqdm
 
+    from fsdp_verify.commands.interrupt import raise_if_interrupted
     from fsdp_verify.reports.report import case_row
     from fsdp_verify.runner import check_case
     from fsdp_verify.sharded.pool import RankFailure, get_pool
@@ -220,6 +221,7 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
             bar.set_postfix_str(
                 "all passed" if all(r["ok"] for r in rows) else f"{sum(not r['ok'] for r in rows)} FAILED"
             )
+            raise_if_interrupted()  # a Ctrl-C swallowed in a gc callback during the case (verify/commands/interrupt.py)
     return rows, sum(r["seconds"] for r in rows)
 
 
