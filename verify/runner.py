@@ -12,6 +12,7 @@ from fsdp_verify.checks import run_checks
 from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.dims import registry
 from fsdp_verify.engines import engine_arithmetic, engine_capabilities, refuse_untakeable
 from fsdp_verify.engines.tensor_parallel import reduce_dtype_hint
 from fsdp_verify.hints import hint
@@ -70,17 +71,24 @@ def calibration_runs(case: Case) -> list[Trace]:
         ]
 
 
+def own_checks(case: Case, ref: Trace) -> list[Finding]:
+    """What the reference checks of itself, apart from the sharding: a compiled case compiled
+    against eager (verify/checks/compiler.py), and each dimension package's own check of its
+    arithmetic (float8's casts: verify/dims/float8/rounding.py)."""
+    return check_compiler(case, ref) + registry.own_checks(case)
+
+
 def judge(
     case: Case,
     ref: Trace,
     got: Trace,
     calibrate: bool = True,
     checks: Callable[[], list[Finding]] | None = None,
-    compiler: list[Finding] | None = None,
+    own: list[Finding] | None = None,
 ) -> Verdict:
     """`checks`: the checks' findings when they are not `run_checks` on the two traces (a resume
-    checks each run on its own: verify/sharded/resume.py). `compiler`: a compiled case's
-    compiled-against-eager findings (verify/checks/compiler.py), when computed already."""
+    checks each run on its own: verify/sharded/resume.py). `own`: the reference's own checks
+    (`own_checks`), when computed already."""
     calibrated: list[float] = []
 
     def calibration() -> list[Trace]:
@@ -99,7 +107,7 @@ def judge(
         findings = compare_traces(ref, got, calibration if calibrate else None)
         t_checks = time.perf_counter()
         findings += checks() if checks is not None else run_checks(case, ref, got)
-    findings += compiler if compiler is not None else check_compiler(case, ref)
+    findings += own if own is not None else own_checks(case, ref)
     verdict = Verdict(case, findings, calibrated=bool(calibrated))
     verdict.seconds = {
         "compare": t_checks - t - sum(calibrated),
@@ -162,7 +170,7 @@ def check_case(
             if not submitted:
                 pool.submit(case)
                 submitted = True
-            compiler = check_compiler(case, ref)  # and the compiler's own check (compiled against eager)
+            own = own_checks(case, ref)  # and the reference's own checks (the compiler's, a dimension's)
     except CaseError:  # the user's code failed on the reference: bad input, whatever the ranks did
         if submitted:
             with contextlib.suppress(RankFailure):
@@ -175,7 +183,7 @@ def check_case(
     t1 = time.perf_counter()
     got = pool.result(timeout_s)
     t2 = time.perf_counter()
-    verdict = judge(case, ref, got, calibrate, compiler=compiler)
+    verdict = judge(case, ref, got, calibrate, own=own)
     verdict.seconds = {"reference": t_ref - t0, "sharded_wait": t2 - t1, **verdict.seconds}  # compiled: not overlapped
     if case.compile is not None:
         verdict.seconds["compiler_check"] = t1 - t_ref

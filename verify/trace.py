@@ -29,6 +29,9 @@ from safetensors.torch import save as st_save
 # "build", "ownership", "precision" and "rng" findings come from checks (verify/checks/), not record pairs.
 # "modules", "module_grads", "ops" and "op_inputs" are a zoom's only (verify/zoom/): each module's
 # outputs in forward, its gradients in backward, the operations inside one module.
+# "dims": a dimension package's own check of its arithmetic, from the reference alone (float8's
+# matmuls against the rounding of their casts: verify/dims/float8/rounding.py), after the
+# compiler's, as not the sharding's.
 # "comm" and "memory" (the resource contracts) come last: a wrong number explains more than the
 # traffic or the bytes it took.
 PHASES = (
@@ -55,6 +58,7 @@ PHASES = (
     "memory",
     "compile",
     "compiler",
+    "dims",
 )
 PHASE_RANK = {p: i for i, p in enumerate(PHASES)}
 

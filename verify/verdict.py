@@ -35,6 +35,7 @@ PHASE_TITLES = {
     "memory": "memory contract",
     "compile": "compilation (graphs, breaks, recompilations)",
     "compiler": "compiled against eager (the compiler's, not the sharding's)",
+    "dims": "a dimension's own arithmetic against its derived bound (not the sharding's)",
 }
 
 
@@ -121,6 +122,7 @@ class Verdict:
             "op_inputs",
             "compile",
             "compiler",
+            "dims",
         )
         phases = [p for p in PHASES if p not in optional or any(ph == p for _, ph in cells)]
         rows = [["step"] + phases]

@@ -49,7 +49,8 @@ class DimensionPackage:
     `convert_reference(model, spec, case)` and `compute_dtypes(model, spec, case)` in the
     reference, `after_optimizer_step(module, spec, case)` in the loop, `applied(model, spec, case)`
     for the knobs check, `built(module, spec, case)` (a JSON record the trace keeps) and
-    `all_gather(params, first, built, spec, case)` for the communication contract. `mutants`: the
+    `all_gather(params, first, built, spec, case)` for the communication contract,
+    `own_check(spec, case)`: its own check of its arithmetic, from the reference alone. `mutants`: the
     module registering its zoo bugs. `requires`: (module, extra) pairs its runtime imports."""
 
     name: str
@@ -151,6 +152,13 @@ def built(case, module) -> dict[str, Any]:
         if fn is not None:
             out[package.name] = fn(module, spec, case)
     return out
+
+
+def own_checks(case) -> list[Any]:
+    """Each package on's own check of its arithmetic, from the reference alone (its
+    `own_check(spec, case)` hook: Findings of phase "dims"; float8's products against the rounding
+    of their casts)."""
+    return [finding for found in call(case, "own_check") for finding in found]
 
 
 def contributions(case, got, hook: str, *args: Any) -> list[Any]:

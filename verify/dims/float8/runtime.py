@@ -97,8 +97,19 @@ def _visible_amax_all_reduce() -> None:
 
 
 def convert_reference(model: nn.Module, spec: Float8Spec, case) -> None:
-    """The reference's model: the same modules converted, the same casts (no all-gather to do)."""
+    """The reference's model: the same modules converted, the same casts (no all-gather to do);
+    watched when float8's own check runs it (rounding.py)."""
+    from fsdp_verify.dims.float8 import rounding
+
     _convert(model, spec, all_gather=False)
+    rounding.attach_if_watching(model)
+
+
+def own_check(spec: Float8Spec, case) -> list:
+    """Float8's own check: each float8 product of the reference against the rounding of its casts."""
+    from fsdp_verify.dims.float8 import rounding
+
+    return rounding.check(spec, case)
 
 
 def compute_dtypes(model: nn.Module, spec: Float8Spec, case) -> dict[str, torch.dtype]:
