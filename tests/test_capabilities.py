@@ -10,7 +10,8 @@ from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import ModelSpec
 from fsdp_verify.engines.capabilities import ENGINE_KNOBS, KNOBS, LOOP_KNOBS, PARALLEL_KNOBS, TAKEABLE, Capabilities
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.sharded.pool import RankFailure
 from fsdp_verify.validation import CaseError

@@ -18,7 +18,8 @@ from fsdp_verify.commands.options import case_from_args, strategy_from_args
 from fsdp_verify.dims.registry import packages
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.draw import draw_cases
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 
 USER = "tests/user/models.py"
 STEPS = "tests/user/steps.py"

@@ -10,7 +10,7 @@ from fsdp_verify.engines.fsdp1 import fsdp1_engine
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.properties import cases, sharded_equals_reference
-from fsdp_verify.properties.strategies import fsdp1_modelled
+from fsdp_verify.properties.fsdp1 import fsdp1_modelled
 from fsdp_verify.sharded.pool import RankFailure, get_pool
 from tests.conftest import lm_case, mlp_case, regression
 from tests.in_process import run_cli

@@ -20,7 +20,8 @@ from fsdp_verify.dims.registry import packages
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.properties.draw import draw_cases
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
 from tests.conftest import require

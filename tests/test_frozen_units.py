@@ -10,7 +10,8 @@ from hypothesis import find, given, settings
 
 from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.models import is_frozen
-from fsdp_verify.properties.strategies import _param_names, cases
+from fsdp_verify.properties.model_draws import param_names
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.units import owner_of_module as _owner
 from fsdp_verify.validation import CaseError
 from tests.conftest import mlp_case
@@ -24,7 +25,7 @@ FIND = settings(FOUND, max_examples=400)
 def _units(case) -> dict[str, list[bool]]:
     """Each unit of the case's plan -> whether each parameter it owns is frozen."""
     owned: dict[str, list[bool]] = {}
-    for name in _param_names(case.model):
+    for name in param_names(case.model):
         owned.setdefault(_owner(case.wrap_plan, name.rpartition(".")[0]), []).append(is_frozen(case.model, name))
     return owned
 
@@ -62,7 +63,7 @@ def test_the_draw_freezes_whole_units_parts_of_units_and_the_root(engine, reache
 @settings(max_examples=80, deadline=None, database=None)
 @given(cases(hsdp=True))
 def test_drawn_frozen_sets_leave_something_to_train(case):
-    assert not all(is_frozen(case.model, n) for n in _param_names(case.model))
+    assert not all(is_frozen(case.model, n) for n in param_names(case.model))
     if case.unfreeze_step is not None:
         assert case.model.frozen and 2 <= case.unfreeze_step <= case.steps
 

@@ -15,7 +15,8 @@ from fsdp_verify.commands.cli import main
 from fsdp_verify.commands.selftest import hunt
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.engines.arithmetic import Arithmetic
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.trace import Trace
 from fsdp_verify.zoo.catalog import BY_NAME

@@ -11,7 +11,8 @@ import torch
 from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.engines import refuse_untakeable
 from fsdp_verify.engines.capabilities import Capabilities
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.training.optim import make_optimizer, make_scheduler, step_scheduler
 from tests.conftest import MLP

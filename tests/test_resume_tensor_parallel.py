@@ -15,7 +15,8 @@ from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.commands.cli import build_parser, main
 from fsdp_verify.commands.options import case_from_args
 from fsdp_verify.engines import refuse_untakeable
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from tests.test_tensor_parallel import PLAIN, TINY, exact, find, llama
 

@@ -6,17 +6,10 @@ from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
 from fsdp_verify.case import Case, ModelSpec, PrecisionSpec
-from fsdp_verify.properties.strategies import (
-    PinError,
-    cases,
-    data_specs,
-    fsdp1_modelled,
-    models,
-    optim_specs,
-    precision_specs,
-    reshard_values,
-    wrap_plans,
-)
+from fsdp_verify.properties.fsdp1 import fsdp1_modelled
+from fsdp_verify.properties.model_draws import models, wrap_plans
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases, data_specs, optim_specs, precision_specs, reshard_values
 from fsdp_verify.units import owner_of_module as _owner
 from tests.conftest import regression
 
@@ -53,9 +46,9 @@ def test_every_case_is_valid_and_tiny(case):
 
 
 def _names(spec):
-    from fsdp_verify.properties.strategies import _param_names
+    from fsdp_verify.properties.model_draws import param_names
 
-    return _param_names(spec)
+    return param_names(spec)
 
 
 @FAST
@@ -225,7 +218,7 @@ def test_routing_never_decides_what_requires_grad_in_a_drawn_case():
     layer after routed experts gets an input that requires grad
     (tests/upstream/test_fsdp2_unused_params_reduce_order.py): sweep seed 5011's crash, shrunk.
     The draw makes the gate trainable there; a case that does not meet it is left alone."""
-    from fsdp_verify.properties.strategies import _routing_never_decides_what_requires_grad as drawn
+    from fsdp_verify.properties.expert_parallel import routing_never_decides_what_requires_grad as drawn
 
     frozen = ("layers.0", "moe.gate", "moe.experts.0", "moe.experts.1.weight")  # experts.1.bias trains
     case = Case(model=ModelSpec(kind="mlp", widths=(1, 4, 1), experts=2, frozen=frozen), world_size=2)

@@ -184,7 +184,8 @@ def test_every_mesh_shape_joins_the_draw_for_an_engine_that_takes_2d_meshes():
     divides the shard dimension (FSDP2 refuses (4, 1) with 2); an engine declaring 1-D meshes
     only (verify/engines/capabilities.py) draws none, and a pinned 2-D mesh is refused for it."""
     from fsdp_verify.properties.draw import draw_cases
-    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.properties.pins import PinError
+    from fsdp_verify.properties.strategies import cases
 
     # 200 draws: nine shapes; at 120 one went undrawn once the compile draw's (empty) span moved
     # Hypothesis's generation (a draw's luck, not a shape left out)

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
-from fsdp_verify.properties.strategies import PinError, cases
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.runner import refuse_untakeable
 from fsdp_verify.validation import CaseError
 from tests.conftest import require

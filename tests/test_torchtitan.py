@@ -200,7 +200,8 @@ def test_torchtitan_takes_only_its_own_compile_and_is_drawn_only_that():
     field, and the draws give it nothing else."""
     from fsdp_verify.engines import refuse_untakeable
     from fsdp_verify.properties.draw import draw_cases
-    from fsdp_verify.properties.strategies import PinError, cases
+    from fsdp_verify.properties.pins import PinError
+    from fsdp_verify.properties.strategies import cases
     from fsdp_verify.validation import CaseError
 
     with pytest.raises(CaseError, match=r"compile: expected one of \('blocks',\)"):

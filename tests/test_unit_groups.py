@@ -12,7 +12,9 @@ from fsdp_verify import units
 from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.ownership import OwnershipMap
-from fsdp_verify.properties.strategies import PinError, cases, group_candidates
+from fsdp_verify.properties.pins import PinError
+from fsdp_verify.properties.strategies import cases
+from fsdp_verify.properties.unit_groups import group_candidates
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.validation import CaseError

@@ -16,7 +16,8 @@ from fsdp_verify import units
 from fsdp_verify.case import Case, CaseError, DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
-from fsdp_verify.properties.strategies import _custom_wrappable, cases
+from fsdp_verify.properties.model_draws import _custom_wrappable
+from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool

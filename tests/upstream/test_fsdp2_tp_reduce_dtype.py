@@ -11,7 +11,7 @@ gradient is 1 and rank 1's 2**-9, both exact in bf16; their sum in fp32 is 1 + 2
 rounds to 1. (Accumulating without sync first upcasts to reduce_dtype, `to_accumulated_grad_if_
 needed`, so that path sums in fp32.) fsdp-verify's reference sums in reduce_dtype, as the policy
 documents, and catches it on a drawn case (bf16 params, fp32 reduction, sequence parallelism);
-its strategies draw no such case for the engines (properties/strategies.py, `tp_styles`).
+its strategies draw no such case for the engines (properties/tensor_parallel.py, `tp_styles`).
 """
 
 import os

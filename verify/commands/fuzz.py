@@ -71,9 +71,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from fsdp_verify.engines import EngineLoadError
+    from fsdp_verify.properties.pins import PinError
     from fsdp_verify.properties.properties import PROPERTIES
     from fsdp_verify.properties.search import SearchInterrupted, fresh_seed, search
-    from fsdp_verify.properties.strategies import PinError
     from fsdp_verify.sharded.pool import get_pool
     from fsdp_verify.validation import CaseError
 

@@ -427,7 +427,7 @@ def compile_rate(text: str) -> float:
 def _mesh_world_sizes(args: argparse.Namespace, pins: dict) -> list[int]:
     """`--mesh-shape` pins the mesh, so the world size too: the sizes of its meshes (those among
     `--world-sizes` where that was given). PinError when none is left."""
-    from fsdp_verify.properties.strategies import PinError
+    from fsdp_verify.properties.pins import PinError
 
     if getattr(args, "mesh_shape", None) is None:
         return args.world_sizes
@@ -447,7 +447,7 @@ def pins_from_args(items: list[str]) -> dict[str, object]:
     JSON lists become tuples, as Case fields hold them."""
     import json
 
-    from fsdp_verify.properties.strategies import PinError
+    from fsdp_verify.properties.pins import PinError
 
     pins: dict[str, object] = {}
     for item in items:
@@ -471,7 +471,7 @@ def strategy_from_args(args: argparse.Namespace, **options):
     from fsdp_verify.validation import CaseError
 
     if any(w < 1 for w in args.world_sizes):
-        from fsdp_verify.properties.strategies import PinError
+        from fsdp_verify.properties.pins import PinError
 
         raise PinError(f"--world-sizes: expected positive integers, got {args.world_sizes}")
     framework = framework_fields(args) if getattr(args, "framework", None) else {}

@@ -103,7 +103,7 @@ def run(args: argparse.Namespace) -> int:
     from fsdp_verify.commands.interrupt import finishing_after_interrupt, noticing_interrupts
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.draw import draw_cases, in_shard
-    from fsdp_verify.properties.strategies import PinError
+    from fsdp_verify.properties.pins import PinError
     from fsdp_verify.reports.schema import ReportError
     from fsdp_verify.validation import CaseError
 

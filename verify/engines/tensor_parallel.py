@@ -302,7 +302,7 @@ def sequence_parallel_modules(spec, tp: int, tp_plan, sequence_parallel: bool, l
 # pytorch/pytorch#190626 (open): FSDP2 sums a SequenceParallel module's partial weight gradients
 # over the tp ranks in param_dtype, not reduce_dtype. Measured on torch 2.13.0 and 2.14.1 (the
 # repro xfails on both; `check --tp 2 --sequence-parallel --param-dtype bf16 --reduce-dtype fp32
-# --vocab-size 64` parts there at 1.5e3x). Left out of the draw (properties/strategies.py `tp_styles`).
+# --vocab-size 64` parts there at 1.5e3x). Left out of the draw (properties/tensor_parallel.py `tp_styles`).
 REDUCE_DTYPE_REPRO = "tests/upstream/test_fsdp2_tp_reduce_dtype.py"
 
 
