@@ -14,7 +14,8 @@ import time
 
 from _hygiene import private_tmp
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import RankPool
 

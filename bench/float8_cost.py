@@ -19,7 +19,8 @@ import json
 import torch
 from _hygiene import private_tmp
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.dims.float8 import RECIPES, Float8Spec
 from fsdp_verify.reference import train_reference
 

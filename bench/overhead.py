@@ -25,7 +25,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from _hygiene import private_tmp
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.engines import ShardSpec, resolve_engine
 from fsdp_verify.models import build_model
 from fsdp_verify.runner import judge

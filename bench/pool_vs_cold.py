@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 from _hygiene import private_tmp
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import RankPool
 

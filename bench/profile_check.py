@@ -18,7 +18,8 @@ import json
 import statistics
 import time
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.runner import emulating_reference, judge
 from fsdp_verify.sharded.pool import RankPool
 from fsdp_verify.training.threads import rank_like_threads

@@ -14,7 +14,8 @@ import argparse
 import statistics
 import time
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.runner import check_case
 
 MODEL = ModelSpec(vocab_size=64, dim=32, n_layers=2, n_heads=4, ffn_hidden=48, seq_len=8)

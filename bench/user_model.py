@@ -12,7 +12,8 @@ import json
 import statistics
 import time
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import RankPool
 

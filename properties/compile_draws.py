@@ -10,10 +10,7 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from fsdp_verify import units
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-)
+from fsdp_verify.case import Case, CaseError
 from fsdp_verify.dims.together import not_modelled_beside
 from fsdp_verify.properties.pins import pinned
 from fsdp_verify.properties.profiles import profile_compile_rate
@@ -41,7 +38,7 @@ def compile_scopes(case: Case, rate: float, engine_scopes: tuple[str, ...] | Non
 def fullgraph_takes(case: Case) -> bool:
     """Whether fullgraph=True can hold: no unit's FSDP2 hooks (outside any graph) inside a
     compiled module (Case refuses the rest)."""
-    from fsdp_verify.case import fullgraph_breaks
+    from fsdp_verify.case_rules import fullgraph_breaks
 
     return fullgraph_breaks(case) is None
 

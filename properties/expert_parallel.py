@@ -10,11 +10,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-    ModelSpec,
-)
+from fsdp_verify.case import Case, CaseError, ModelSpec
 from fsdp_verify.dims.together import drawn_off, pinned_beside
 from fsdp_verify.properties.model_draws import ordered_units
 from fsdp_verify.properties.pins import asked, pinned

@@ -3,9 +3,7 @@ keeps to them."""
 
 from __future__ import annotations
 
-from fsdp_verify.case import (
-    Case,
-)
+from fsdp_verify.case import Case
 
 
 def _units_frozen_whole(case: Case) -> set[str]:

@@ -13,11 +13,8 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 from torch import nn
 
-from fsdp_verify.case import (
-    Case,
-    ModelSpec,
-    PrecisionSpec,
-)
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.models import _construct
 from fsdp_verify.properties.pins import pinned, pins_under
 
@@ -175,7 +172,7 @@ def _wrappable(spec: ModelSpec) -> tuple[str, ...]:
     out = []
     for name, module in model.named_modules():
         if name.startswith("moe.experts"):
-            continue  # a routed expert's forward runs on some ranks only: never a unit (Case._validate_wrap)
+            continue  # a routed expert's forward runs on some ranks only: never a unit (verify/case_rules.py `_wrap`)
         if name and not isinstance(module, (nn.ModuleList, nn.ModuleDict)):
             if spec.tie_embeddings and name in ("tok_embeddings", "output"):
                 continue  # tied: both must stay with the root in one unit

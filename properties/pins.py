@@ -10,15 +10,8 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from fsdp_verify.case import (
-    Case,
-    DataSpec,
-    LossScaleSpec,
-    ModelSpec,
-    OptimSpec,
-    PrecisionSpec,
-    check_field_value,
-)
+from fsdp_verify.case import Case, ModelSpec, check_field_value
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.dims import registry
 
 

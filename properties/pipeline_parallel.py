@@ -11,10 +11,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-)
+from fsdp_verify.case import Case, CaseError
 from fsdp_verify.dims.together import beside_another, drawn_off, pinned_beside
 from fsdp_verify.properties.meshes import hsdp_meshes
 from fsdp_verify.properties.model_draws import param_names

@@ -11,10 +11,7 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-)
+from fsdp_verify.case import Case, CaseError
 from fsdp_verify.properties.expert_parallel import ep_degrees
 from fsdp_verify.properties.fsdp1 import fsdp1_modelled
 from fsdp_verify.properties.meshes import hsdp_meshes

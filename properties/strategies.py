@@ -24,15 +24,13 @@ from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
 from fsdp_verify import units
-from fsdp_verify.case import (
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import (
     GRAD_REDUCTIONS,
     OPTIMIZERS,
     SCHEDULES,
-    Case,
-    CaseError,
     DataSpec,
     LossScaleSpec,
-    ModelSpec,
     OptimSpec,
     PrecisionSpec,
 )

@@ -12,12 +12,8 @@ from hypothesis import assume
 from hypothesis import strategies as st
 from hypothesis.strategies import SearchStrategy
 
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-    ModelSpec,
-    PrecisionSpec,
-)
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.dims.together import drawn_off
 from fsdp_verify.properties.pins import PinError, pinned
 

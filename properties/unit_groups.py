@@ -9,10 +9,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fsdp_verify import units
-from fsdp_verify.case import (
-    Case,
-    CaseError,
-)
+from fsdp_verify.case import Case, CaseError
 
 
 def group_candidates(case: Case) -> list[tuple[str, ...]]:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from fsdp_verify.case import LossScaleSpec
+from fsdp_verify.case_specs import LossScaleSpec
 
 
 class DynamicLossScale:

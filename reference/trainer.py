@@ -490,7 +490,7 @@ class _Run:
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
-            if self.emulates_ep():  # not beside tp (verify/case.py): one partial sum
+            if self.emulates_ep():  # not beside tp (verify/case_rules.py): one partial sum
                 averaged = ep_average(
                     rank_grads,
                     self.case,

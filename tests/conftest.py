@@ -5,7 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 
 # Small, fast cases. Widths are chosen so no shard is even: 33 and 17 rows over 2, 3 or 4 ranks.
 MLP = ModelSpec(kind="mlp", widths=(16, 33, 17, 8))

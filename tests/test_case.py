@@ -2,7 +2,8 @@ import json
 
 import pytest
 
-from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 
 
 def test_default_case_round_trips_through_json():

@@ -10,7 +10,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands import case_flags
 from fsdp_verify.commands.case_flags import case_to_flags, flag_of
 from fsdp_verify.commands.cli import build_parser, main

@@ -4,14 +4,15 @@ checkpointed block is recomputed in backward (`The size of tensor a (8) must mat
 tensor b (4)`, every rank, every engine). The toolkit turns the cache off on the reference and on
 every rank, as `transformers`' own `gradient_checkpointing_enable()` does, and says so in the
 verdict (verify/training/checkpointing.py). Running statistics have no such switch: a checkpointed
-unit holding a BatchNorm is refused as bad input (verify/case.py)."""
+unit holding a BatchNorm is refused as bad input (verify/case_rules.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from fsdp_verify.case import Case, CaseError, DataSpec
+from fsdp_verify.case import Case, CaseError
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.arithmetic import FSDP2
 from fsdp_verify.models import ModelSpec, build_model

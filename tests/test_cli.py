@@ -143,7 +143,8 @@ def test_engine_names_and_model_lists_take_the_spellings_users_type(tmp_path):
 def test_an_engine_that_cannot_take_the_mesh_is_bad_input_before_any_rank_starts(tmp_path, engine):
     """Each engine declares the meshes it takes (verify/engines/capabilities.py): a 2-D mesh for a
     1-D engine exits 2 naming the field, not 3 as if a rank had crashed."""
-    from fsdp_verify.case import Case, DataSpec, ModelSpec
+    from fsdp_verify.case import Case, ModelSpec
+    from fsdp_verify.case_specs import DataSpec
 
     path = tmp_path / "case.json"
     Case(model=ModelSpec(kind="mlp", widths=(4, 3)), world_size=2, mesh_shape=(1, 2), data=DataSpec(batch_size=2)).save(

@@ -18,7 +18,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify import launch
-from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.commands.cli import build_parser
 from fsdp_verify.commands.options import case_from_args

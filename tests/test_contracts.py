@@ -5,7 +5,8 @@ engine passes both on generated cases; the commands print the tables."""
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.checks.comm import expected_collectives, measured_collectives
 from fsdp_verify.commands.cli import main
 from fsdp_verify.probes.comm import padded_shard_numel
@@ -147,7 +148,7 @@ def test_a_copy_that_is_no_parameter_is_caught_at_the_quiet_boundaries():
 
 
 def test_a_models_own_constant_tensor_is_not_the_engines():
-    from fsdp_verify.case import DataSpec
+    from fsdp_verify.case_specs import DataSpec
     from fsdp_verify.models import ModelSpec
 
     model = ModelSpec(kind="custom", factory="tests.user.models:constant_scaled_lm", seq_len=8)

@@ -4,7 +4,8 @@ reference on real gloo process groups, and its seed-004 bugs caught where they f
 import pytest
 from hypothesis import example, given
 
-from fsdp_verify.case import Case, DataSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.flat.api import unmanaged_params
 from fsdp_verify.engines.ownership import OwnershipMap

@@ -4,7 +4,8 @@ real gloo process groups, equivalent to the reference; read through the FlatView
 import pytest
 from hypothesis import example, given
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.fsdp1 import fsdp1_engine
 from fsdp_verify.engines.ownership import OwnershipMap

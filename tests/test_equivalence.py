@@ -2,7 +2,8 @@
 
 import pytest
 
-from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from tests.conftest import TINY_LM, lm_case, mlp_case
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="fp32")

@@ -107,7 +107,8 @@ def test_a_rank_failing_in_a_users_step_is_named_with_that_part_of_the_step(pool
 def test_a_rank_failing_inside_a_users_forward_is_named_with_the_forward(pool, step, phase):
     """A user's model raising inside a sharded block's forward, on rank 1 only: the failure names
     rank 1 and the forward (in the toolkit's loop and in a user's step), not a phase after it."""
-    from fsdp_verify.case import Case, DataSpec, ModelSpec
+    from fsdp_verify.case import Case, ModelSpec
+    from fsdp_verify.case_specs import DataSpec
 
     if not pool.alive:
         pool.start()

@@ -13,7 +13,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.dims.float8 import Float8Spec, builtin_linears, converts
 from fsdp_verify.dims.registry import packages

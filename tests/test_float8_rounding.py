@@ -10,7 +10,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.dims.float8 import Float8Spec
 from fsdp_verify.dims.float8.rounding import cast_error, check, product_bound
 from tests.conftest import require

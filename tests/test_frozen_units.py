@@ -8,7 +8,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import find, given, settings
 
-from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.models import is_frozen
 from fsdp_verify.properties.model_draws import param_names
 from fsdp_verify.properties.strategies import cases

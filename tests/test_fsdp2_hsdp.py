@@ -5,7 +5,7 @@ so the correct engine is bit-exact on CPU/gloo, in fp32 and in a bf16 reduction 
 
 import pytest
 
-from fsdp_verify.case import LossScaleSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case_specs import LossScaleSpec, OptimSpec, PrecisionSpec
 from tests.conftest import lm_case, mlp_case, regression
 
 BF16 = PrecisionSpec(param_dtype="bf16", reduce_dtype="bf16")

@@ -9,7 +9,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import given, settings
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, OptimSpec
 from fsdp_verify.checks.comm import check_comm, expected_collectives, measured_collectives
 from fsdp_verify.checks.memory import offload_findings
 from fsdp_verify.checks.prefetch import forward_pass

@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.compare.comparators import compare_traces
 from fsdp_verify.hints import hint
 from fsdp_verify.sharded.collect import RANK_ROWS

@@ -10,7 +10,8 @@ import torch
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.commands.selftest import hunt
 from fsdp_verify.compare.comparators import compare_traces

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from fsdp_verify.case import OptimSpec
+from fsdp_verify.case_specs import OptimSpec
 from fsdp_verify.training.optim import foreach_is_exact, make_optimizer
 from tests.ranks import spawn
 

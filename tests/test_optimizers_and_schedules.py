@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from fsdp_verify.case import Case, CaseError, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.engines import refuse_untakeable
 from fsdp_verify.engines.capabilities import Capabilities
 from fsdp_verify.properties.pins import PinError

@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, DataSpec, LossScaleSpec, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.contracts import case_contracts
 from fsdp_verify.models import ModelSpec

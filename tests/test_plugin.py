@@ -60,7 +60,8 @@ def test_a_failing_property_prints_and_writes_the_shrunk_case(pytester, monkeypa
 XDIST_TEST = """
 import json, os
 import pytest
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 
 @pytest.mark.parametrize("seed", range(4))
 def test_case_on_this_workers_pool(fsdp_check, fsdp_pool, seed):

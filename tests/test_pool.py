@@ -9,7 +9,8 @@ import signal
 
 import torch
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.sharded.pool import RankPool, get_pool
 from tests.conftest import mlp_case
 

@@ -3,7 +3,7 @@ even where the numbers happen to agree."""
 
 import pytest
 
-from fsdp_verify.case import PrecisionSpec
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.checks.precision import check_precision, expected_dtypes
 from fsdp_verify.trace import Trace
 from tests.conftest import lm_case, mlp_case

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, CaseError, DataSpec, LossScaleSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.properties.strategies import cases
 from fsdp_verify.reference import train_reference

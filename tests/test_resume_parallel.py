@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.draw import draw_cases

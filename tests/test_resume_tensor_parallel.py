@@ -10,7 +10,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, CaseError, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.commands.cli import build_parser, main
 from fsdp_verify.commands.options import case_from_args

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 
 from fsdp_verify import launch
-from fsdp_verify.case import Case, DataSpec, LossScaleSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, LossScaleSpec, PrecisionSpec
 from fsdp_verify.reference import train_reference
 from fsdp_verify.sharded.arena import release_arenas
 from fsdp_verify.sharded.shared_reference import SharedReference, SplitUnsafe

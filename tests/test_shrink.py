@@ -5,7 +5,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
-from fsdp_verify.case import Case, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.repro.shrink import REDUCTIONS, Signature, _layers, _valid, run_once
 from tests.conftest import MLP, TINY_LM, mlp_case

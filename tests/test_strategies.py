@@ -5,7 +5,8 @@ import pytest
 from hypothesis import HealthCheck, find, given, settings
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.properties.fsdp1 import fsdp1_modelled
 from fsdp_verify.properties.model_draws import models, wrap_plans
 from fsdp_verify.properties.pins import PinError

@@ -12,7 +12,8 @@ from dataclasses import replace
 import pytest
 from hypothesis import HealthCheck, given, settings
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, OptimSpec, PrecisionSpec
 from fsdp_verify.commands.case_flags import case_to_flags
 from fsdp_verify.properties.pins import PinError
 from fsdp_verify.properties.strategies import cases

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.checks.comm import check_comm, expected_collectives, measured_collectives
 from fsdp_verify.checks.memory import check_memory
 from fsdp_verify.engines.contracts import case_contracts

@@ -9,7 +9,8 @@ import pytest
 from hypothesis import find, settings
 
 from fsdp_verify import units
-from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.checks.ownership import check_map, expected_params, expected_ties
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.properties.pins import PinError

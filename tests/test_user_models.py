@@ -13,7 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 from fsdp_verify import units
-from fsdp_verify.case import Case, CaseError, DataSpec
+from fsdp_verify.case import Case, CaseError
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.model_draws import _custom_wrappable

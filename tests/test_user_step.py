@@ -12,7 +12,8 @@ import json
 import pytest
 from hypothesis import HealthCheck, example, given, settings
 
-from fsdp_verify.case import Case, CaseError, DataSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.models import ModelSpec
 from fsdp_verify.properties.strategies import cases

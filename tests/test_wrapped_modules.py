@@ -14,7 +14,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
 from fsdp_verify import module_names
-from fsdp_verify.case import Case, DataSpec, ModelSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.engines.contracts import ENGINE_CHECKPOINTED, as_run, case_contracts
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.checkpointing import checkpoint_wrapped

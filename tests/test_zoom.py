@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 from safetensors.torch import load_file
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.zoom.locate import zoom
 from tests.conftest import lm_case, mlp_case

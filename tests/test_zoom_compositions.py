@@ -6,7 +6,8 @@ from __future__ import annotations
 
 import pytest
 
-from fsdp_verify.case import Case, DataSpec, ModelSpec, PrecisionSpec
+from fsdp_verify.case import Case, ModelSpec
+from fsdp_verify.case_specs import DataSpec, PrecisionSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.zoom.locate import zoom
 

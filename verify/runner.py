@@ -7,7 +7,8 @@ import contextlib
 import time
 from collections.abc import Callable
 
-from fsdp_verify.case import Case, for_the_resumed_run
+from fsdp_verify.case import Case
+from fsdp_verify.case_rules import for_the_resumed_run
 from fsdp_verify.checks import run_checks
 from fsdp_verify.checks.compiler import check_compiler, compiler_hint
 from fsdp_verify.compare.comparators import compare_traces

@@ -11,8 +11,8 @@ reshard_after_forward=2)`: on torch 2.13 some ranks return and the others wait f
 process-group timeout ends it). The test gives them 30 s after every rank has started, then ends
 them (eight ranks and that wait: about a minute, so it runs nightly, `slow`). Found by
 fsdp-verify on a drawn case (4 data-parallel ranks beside tp 2, `reshard_after_forward` 2); its
-Case refuses an int `reshard_after_forward` below the shard group beside tp (verify/case.py,
-`_validate_tp`), so a sweep never draws it.
+Case refuses an int `reshard_after_forward` below the shard group beside tp (verify/case_rules.py,
+`_tp`), so a sweep never draws it.
 """
 
 import os

@@ -10,7 +10,7 @@ all-gather output (the whole parameter) into numel / k elements and views them w
 (torch 2.13); where the sizes happen to fit, the backward's all-gather from that post-forward
 shard fails instead (here: an IndexError, two square Linear layers at 4 ranks, k = 2). Found by a fresh-seed fsdp-verify sweep (seed 20262811, 6 of 254 cases: the
 Transformer with `--shard-placement dim1 --reshard-after-forward 2` at 4 ranks). fsdp-verify's Case
-refuses the combination as bad input (verify/case.py, `shard_placement`), so a sweep never draws it.
+refuses the combination as bad input (verify/case_rules.py, `shard_placement`), so a sweep never draws it.
 """
 
 import os

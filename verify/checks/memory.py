@@ -77,7 +77,8 @@ from dataclasses import dataclass, field
 import torch
 
 from fsdp_verify import units
-from fsdp_verify.case import Case, OptimSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import OptimSpec
 from fsdp_verify.checks.comm import (
     _size,
     held_after_backward,

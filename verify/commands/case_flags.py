@@ -736,7 +736,8 @@ def case_to_flags(case: Case) -> list[str]:
     """The flags that rebuild `case` from the built-in default (`check` with no `--case`): every
     field that differs from it, and only those. `case_from_args(parse(flags)) == case`, hash for
     hash (tests/test_case_flags.py draws the cases)."""
-    from fsdp_verify.case import Case, LossScaleSpec
+    from fsdp_verify.case import Case
+    from fsdp_verify.case_specs import LossScaleSpec
     from fsdp_verify.models import ModelSpec
 
     default = Case()

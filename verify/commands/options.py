@@ -315,7 +315,7 @@ def _wrap_plan(entries: list[str]) -> tuple[str, ...] | None:
 def _loss_scaling(case: Case, args: argparse.Namespace, flags: dict):
     """`--loss-scaling` (on, off or KEY=VALUE pairs) and the single-field flags over it; a field
     flag alone turns scaling on with the other fields as the case file's or the defaults."""
-    from fsdp_verify.case import LossScaleSpec
+    from fsdp_verify.case_specs import LossScaleSpec
     from fsdp_verify.validation import CaseError
 
     spec = case.loss_scaling

@@ -166,7 +166,7 @@ class Capabilities:
     # The wrappers' `_checkpoint_wrapped_module.` segments are read through either way
     # (verify/module_names.py).
     checkpoints: bool = False
-    # Where it takes `compile`: the scopes it compiles (verify/case.py COMPILE_SCOPES; None: every
+    # Where it takes `compile`: the scopes it compiles (verify/case_specs.py COMPILE_SCOPES; None: every
     # one, as `ShardSpec.compile` does), whether it compiles with fullgraph=True always (True),
     # never (False) or as the case asks (None), and the Dynamo options it sets process-wide for its
     # compile, which the reference sets alike so that both trace the same graphs (torchtitan's

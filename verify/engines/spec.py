@@ -37,7 +37,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
-from fsdp_verify.case import Case, PrecisionSpec
+from fsdp_verify.case import Case
+from fsdp_verify.case_specs import PrecisionSpec
 from fsdp_verify.dtypes import to_torch
 from fsdp_verify.units import modules_of
 

@@ -14,7 +14,7 @@ import torch.distributed as dist
 from torch import nn
 
 from fsdp_verify import module_names
-from fsdp_verify.case import LossScaleSpec, OptimSpec
+from fsdp_verify.case_specs import LossScaleSpec, OptimSpec
 from fsdp_verify.engines.ownership import OwnershipMap
 from fsdp_verify.sharded.gather import gather_full, sum_full
 from fsdp_verify.training.optim import make_optimizer, make_scheduler

@@ -268,7 +268,7 @@ def plan_of(model_spec, classes: list[str] | None = None) -> tuple[str, ...]:
     each module of `classes` (default: the model's `_no_split_modules`, as Accelerate's
     transformer-based policy defaults), the input embeddings, the group [final norm, output head],
     the root. A tied model is refused (its group [final norm, embeddings, head] is not in the
-    model's order, which a plan's group must be: verify/case.py)."""
+    model's order, which a plan's group must be: verify/case_rules.py)."""
     from fsdp_verify.units import group
 
     layout = _layout(model_spec)

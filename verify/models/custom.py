@@ -81,7 +81,7 @@ class ModelInfo:
     tied: tuple[tuple[str, ...], ...]  # names that share one parameter (tied embeddings)
     first_input: str  # the name of forward's first parameter (transformers: input_ids)
     # Modules whose training forward updates buffers (BatchNorm's running statistics): what
-    # activation checkpointing would update a second time (verify/case.py refuses that).
+    # activation checkpointing would update a second time (verify/case_rules.py refuses that).
     running_stats: tuple[str, ...] = ()
 
 

@@ -19,7 +19,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from fsdp_verify.case import Case, CaseError, ModelSpec, OptimSpec, PrecisionSpec
+from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case_specs import OptimSpec, PrecisionSpec
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import RankFailure, get_pool
 from fsdp_verify.verdict import Verdict

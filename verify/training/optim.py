@@ -7,7 +7,7 @@ from collections.abc import Iterable, Mapping
 
 import torch
 
-from fsdp_verify.case import OptimSpec
+from fsdp_verify.case_specs import OptimSpec
 
 
 def make_optimizer(spec: OptimSpec, params: Iterable[torch.nn.Parameter]) -> torch.optim.Optimizer:
