@@ -13,7 +13,7 @@ rank that routes). What expert parallelism changes is where an expert's gradient
 - The experts' unit is reduced by FSDP2 over the ranks the ep dim leaves, (replicate, efsdp),
   with the sum forced and one division by the data-parallel world size
   (verify/engines/expert_parallel.py): `average` runs FSDP2's own emulation (trainer's
-  `_hsdp_average`) over that smaller mesh, one ep index at a time, and puts the experts back in
+  `hsdp_average`) over that smaller mesh, one ep index at a time, and puts the experts back in
   order; the dense parameters take the plain path.
 
 With the routing's load-balancing loss the counts are the global micro-batch's (`GroupedMoE.
@@ -87,7 +87,7 @@ def ep_average(
     all_reduce: bool = True,
 ) -> dict[str, torch.Tensor]:
     """FSDP2's reduction of every parameter under expert parallelism: the dense ones over the
-    whole data-parallel mesh (`hsdp_average`, trainer's `_hsdp_average`, as without ep), the
+    whole data-parallel mesh (`hsdp_average`, reference/reduction.py, as without ep), the
     experts (each rank's `ep_sums`) over (replicate, efsdp) for each ep index, summed in both
     collectives and divided once by the `divide` factors of the whole data-parallel world
     (verify/engines/expert_parallel.py), where the dense units average in each collective."""

@@ -16,20 +16,17 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass, field
-from typing import Protocol
 
 import torch
 from torch import nn
 from torch.func import functional_call
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from fsdp_verify.case import Case
 from fsdp_verify.dims import registry
 from fsdp_verify.dtypes import to_torch
-from fsdp_verify.engines import engine_arithmetic, engine_capabilities
-from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum, squared_norms_reduced
-from fsdp_verify.engines.placement import shard_dim
-from fsdp_verify.models import build_model, is_frozen, is_ignored
+from fsdp_verify.engines import engine_arithmetic
+from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic, gloo_allreduce_sum, gloo_scalar_sum
+from fsdp_verify.models import is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.expert_parallel import ep_average, ep_norm, ep_sums, global_routing, update_router_biases
 from fsdp_verify.reference.fusion import FusionJolt
@@ -37,25 +34,39 @@ from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
 from fsdp_verify.reference.pipeline_parallel import average as pp_average
-from fsdp_verify.reference.pipeline_parallel import backward_loss, staged_forward, untie, untied
+from fsdp_verify.reference.pipeline_parallel import backward_loss, untie, untied
 from fsdp_verify.reference.pipeline_parallel import stages_norm as pp_stages_norm
+from fsdp_verify.reference.records import (
+    RankPass,
+    RankShare,
+    carried_over,
+    record_buffers,
+    record_params,
+    record_resumed,
+    store_logits,
+)
+from fsdp_verify.reference.reduction import (
+    FlatLayout,
+    average,
+    divide_factors,
+    hsdp_average,
+    norm_from_shards,
+    placement_dim,
+)
+from fsdp_verify.reference.reference_model import reference_model
 from fsdp_verify.reference.tensor_parallel import TensorParallel, tp_locals
 from fsdp_verify.torch_support import private_name
 from fsdp_verify.trace import Trace
-from fsdp_verify.training.casts import cast_floats
-from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
 from fsdp_verify.training.optim import (
     make_optimizer,
     make_scheduler,
     optimizer_state,
-    param_groups_state,
     schedule_state,
     step_scheduler,
 )
 from fsdp_verify.training.rng import dropout_states, rank_streams, rng_fingerprint
-from fsdp_verify.units import modules_of, owner_of_param
 from fsdp_verify.zoom.watch import ModuleWatch
 
 
@@ -70,16 +81,16 @@ def train_reference(
     fusion: int | None = None,
 ) -> Trace:
     """`order` is the order in which the ranks' gradients are summed: "ring" as gloo's
-    reduce-scatter adds them (see `_average`), with a clip's global norm from the ranks' shard
-    norms as FSDP2 computes it (`_norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
+    reduce-scatter adds them (see `average`), with a clip's global norm from the ranks' shard
+    norms as FSDP2 computes it (`norm_from_shards`); "rank" (0, 1, ...), "reverse" (with the
     norm of the full gradients, summed in reverse) or "flat" (gloo's order over each unit's
-    gradients flattened into one padded buffer, see `_FlatLayout.average`): the latter three are
+    gradients flattened into one padded buffer, see `FlatLayout.average`): the latter three are
     calibration runs. `unit_input_node=False` leaves out FSDP2's identity node on unit inputs
     (`_PostBackwardNode`), as FSDP1 and most home-grown engines do: another calibration run.
     `perturb=SEED` moves every result a correct engine may compute in another order by its
     derived error bound, with random signs (`Perturbation`): the run that sets the floor.
     `arithmetic` is what the engine under test declares (verify/engines/arithmetic.py): with a
-    "flat" layout the "ring" emulation follows its flat buffers (`_FlatLayout`) for the
+    "flat" layout the "ring" emulation follows its flat buffers (`FlatLayout`) for the
     reduction and the clip's norm, and its `unit_input_node` is the default. `share` splits the
     emulated ranks' forward and backward passes over processes (verify/sharded/shared_reference.py:
     the ranks of a run in place under torchrun); every process then averages and steps alike.
@@ -148,7 +159,7 @@ class _Run:
     params: dict[str, nn.Parameter]  # tied weights appear once
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler | None  # the case's learning-rate schedule
-    layout: _FlatLayout | None  # a flat engine's buffers, for the reduction and the clip's norm
+    layout: FlatLayout | None  # a flat engine's buffers, for the reduction and the clip's norm
     param_dtype: torch.dtype
     reduce_dtype: torch.dtype
     divide: tuple[float, float]  # the engine's own division of the average (`Arithmetic.divide_factors`)
@@ -160,7 +171,7 @@ class _Run:
     watch: ModuleWatch | None = None  # a zoom's probes (verify/zoom/watch.py), on `model`
     # Where the engine computes on views of each unit's flat buffer, that buffer's layout
     # (`Arithmetic.computes_on_flat_views`): the compute copies sit at the same offsets.
-    views: _FlatLayout | None = None
+    views: FlatLayout | None = None
     fusion: FusionJolt | None = None  # the compiler's freedoms, on an eager run (reference/fusion.py)
     # Tensor parallelism's arithmetic, emulated on `model` (reference/tensor_parallel.py).
     tp: TensorParallel | None = None
@@ -192,19 +203,19 @@ class _Run:
         scheduler = make_scheduler(case.optim, optimizer, case.steps)
         flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
-        layout = _FlatLayout(model, case, emulated) if flat else None
+        layout = FlatLayout(model, case, emulated) if flat else None
         moves = perturb if perturb is not None else fusion
         trace = Trace("reference", meta={"case": case.hash, "emulate": emulate, "order": order, "perturbed": moves})
         if fusion is not None:
             trace.meta["moved"] = []  # every record inherits the moves (reference/fusion.py)
         jolt = Perturbation(perturb, case.dp_size) if perturb is not None else None
-        _record_params(trace, 0, params, initial=True)
-        _record_buffers(trace, 0, model)
+        record_params(trace, 0, params, initial=True)
+        record_buffers(trace, 0, model)
 
         param_dtype = to_torch(case.precision.param_dtype) or torch.float32
         reduce_dtype = to_torch(case.precision.reduce_dtype) or param_dtype
         # The engine's own division of the average (every order: a division, not a summation order).
-        divide = _divide_factors(case, arithmetic, reduce_dtype, case.dp_size)
+        divide = divide_factors(case, arithmetic, reduce_dtype, case.dp_size)
         # Each data-parallel rank draws dropout masks from its own generator; replay every stream.
         rng_states = dropout_states(case)
         scaler = DynamicLossScale(case.loss_scaling) if case.loss_scaling is not None else None
@@ -226,7 +237,7 @@ class _Run:
             rng_states=rng_states,
             trace=trace,
             watch=watch,
-            views=_FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
+            views=FlatLayout(model, case, arithmetic) if arithmetic.computes_on_flat_views else None,
             fusion=jolted,
             tp=TensorParallel(case, model) if case.tp > 1 else None,
             compute_dtypes={k: v for d in registry.call(case, "compute_dtypes", model) for k, v in d.items()},
@@ -273,7 +284,7 @@ class _Run:
             jolt.generator, jolt.moved = self.jolt.generator, self.jolt.moved
         flat = self.order == "flat" or (self.order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if self.order == "ring" else Arithmetic(layout="flat")
-        layout = _FlatLayout(model, after, emulated) if flat else None
+        layout = FlatLayout(model, after, emulated) if flat else None
         return _Run(
             case=after,
             emulate=self.emulate,
@@ -285,13 +296,13 @@ class _Run:
             layout=layout,
             param_dtype=self.param_dtype,
             reduce_dtype=self.reduce_dtype,
-            divide=_divide_factors(after, arithmetic, self.reduce_dtype, after.dp_size),
+            divide=divide_factors(after, arithmetic, self.reduce_dtype, after.dp_size),
             jolt=jolt,
             scaler=self.scaler,
             share=None,
             rng_states=rng_states,
             trace=self.trace,
-            views=_FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
+            views=FlatLayout(model, after, arithmetic) if arithmetic.computes_on_flat_views else None,
             fusion=_fusion(after, model, self.fusion),
             # The resumed run's own tp degree and plan on the new model (the optimizer state and
             # parameters carried over are full tensors: a tp degree is how they are computed on,
@@ -459,7 +470,7 @@ class _Run:
                     state.fingerprints.setdefault(f"after_backward.{m}", []).append(done.rng_after_backward)
             rank_grads.append(done.grads)
             state.rank_loss[r] += done.loss
-            _store_logits(state.logits, index, done.logits)
+            store_logits(state.logits, index, done.logits)
         return rank_grads
 
     # ---- the reduction ----------------------------------------------------------------------------
@@ -486,7 +497,7 @@ class _Run:
             rank_grads = state.local_grads
         if self.tp is not None:  # each partial gradient summed over its tp ranks first, as FSDP2 does
             rank_grads = self.tp.combine(rank_grads, self.reduce_dtype)
-        if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`_FlatLayout.carry`)
+        if self.layout is not None:  # FSDP1's NO_SHARD reduces the running sum (`FlatLayout.carry`)
             rank_grads = self.layout.carry(rank_grads, state.master_grads)
         if self.defers_replica_reduce():
             last = m == len(state.groups) - 1
@@ -496,13 +507,13 @@ class _Run:
                     self.case,
                     self.reduce_dtype,
                     self.divide,
-                    _hsdp_average,
+                    hsdp_average,
                     partial=state.partial.setdefault(0, {}),
                     all_reduce=last,
                 )
             else:
                 averaged = self._per_tp_rank(
-                    lambda grads, t: _hsdp_average(
+                    lambda grads, t: hsdp_average(
                         grads, self.case, self.reduce_dtype, self.divide, state.partial.setdefault(t, {}), last
                     ),
                     rank_grads,
@@ -546,7 +557,7 @@ class _Run:
     def defers_replica_reduce(self) -> bool:
         """`replica_sync_last` on a 2-D mesh (FSDP2's HSDP: `set_requires_all_reduce(False)` before
         every micro-batch but the last), reduced every micro-batch, FSDP2's arithmetic emulated:
-        the replicas' all-reduce waits for the last micro-batch (`_hsdp_average`'s `partial`)."""
+        the replicas' all-reduce waits for the last micro-batch (`hsdp_average`'s `partial`)."""
         case = self.case
         return (
             case.replica_sync_last
@@ -571,19 +582,19 @@ class _Run:
         if self.layout is not None:
             averaged = self.layout.average(rank_grads, self.reduce_dtype, self.divide)
         elif self.emulates_ep():
-            averaged = ep_average(rank_grads, self.case, self.reduce_dtype, self.divide, _hsdp_average)
+            averaged = ep_average(rank_grads, self.case, self.reduce_dtype, self.divide, hsdp_average)
         elif self.case.pp > 1 and self.order == "ring" and self.emulate:  # each stage reduces its own
             averaged = self._per_tp_rank(
-                lambda grads, _t: pp_average(grads, self.case, self.reduce_dtype, self.divide, _hsdp_average),
+                lambda grads, _t: pp_average(grads, self.case, self.reduce_dtype, self.divide, hsdp_average),
                 rank_grads,
             )
         elif self.order == "ring" and len(rank_grads) == self.case.dp_size:
             averaged = self._per_tp_rank(
-                lambda grads, _t: _hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
+                lambda grads, _t: hsdp_average(grads, self.case, self.reduce_dtype, self.divide), rank_grads
             )
         else:
             averaged = {
-                n: _average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
+                n: average([g[n] for g in rank_grads], self.reduce_dtype, self.order, self.divide)
                 for n in rank_grads[0]
             }
         if self.jolt is not None:
@@ -637,8 +648,8 @@ class _Run:
                 lambda mine: (
                     self.tp.norm([(n, p.grad) for n, p in mine], shard)  # a stage's 2-D gradients
                     if self.tp is not None
-                    else _norm_from_shards(
-                        [p.grad for _, p in mine], shard, [_placement_dim(self.case, n, p.shape) for n, p in mine]
+                    else norm_from_shards(
+                        [p.grad for _, p in mine], shard, [placement_dim(self.case, n, p.shape) for n, p in mine]
                     )
                 ),
             )
@@ -649,11 +660,11 @@ class _Run:
             norm = ep_norm(
                 self.case,
                 [(n, p.grad) for n, p in named],
-                lambda dense: _norm_from_shards([g for _, g in dense], shard),
+                lambda dense: norm_from_shards([g for _, g in dense], shard),
             )
         elif self.emulate and self.order in ("ring", "rank"):  # FSDP2's arithmetic; the others sample a flat engine's
-            dims = [_placement_dim(self.case, n, p.shape) for n, p in named]
-            norm = _norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
+            dims = [placement_dim(self.case, n, p.shape) for n, p in named]
+            norm = norm_from_shards(grads, self.case.mesh[-1], dims)  # HSDP: the shard group's row chunks
         else:
             norm = torch.nn.utils.get_total_norm(grads[::-1] if self.order == "reverse" else grads)
         if self.jolt is not None:
@@ -693,8 +704,8 @@ class _Run:
 
     def record_state(self, step: int) -> None:
         """The state after the step: parameters (and their sums), buffers, optimizer state."""
-        _record_params(self.trace, step, self.params)
-        _record_buffers(self.trace, step, self.model)
+        record_params(self.trace, step, self.params)
+        record_buffers(self.trace, step, self.model)
         for key, value in optimizer_state(self.optimizer, self.params).items():
             self.trace.add(step, "optim_state", key, value)
 
@@ -716,35 +727,6 @@ def _watch(case: Case, model: nn.Module) -> ModuleWatch | None:
     return ModuleWatch(model, case.zoom, *tp, skip=skip)
 
 
-def reference_model(
-    case: Case, arithmetic: Arithmetic, unit_input_node: bool | None = None, compiled: bool = True
-) -> nn.Module:
-    """The case's model as built (eager, from its seed) with the casts and the unit-input node of
-    the engine's arithmetic installed, compiled as the case compiles (`compiled=False`: eager):
-    what every reference run computes with."""
-    model = build_model(case.model, case.seed, init="eager")
-    registry.call(case, "convert_reference", model)  # the dimension packages' conversions (float8)
-    compile_it = case.compile is not None and compiled
-    if case.activation_checkpointing:
-        # Eager, the reference never checkpoints (recomputation must not change a value), but it runs
-        # the forward the ranks run: with the KV cache the ranks turn off (verify/training/checkpointing.py).
-        without_kv_cache(model)
-        if compile_it:
-            # Compiled, it does: the backward graph then recomputes the forward inside it, fused
-            # otherwise than the forward graph (bf16 gradients one ulp apart from an uncheckpointed
-            # compiled run's, measured); the same units checkpointed give the ranks' graphs.
-            checkpoint_units(model, case.wrap_plan)
-    _install_precision_hooks(
-        model,
-        case,
-        arithmetic.unit_input_node if unit_input_node is None else unit_input_node,
-        arithmetic.casts_inputs_without_params,
-    )
-    if compile_it:
-        _compile_as_sharded(model, case)
-    return model
-
-
 def _fusion(case: Case, model: nn.Module, fusion: FusionJolt | None) -> FusionJolt | None:
     """`fusion` counting the forward's depth in what the case compiles, on `model`."""
     if fusion is not None:
@@ -752,545 +734,3 @@ def _fusion(case: Case, model: nn.Module, fusion: FusionJolt | None) -> FusionJo
 
         fusion.attach([module for _, module in compiled_modules(case, model)])
     return fusion
-
-
-def _compile_as_sharded(model: nn.Module, case: Case) -> None:
-    """The reference compiled as the engine compiles the ranks' model (verify/training/compile.py:
-    each unit but the root, or the whole model, in place), so that both run the same graphs. FSDP2
-    runs its pre- and post-forward hooks outside any graph (`_dynamo_disable`): under "model" the
-    graph breaks at every inner unit. The hooks standing for them here (the casts, the unit-input
-    node) run outside the graphs likewise, and a unit without any gets an empty pair, so the graphs
-    break at the same places and hold the same operations."""
-    import torch._dynamo
-
-    from fsdp_verify.training.compile import compile_in_place
-
-    empty = torch._dynamo.disable(_nothing, recursive=True)
-    for unit in case.wrap_plan:
-        for module in modules_of(model, unit):
-            _as_unit_class(module)
-            for hooks in (module._forward_pre_hooks, module._forward_hooks):
-                for key, hook in list(hooks.items()):
-                    hooks[key] = torch._dynamo.disable(hook, recursive=True)
-            module.register_forward_pre_hook(empty)
-            module.register_forward_hook(empty)
-    # Under pp only units and blocks compile (verify/dims/together.py): the same modules as each
-    # stage's. With the engine's `dynamic` (torchtitan's: torch's automatic dynamic shapes).
-    compile_in_place(case, model, dynamic=engine_capabilities(case.engine).compile_dynamic)
-
-
-# FSDP2 makes each unit an instance of a class of its own, `FSDP<class>` (one per original class,
-# fully_shard's `cls_to_fsdp_cls`), and Dynamo guards a graph on its modules' types. So a module of
-# a compiled unit's class that is not a unit (or a unit that is not) fails the guards of a graph
-# traced through the other and is compiled afresh: in a sharded run, `layers.1` (whose
-# `attention_norm` is no unit) gets a graph of its own where `layers.0.attention_norm` is one. With
-# the classes as built, the reference's `layers.1` passed the guards of `layers.0`'s graphs and ran
-# its norm eagerly between them: other graphs than the ranks', and under AOTAutograd, whose
-# decompositions round otherwise than eager autograd, other gradients (fuzz seed 20270408, case
-# 2d78feb47bc4, 1.75x; regression 2d78feb47bc4). The units' classes changed the same way give the
-# same guards, so the same graphs. And the class's module is not `torch.nn`'s (FSDP2's are
-# torch.distributed's): Dynamo traces an inbuilt torch.nn module's `forward` as a frame of its own
-# (after its `_call_impl` is skipped) only where the module's class is from `torch.nn.` and it has
-# hooks (torch 2.13, `trace_rules.check_verbose`), so a torch.nn leaf that is a unit (a Dropout, an
-# Embedding) compiles nothing in a sharded run. The reference's, of torch.nn's class, compiled
-# theirs: a Dropout unit in bf16 under AOTAutograd (its decomposition multiplies in two roundings)
-# gave other gradients than the ranks' eager one (fuzz seed 20270407, case fffd3e314091, 1e3x).
-_UNIT_CLASSES: dict[type, type] = {}
-
-
-def _as_unit_class(module: nn.Module) -> None:
-    """`module` an instance of a subclass of its class made for units, as fully_shard does."""
-    cls = type(module)
-    if cls in _UNIT_CLASSES.values():
-        return
-    if cls not in _UNIT_CLASSES:
-        _UNIT_CLASSES[cls] = type(f"Unit{cls.__name__}", (cls,), {})  # of this module, as FSDP<class> of torch's
-    module.__class__ = _UNIT_CLASSES[cls]
-
-
-def _nothing(*_args) -> None:
-    """A hook that does nothing: where FSDP2 runs its own, outside any graph."""
-
-
-def _average(
-    grads: list[torch.Tensor], reduce_dtype: torch.dtype, order: str, divide: tuple[float, float] | None = None
-) -> torch.Tensor:
-    """ReduceOp.AVG per parameter: upcast to reduce_dtype, sum, divide by the world size. The
-    calibration runs' orders ("rank", "reverse"), and "ring" where the reference does not emulate
-    every rank; FSDP2's own reduction, every rank emulated, is `_hsdp_average` (any mesh).
-
-    "ring": FSDP2 shards every parameter by rows (dim 0, chunks of ceil(rows / W)), and gloo's
-    ring reduce-scatter adds the contributions to the rows that rank r owns in the order r-1,
-    r-2, ..., r+1 and then r, except where gloo's segments of the unit's whole buffer cross a
-    rank's rows: there a neighbour's order applies (`_hsdp_average` follows the segments; this
-    per-row model was 0.041x off on an MLP at 3 ranks). NCCL's order on GPUs is left to the
-    calibrated tolerance.
-
-    `divide` = (pre, post): each rank's gradient divided by `pre` before the sum and the sum by
-    `post` after it (`Arithmetic.divide_factors`; FSDP2 pre-divides an fp16 reduction, whose sum
-    could overflow); default: sum, then divide by the world size."""
-    world = len(grads)
-    pre, post = divide if divide is not None else (1.0, float(world))
-    wide = [g.to(reduce_dtype) for g in grads]
-    if world == 1:
-        return wide[0]
-    if pre != 1:
-        wide = [g / pre for g in wide]
-    if order == "rank":
-        sequences = [(slice(None), list(range(world)))]
-    elif order == "reverse":
-        sequences = [(slice(None), list(range(world))[::-1])]
-    else:
-        chunk = -(-wide[0].shape[0] // world) if wide[0].dim() else 1
-        sequences = [
-            (slice(r * chunk, (r + 1) * chunk), [(r - k) % world for k in range(1, world)] + [r]) for r in range(world)
-        ]
-    total = torch.empty_like(wide[0])
-    for rows, ranks in sequences:  # in place: the same elementwise additions, without temporaries
-        acc = total[rows]
-        torch.add(wide[ranks[0]][rows], wide[ranks[1]][rows], out=acc)
-        for r in ranks[2:]:
-            acc.add_(wide[r][rows])
-    return total.div_(post) if post != 1 else total
-
-
-def _hsdp_average(
-    rank_grads: list[dict[str, torch.Tensor]],
-    case: Case,
-    reduce_dtype: torch.dtype,
-    divide: tuple[float, float],
-    partial: dict[str, list[torch.Tensor]] | None = None,
-    all_reduce: bool = True,
-    staged: bool | None = None,
-) -> dict[str, torch.Tensor]:
-    """ReduceOp.AVG as FSDP2 issues it on a 2-D (R, S) mesh, which it always runs as HSDP
-    (`foreach_reduce`), per unit: each rank's gradients copied into one (S, n) buffer, row s the
-    unit's row chunks s (`_chunk_cat`); reduce-scattered over each replica's S ranks (global rank
-    i * S + s), which gloo adds as its all-reduce of the whole buffer (`gloo_allreduce_sum`, as
-    for FSDP1's flat buffers); each row then all-reduced over the R replicas
-    (`_replica_all_reduce`). Its divide factors (`_get_gradient_divide_factors`): an fp32 or bf16
-    reduction is AVG in both collectives, the sum over S divided by S in reduce_dtype and the sum
-    over R by R (not the sum of R * S divided by the world once: other roundings unless R and S
-    are powers of two); an fp16 one pre-divides by `pre` and SUMs both, then divides by `post`
-    (`Arithmetic.divide_factors` of the whole world). (W, 1): the reduce-scatter of one rank is a
-    copy and the all-reduce does it all; (1, W): the reduce-scatter alone, and so a 1-D mesh of W,
-    whose reduce-scatter gloo adds the same way: by segments of the whole buffer, not by each
-    parameter's row chunks as `_average`'s ring assumed (that missed gloo's segment boundaries:
-    the default MLP at 3 ranks with a clip and Adam was 0.041x off uncalibrated, now exact).
-
-    `partial` (`replica_sync_last`): a micro-batch without the all-reduce (`all_reduce=False`)
-    adds each replica's reduce-scattered rows into `partial[unit]` in reduce_dtype and gives no
-    gradient (FSDP2's `foreach_reduce` returns before the post-divide and the copy-out); the
-    micro-batch that all-reduces adds `partial` into its own rows first (`reduce_output +=
-    partial_reduce_output`), then all-reduces the sum."""
-    replicas, shards = case.mesh if len(case.mesh) == 2 else (1, case.dp_size)  # a 1-D mesh: (1, W)
-    pre, post = divide
-    # AVG in each collective (FSDP2's fp32/bf16); else SUM, SUM, post-divide; (1, 1): SUM, SUM and
-    # nothing divided (`grad_reduction: sum`, or one rank, where neither collective has two ranks)
-    # `staged=False`: a unit whose divide factor is set, its sum forced (expert parallelism's
-    # experts: reference/expert_parallel.py): SUM, SUM, then `post`.
-    staged = pre == 1 and post != 1 if staged is None else staged
-    units: dict[str, list[str]] = {}
-    for n in rank_grads[0]:
-        units.setdefault(owner_of_param(case.wrap_plan, n), []).append(n)
-    out: dict[str, torch.Tensor] = {}
-    for names in units.values():
-        dims = [_placement_dim(case, n, rank_grads[0][n].shape) for n in names]
-        bufs = [_chunk_cat([g[n] for n in names], shards, reduce_dtype, dims) for g in rank_grads]
-        if pre != 1:
-            bufs = [b / pre for b in bufs]
-        per_replica = []
-        for i in range(replicas):
-            group = [b.reshape(-1) for b in bufs[i * shards : (i + 1) * shards]]
-            summed = gloo_allreduce_sum(group).view(shards, -1)
-            per_replica.append(summed.div_(shards) if staged and shards != 1 else summed)
-        if partial is not None:
-            unit = owner_of_param(case.wrap_plan, names[0])
-            kept = partial.pop(unit, None)
-            if kept is not None:
-                per_replica = [mine + earlier for mine, earlier in zip(per_replica, kept)]
-            if not all_reduce:
-                partial[unit] = per_replica
-                continue
-        total = _replica_all_reduce(per_replica)
-        last = float(replicas) if staged else post
-        total = total / last if last != 1 else total
-        offset = 0
-        for n, dim in zip(names, dims):
-            shape = rank_grads[0][n].shape
-            if dim:  # Shard(1): rank s's block is the dim-1 chunk s, (rows, cols / S) flattened
-                numel = rank_grads[0][n].numel() // shards
-                block = total[:, offset : offset + numel].reshape(shards, shape[0], -1, *shape[2:])
-                out[n] = torch.cat(block.unbind(0), dim=1)
-                offset += numel
-                continue
-            rows = shape[0] if len(shape) else 1
-            chunk, width = -(-rows // shards), max(rank_grads[0][n].numel() // max(rows, 1), 1)
-            block = total[:, offset : offset + chunk * width].reshape(shards * chunk, width)
-            out[n] = block[:rows].reshape(shape)
-            offset += chunk * width
-    return out
-
-
-def _divide_factors(case: Case, arithmetic: Arithmetic, reduce_dtype: torch.dtype, world: int) -> tuple[float, float]:
-    """(pre, post) of the engine's reduction (`Arithmetic.divide_factors`); `grad_reduction: sum`
-    divides nothing: FSDP2 with `set_gradient_divide_factor(1.0)` (and gloo's forced SUM) sums
-    in both collectives, its pre and post factors 1 in every dtype (`_get_gradient_divide_factors`
-    of torch 2.13), and `_div_if_needed` skips a factor of 1."""
-    if case.grad_reduction == "sum":
-        return 1.0, 1.0
-    return arithmetic.divide_factors(reduce_dtype, world)
-
-
-def _placement_dim(case: Case, name: str, shape) -> int:
-    """The dim FSDP2 shards parameter `name` on (`case.shard_placement`, verify/engines/placement.py)."""
-    return shard_dim(case.shard_placement, name, tuple(shape), case.mesh[-1])
-
-
-def _chunk_cat(
-    grads: list[torch.Tensor], shards: int, dtype: torch.dtype, dims: list[int] | None = None
-) -> torch.Tensor:
-    """FSDP2's reduce-scatter input (`foreach_reduce_scatter_copy_in`): each gradient's rows
-    padded with zeros to S equal chunks (ceil(rows / S) each), row s of the (S, n) result the
-    chunks s of every gradient, flattened and concatenated in the unit's order. A Shard(1)
-    gradient (`dims`) is first cut in S chunks along dim 1 and those stacked along dim 0
-    (`foreach_reduce`, before the copy-in): row s holds its dim-1 chunk s."""
-    pieces = []
-    for i, g in enumerate(grads):
-        if dims is not None and dims[i] and shards > 1:
-            pieces.append(torch.stack(g.to(dtype).chunk(shards, dim=1)).reshape(shards, -1))
-            continue
-        rows = g.reshape(g.shape[0] if g.dim() else 1, -1)
-        chunk = -(-rows.shape[0] // shards)
-        padded = torch.zeros(chunk * shards, rows.shape[1], dtype=dtype)
-        padded[: rows.shape[0]] = rows
-        pieces.append(padded.view(shards, -1))
-    return torch.cat(pieces, dim=1)
-
-
-class _FlatLayout:
-    """Each unit's parameters flattened as a FlatParameter engine lays them out: registration
-    order (frozen ones too, their gradient zero), each start aligned to `align_bytes` of the
-    compute dtype, the whole padded to a multiple of the shard group's size and cut into equal
-    chunks, chunk r held by rank r of each shard group (of the mesh's last dimension: the world,
-    or FSDP1's hybrid shard group, or one rank under NO_SHARD), the same on every replica."""
-
-    def __init__(self, model: nn.Module, case: Case, arithmetic: Arithmetic):
-        self.world = case.mesh[-1]  # the shard group
-        self.replicas = case.dp_size // self.world
-        params = dict(model.named_parameters())  # tied weights once, under their first name
-        by_unit: dict[str, list[str]] = {}
-        for n in params:
-            by_unit.setdefault(owner_of_param(case.wrap_plan, n), []).append(n)
-        if arithmetic.unit_order == "preorder":
-            position = {name: i for i, (name, _) in enumerate(model.named_modules())}
-            order = sorted(by_unit, key=lambda u: position[u])
-        else:
-            order = [u for u in case.wrap_plan if u in by_unit]
-        itemsize = (to_torch(case.precision.param_dtype) or torch.float32).itemsize
-        align = arithmetic.align_bytes // itemsize if arithmetic.align_bytes else 0
-        self.carries = arithmetic.no_shard_reduces_running_sum and self.world == 1
-        self.empty_pieces = arithmetic.empty_pieces_in_norm
-        self.plain_unsharded = arithmetic.plain_norm_unsharded
-        self.params = params  # which ones train is read when needed: a case may unfreeze some
-        self.shapes = {n: p.shape for n, p in params.items()}
-        # units[i] = ([(name, offset, numel)], padded numel)
-        self.units: list[tuple[list[tuple[str, int, int]], int]] = []
-        for unit in order:
-            slots, total = [], 0
-            for n in by_unit[unit]:
-                if align and total % align:
-                    total += align - total % align
-                slots.append((n, total, params[n].numel()))
-                total += params[n].numel()
-            self.units.append((slots, -(-total // self.world) * self.world))
-
-    def compute(self, params: dict[str, nn.Parameter], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-        """The compute copies of `params` in `dtype`, each a leaf that aliases its slot of a
-        buffer per unit laid out as the engine's (`Arithmetic.computes_on_flat_views`): the same
-        alignment, so the same kernels add in the same order. Frozen slots are filled too, as the
-        engine gathers them."""
-        compute: dict[str, torch.Tensor] = {}
-        for slots, padded in self.units:
-            buffer = torch.zeros(padded, dtype=dtype)
-            for n, offset, numel in slots:
-                p = params[n]
-                view = buffer[offset : offset + numel]
-                view.copy_(p.detach().reshape(-1))  # the cast .to(dtype) does: round to nearest
-                compute[n] = view.view(p.shape).detach().requires_grad_(p.requires_grad)
-        return compute
-
-    def _flat(self, grads: dict[str, torch.Tensor], slots, padded: int, dtype: torch.dtype) -> torch.Tensor:
-        flat = torch.zeros(padded, dtype=dtype)
-        for n, offset, numel in slots:
-            if n in grads:
-                flat[offset : offset + numel] = grads[n].reshape(-1).to(dtype)
-        return flat
-
-    def average(
-        self,
-        rank_grads: list[dict[str, torch.Tensor]],
-        reduce_dtype: torch.dtype,
-        divide: tuple[float, float] | None = None,
-    ) -> dict[str, torch.Tensor]:
-        """ReduceOp.AVG as the engine issues it: per unit, the padded flat gradients reduce-
-        scattered in equal chunks over each shard group in gloo's order (`gloo_allreduce_sum`), the
-        shards all-reduced over the replicas (`_replica_all_reduce`), each rank's gradient
-        divided by `pre` before and the sum by `post` after (`Arithmetic.divide_factors`:
-        FSDP1's power-of-two pre-divide is exact but for subnormals, and keeps an fp16 sum from
-        overflowing)."""
-        pre, post = divide if divide is not None else (1.0, float(len(rank_grads)))
-        out: dict[str, torch.Tensor] = {}
-        for slots, padded in self.units:
-            names = [n for n, _, _ in slots if n in rank_grads[0]]
-            if not names:
-                continue
-            chunk = padded // self.world
-            flats = [self._flat(g, slots, padded, reduce_dtype).view(self.world, chunk) for g in rank_grads]
-            if pre != 1:
-                flats = [f / pre for f in flats]
-            # Rank i * shards + s holds shard s of replica i. gloo's reduce-scatter adds as its
-            # all-reduce does (`gloo_allreduce_sum`: rank r's segments in the order r-1, ..., r),
-            # with segment boundaries a few elements off the chunks' (measured on torch 2.13 for
-            # fp32 and bf16 at 3 and 4 ranks; the per-chunk ring order missed 1 to 3 elements).
-            per_replica = []
-            for i in range(self.replicas):
-                group = [f.reshape(-1) for f in flats[i * self.world : (i + 1) * self.world]]
-                per_replica.append(gloo_allreduce_sum(group).view_as(flats[0]))
-            total = _replica_all_reduce(per_replica)
-            averaged = (total / post).reshape(-1) if post != 1 else total.reshape(-1)
-            for n, offset, numel in slots:
-                if n in rank_grads[0]:
-                    out[n] = averaged[offset : offset + numel].view(rank_grads[0][n].shape)
-        for n in rank_grads[0]:  # a gradient no slot holds (a pipeline's second copy of a tie): on its own
-            if n not in out:
-                out[n] = _average([g[n] for g in rank_grads], reduce_dtype, "rank", (pre, post))
-        return out
-
-    def carry(
-        self, rank_grads: list[dict[str, torch.Tensor]], master_grads: dict[str, torch.Tensor]
-    ) -> list[dict[str, torch.Tensor]]:
-        """What each rank reduces on a synced micro-batch when the engine reduces the running sum
-        (`Arithmetic.no_shard_reduces_running_sum`: FSDP1's NO_SHARD, a shard group of one):
-        the earlier micro-batches' reduced gradient plus this rank's new one, added in fp32 as
-        autograd adds the new gradient into the FlatParameter's fp32 .grad. Their reduction
-        replaces that sum, so it is taken out of `master_grads`. Sharded strategies keep the
-        reduced shard aside and add the next one after its reduction, as `master_grads` does:
-        nothing to carry."""
-        if not self.carries or not master_grads:
-            return rank_grads
-        carried = [
-            {n: master_grads[n] + g if n in master_grads else g for n, g in grads.items()} for grads in rank_grads
-        ]
-        for n in rank_grads[0]:
-            master_grads.pop(n, None)
-        return carried
-
-    def norm(self, grads: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The clip's total norm as a flat engine computes it: on each rank, the norm of the
-        norms of the pieces of each gradient in its chunk, squared; summed over the ranks in
-        rank order; the root."""
-        if self.world == 1 and self.plain_unsharded:
-            return torch.nn.utils.get_total_norm([g for n, g in grads.items() if self.params[n].requires_grad])
-        squares = []
-        for r in range(self.world):
-            pieces = []
-            for slots, padded in self.units:
-                chunk = padded // self.world
-                lo, hi = r * chunk, (r + 1) * chunk
-                for n, offset, numel in slots:
-                    if n not in grads or not self.params[n].requires_grad:
-                        continue
-                    a, b = max(lo, offset) - offset, min(hi, offset + numel) - offset
-                    if a < b:
-                        pieces.append(torch.linalg.vector_norm(grads[n].reshape(-1)[a:b]))
-                    elif self.empty_pieces:
-                        pieces.append(torch.linalg.vector_norm(grads[n].reshape(-1)[:0]))
-            local = torch.linalg.vector_norm(torch.stack(pieces)) if pieces else torch.zeros(())
-            squares.append(local**2)
-        return gloo_scalar_sum(squares).sqrt()
-
-
-def _replica_all_reduce(per_replica: list[torch.Tensor]) -> torch.Tensor:
-    """FSDP1's all-reduce over the replicas, of each shard group's reduce-scattered (S, chunk)
-    flat gradient: HYBRID_SHARD all-reduces each rank's chunk over its replicate group, NO_SHARD
-    (S = 1) the whole flat gradient over every rank, both in gloo's ring order
-    (`gloo_allreduce_sum`). The whole average is then post-divided once, as FSDP1 does after the
-    all-reduce; one replica: nothing to add."""
-    if len(per_replica) == 1:
-        return per_replica[0]
-    rows = per_replica[0].shape[0]
-    return torch.stack([gloo_allreduce_sum([t[s] for t in per_replica]) for s in range(rows)])
-
-
-def _norm_from_shards(grads: list[torch.Tensor], world: int, dims: list[int] | None = None) -> torch.Tensor:
-    """The global norm as FSDP2's `clip_grad_norm_` computes it on DTensors (`get_total_norm`):
-    on each rank, the norm of its row chunk of every gradient (`_foreach_norm`, each partial over
-    the shard group); `stack` keeps them partial, and `vector_norm` first makes that vector whole:
-    one all-reduce of every rank's vector of squares, added as gloo's ring adds a vector
-    (`squared_norms_reduced`), the root of each; then the norm of those norms. It differs from one
-    norm of the full gradient by an ulp or two, which moves the clip coefficient of every
-    gradient alike, and a strongly conditioned case (data scale 100, AdamW) turns that into a
-    1.5e-6 deviation of the next step's logits. Bit-exact against FSDP2 on gloo at world sizes 2
-    to 4; at 3 and 4 each element is added in the order of the ring segment it falls in, which a
-    sum in rank order for every parameter missed by an ulp in some steps (a clip beside ep at
-    world size 4, step 3; a torchtitan (1, 4) case of sweep seed 5004 whose one-ulp norm Adam
-    grew to 0.498 of the parameters' tolerance). On an HSDP mesh (R, S) a gradient is Replicate
-    on the replicas and Shard(0) over the S ranks of a shard group: `world` is S. A Shard(1)
-    parameter (`dims`): its dim-1 chunks."""
-    per_rank = [[] for _ in range(world)]
-    for i, g in enumerate(grads):
-        dim = dims[i] if dims is not None else 0
-        # A Shard(1) shard is a contiguous (rows, cols / S) tensor on its rank: its norm reduces
-        # in that layout's order, not a strided view's (1 ulp apart at 3 ranks).
-        chunks = g.chunk(world, dim=dim) if g.dim() else [g]
-        zero = torch.zeros((), dtype=g.dtype)
-        for r in range(world):
-            per_rank[r].append(chunks[r].contiguous().norm() if r < len(chunks) else zero)
-    return torch.linalg.vector_norm(squared_norms_reduced([torch.stack(norms) for norms in per_rank]).sqrt())
-
-
-@dataclass
-class RankPass:
-    """What one emulated rank's forward and backward of a micro-batch give."""
-
-    grads: dict[str, torch.Tensor]  # in `trainable` order
-    logits: torch.Tensor
-    loss: torch.Tensor  # float32
-    rng_before: int  # its dropout generator's fingerprint before and after the forward,
-    rng_after: int
-    rng_after_backward: int  # and after the backward
-
-
-class RankShare(Protocol):
-    """Emulated ranks split over processes: `mine(r)` says whether this process runs rank r;
-    `exchange` gives every rank's pass, this process's and the others' (a collective); `begin`
-    sees the model as built."""
-
-    def begin(self, model: nn.Module) -> None: ...
-
-    def mine(self, r: int) -> bool: ...
-
-    def exchange(self, passes: dict[int, RankPass], model: nn.Module) -> dict[int, RankPass]: ...
-
-
-def _store_logits(logits: dict[int, torch.Tensor], index, out: torch.Tensor) -> None:
-    rows = range(index.start, index.stop) if isinstance(index, slice) else index.tolist()
-    for i, row in zip(rows, out):
-        logits[i] = row.unsqueeze(0)
-
-
-def record_resumed(
-    trace: Trace,
-    step: int,
-    params: dict[str, nn.Parameter],
-    optimizer: torch.optim.Optimizer,
-    rng_states: list[torch.Tensor],
-) -> None:
-    """What every loop's load gives (phase "resumed", at the step saved after): parameters,
-    optimizer state, the param groups' hyperparameters, every rank's generator (in rank
-    order: `rank_streams`) and the data
-    position (a global batch per step)."""
-    for n, p in params.items():
-        trace.add(step, "resumed", f"params.{n}", p)
-    for key, value in optimizer_state(optimizer, params).items():
-        trace.add(step, "resumed", f"optim.{key}", value)
-    for key, value in param_groups_state(optimizer).items():
-        trace.add(step, "resumed", key, value)
-    prints = [rng_fingerprint(s) for s in rng_states]
-    trace.add(step, "resumed", "rng", torch.tensor(prints, dtype=torch.int64))
-    trace.add(step, "resumed", "data_position", torch.tensor([step], dtype=torch.int64))
-
-
-def carried_over(old: nn.Module, new: nn.Module) -> None:
-    """`old`'s parameters and buffers copied into `new` (a resume in memory: exact)."""
-    with torch.no_grad():
-        for (_, to), (_, of) in zip(new.named_parameters(), old.named_parameters()):
-            to.copy_(of)
-        for (_, to), (_, of) in zip(new.named_buffers(), old.named_buffers()):
-            to.copy_(of)
-
-
-def _record_params(trace: Trace, step: int, params: dict[str, nn.Parameter], initial: bool = False) -> None:
-    total = torch.zeros((), dtype=torch.float64)
-    for n, p in params.items():
-        if initial:
-            trace.add(0, "init", n, p)
-        else:
-            trace.add(step, "params", n, p)
-        s = p.detach().double().sum()
-        trace.add(step, "param_sums", n, s)
-        total += s
-    trace.add(step, "param_sums", "__total__", total)
-
-
-def _record_buffers(trace: Trace, step: int, model: nn.Module) -> None:
-    for n, b in model.named_buffers():
-        trace.add(step, "buffers", n, b)
-
-
-def _install_precision_hooks(
-    model: nn.Module, case: Case, unit_input_node: bool = True, cast_units_without_params: bool = True
-) -> None:
-    """FSDP2 casts floating inputs of every shard unit to `param_dtype` (cast_forward_inputs) and
-    its outputs to `output_dtype`; the same casts, on the same modules (FSDP1 only on the root and
-    on units holding parameters of their own: `cast_units_without_params=False`). Under pipeline
-    parallelism each stage is a root of its own: the model's forward runs the stages in order,
-    each with the root's casts and node (reference/pipeline_parallel.py)."""
-    # FSDP2 has no param group, so no post-backward node, for a unit whose parameters are all ignored
-    units_with_params = {
-        owner_of_param(case.wrap_plan, name)
-        for name, _ in model.named_parameters()
-        if not is_ignored(case.ignored, name)
-    }
-    # A unit over several modules (fully_shard([a, b])) casts and passes through the node at each
-    # member's forward (its pre-forward fires per member: torch's _register_group_forward_hooks).
-    for fqn in case.wrap_plan if case.pp == 1 else case.wrap_plan[:-1]:
-        casts = cast_units_without_params or fqn == "" or fqn in units_with_params
-        for module in modules_of(model, fqn):
-            _unit_hooks(module, case.precision, casts, unit_input_node and fqn in units_with_params)
-    if case.pp > 1:
-        for stage, owns_params in staged_forward(model, case):
-            _unit_hooks(stage, case.precision, True, unit_input_node and owns_params)
-
-
-def _unit_hooks(module: nn.Module, policy, casts: bool, node: bool) -> None:
-    """One unit's hooks: its inputs cast to `param_dtype` (where it `casts`), its output to
-    `output_dtype`, its inputs through FSDP2's post-backward node (`node`)."""
-    param_dtype, output_dtype = to_torch(policy.param_dtype), to_torch(policy.output_dtype)
-    if policy.cast_forward_inputs and param_dtype is not None and casts:
-        module.register_forward_pre_hook(
-            lambda _m, args, kw, d=param_dtype: (cast_floats(args, d), cast_floats(kw, d)), with_kwargs=True
-        )
-    if output_dtype is not None:
-        module.register_forward_hook(lambda _m, _a, out, d=output_dtype: cast_floats(out, d))
-    if node:
-        module.register_forward_pre_hook(_post_backward_node, with_kwargs=True)
-
-
-class _PostBackwardNode(torch.autograd.Function):
-    """Identity, as FSDP2's RegisterPostBackwardFunction: after casting a unit's inputs, FSDP2
-    passes those that require grad through this one autograd node (to run its post-backward).
-    It regroups the gradient sum of a tensor with several consumers: the residual stream `x`
-    feeds both `x + ...` and a wrapped RMSNorm that reads `x.float()` twice, so without the node
-    autograd adds three bf16 contributions in one order and with it the two inside the unit
-    first (one bf16 ulp apart in the embedding's gradient). The same node here, on the same
-    inputs of the same units (those managing parameters: FSDP2 has no param group otherwise)."""
-
-    @staticmethod
-    def forward(ctx, *inputs: torch.Tensor):
-        return inputs
-
-    @staticmethod
-    def backward(ctx, *grads: torch.Tensor):
-        return grads
-
-
-def _post_backward_node(_module: nn.Module, args: tuple, kwargs: dict):
-    flat, spec = tree_flatten((args, kwargs))
-    where = [i for i, t in enumerate(flat) if isinstance(t, torch.Tensor) and t.requires_grad]
-    if not where or not torch.is_grad_enabled():
-        return None
-    for i, t in zip(where, _PostBackwardNode.apply(*[flat[i] for i in where])):
-        flat[i] = t
-    return tree_unflatten(flat, spec)

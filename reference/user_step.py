@@ -5,7 +5,7 @@ The step runs unchanged, once per step, on one device with the global batch (`ct
 rank as the sharded ranks run them: with that rank's dropout generator, on that rank's own copy of
 the parameters in `param_dtype` (a leaf, as FSDP2's all-gathered parameter), and at the end of
 every backward reduces the ranks' gradients with the trainer's own emulation of the engine's
-reduction (`_average` in gloo's ring order, or a flat engine's `_FlatLayout`), in `reduce_dtype`,
+reduction (`average` in gloo's ring order, or a flat engine's `FlatLayout`), in `reduce_dtype`,
 into the parameters' fp32 `.grad`; inside `ctx.no_sync()` each rank accumulates its own instead,
 as FSDP2 does, until a synced backward reduces the sums. Every backward is seeded with W instead of
 1 (`_backward_scaled_by`), so each rank's backward runs at the scale it has on a rank (a correct
@@ -32,16 +32,9 @@ from fsdp_verify.engines import engine_arithmetic
 from fsdp_verify.engines.arithmetic import FSDP2, Arithmetic
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.perturbation import Perturbation
-from fsdp_verify.reference.trainer import (
-    _average,
-    _FlatLayout,
-    _hsdp_average,
-    _record_buffers,
-    _record_params,
-    carried_over,
-    record_resumed,
-    reference_model,
-)
+from fsdp_verify.reference.records import carried_over, record_buffers, record_params, record_resumed
+from fsdp_verify.reference.reduction import FlatLayout, average, hsdp_average
+from fsdp_verify.reference.reference_model import reference_model
 from fsdp_verify.trace import Trace
 from fsdp_verify.training.data import global_batch, item_count, microbatch_slices, take
 from fsdp_verify.training.optim import make_optimizer, optimizer_state
@@ -163,8 +156,8 @@ def train_reference_step(
     optimizer = make_optimizer(case.optim, params.values())
     step_fn = load_step(case.step)
     trace = Trace("reference", meta={"case": case.hash, "step": case.step, "order": order, "perturbed": perturb})
-    _record_params(trace, 0, params, initial=True)
-    _record_buffers(trace, 0, model)
+    record_params(trace, 0, params, initial=True)
+    record_buffers(trace, 0, model)
     run = case
     for step in range(1, case.steps + 1):
         current["step"] = step
@@ -195,7 +188,7 @@ def _virtual_ranks(case, order, unit_input_node, arithmetic, jolt, current, rng_
     model = reference_model(case, arithmetic, unit_input_node)
     params = dict(model.named_parameters())
     reduce_dtype = to_torch(case.precision.reduce_dtype) or to_torch(case.precision.param_dtype) or torch.float32
-    layout = _FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
+    layout = FlatLayout(model, case, arithmetic) if order == "ring" and arithmetic.layout == "flat" else None
     divide = arithmetic.divide_factors(reduce_dtype, case.world_size)
     # A rank's loss scale is W / N; the seed W times the one-device 1 / N is an ulp away from it
     # for some N unless W is a power of two, and in a compute dtype coarser than fp32 that flips
@@ -210,9 +203,9 @@ def _virtual_ranks(case, order, unit_input_node, arithmetic, jolt, current, rng_
         if layout is not None:
             averaged = layout.average(rank_grads, reduce_dtype, divide)
         elif order == "ring":  # FSDP2's reduction, every rank emulated: as `_Run.average` does
-            averaged = _hsdp_average(rank_grads, case, reduce_dtype, divide)
+            averaged = hsdp_average(rank_grads, case, reduce_dtype, divide)
         else:
-            averaged = {n: _average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
+            averaged = {n: average([g[n] for g in rank_grads], reduce_dtype, order, divide) for n in rank_grads[0]}
         for n, avg in averaged.items():
             if jolt is not None:
                 terms, where = [g[n] for g in rank_grads], f"{current['step']}/grads"
@@ -280,8 +273,8 @@ def _one_step(case, step, step_fn, ranks, model, params, optimizer, jolt, trace,
             joined = in_global_order
         trace.add(step, "logits", "logits", joined)
     trace.add(step, "loss", "loss", torch.as_tensor(loss).detach().float().reshape(()))
-    _record_params(trace, step, params)
-    _record_buffers(trace, step, model)
+    record_params(trace, step, params)
+    record_buffers(trace, step, model)
     for key, value in optimizer_state(optimizer, params).items():
         trace.add(step, "optim_state", key, value)
 

@@ -16,7 +16,7 @@ from fsdp_verify.case_specs import DataSpec
 from fsdp_verify.commands.cli import main
 from fsdp_verify.engines.arithmetic import FSDP2
 from fsdp_verify.models import ModelSpec, build_model
-from fsdp_verify.reference.trainer import reference_model
+from fsdp_verify.reference.reference_model import reference_model
 from fsdp_verify.runner import check_case
 from fsdp_verify.sharded.pool import get_pool
 from fsdp_verify.training.checkpointing import checkpoint_units, without_kv_cache

@@ -458,7 +458,7 @@ def test_the_references_units_get_classes_as_fully_shard_gives_them():
     """One class per unit class, not torch.nn's (Dynamo traces a torch.nn leaf's forward only for
     torch.nn classes), and a module of the same class that is no unit keeps its own."""
     from fsdp_verify.engines import engine_arithmetic
-    from fsdp_verify.reference.trainer import reference_model
+    from fsdp_verify.reference.reference_model import reference_model
 
     case = regression("2d78feb47bc4")
     model = reference_model(case, engine_arithmetic(case.engine))

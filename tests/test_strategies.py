@@ -69,7 +69,7 @@ def test_fsdp1_modelled_names_the_known_gaps():
     base = Case(model=ModelSpec(kind="mlp"), world_size=2, engine="fsdp1", precision=bf16)
     assert fsdp1_modelled(base) and fsdp1_modelled(base.with_(microbatches=2))
     assert not fsdp1_modelled(base.with_(microbatches=2, sync_every_microbatch=False))  # no-sync in bf16
-    # NO_SHARD reducing its running sum through a bf16 reduce_dtype is modelled (`_FlatLayout.carry`)
+    # NO_SHARD reducing its running sum through a bf16 reduce_dtype is modelled (`FlatLayout.carry`, reference/reduction.py)
     no_shard = base.with_(world_size=1, microbatches=2, **{"precision.reduce_dtype": "bf16"})
     assert fsdp1_modelled(no_shard)
     tied = Case(

@@ -18,7 +18,7 @@ from fsdp_verify.engines import engine_arithmetic, engine_capabilities, refuse_u
 from fsdp_verify.engines.tensor_parallel import reduce_dtype_hint
 from fsdp_verify.hints import hint
 from fsdp_verify.reference import train_reference, train_reference_step
-from fsdp_verify.reference.trainer import RankShare
+from fsdp_verify.reference.records import RankShare
 from fsdp_verify.sharded.pool import RankFailure, RankPool, get_pool
 from fsdp_verify.sharded.resume import as_saved, merged, run_resumed, steps_of
 from fsdp_verify.trace import Trace

@@ -50,13 +50,13 @@ class Arithmetic:
     # A shard group of one (world size 1, or a (W, 1) mesh): FSDP1's NO_SHARD keeps the reduced
     # gradient in the FlatParameter's .grad, the next synced micro-batch's backward adds into it,
     # and it reduces that running sum again (`_reduce_grad_no_shard`) instead of reducing each
-    # micro-batch's gradient alone and adding the results (`reference.trainer._FlatLayout.carry`).
+    # micro-batch's gradient alone and adding the results (`reference.reduction.FlatLayout.carry`).
     no_shard_reduces_running_sum: bool = False
     # "flat" only: the engine computes on views of each unit's unsharded flat buffer, at the
     # layout's offsets. A matmul's rounding depends on where its operands start (CPU BLAS takes
     # another kernel path when a row starts off a 16-byte boundary: `x @ W.t()` with W at element
     # offset 1, 2 or 3 of an fp32 buffer rounds 4 to 10 of 24 outputs otherwise, measured), so the
-    # reference keeps its parameters at the same offsets (`reference.trainer._FlatLayout.compute`).
+    # reference keeps its parameters at the same offsets (`reference.reduction.FlatLayout.compute`).
     # FSDP1 aligns every start to 16 bytes and computes as on standalone tensors.
     computes_on_flat_views: bool = False
 
@@ -103,7 +103,7 @@ def gloo_allreduce_sum(values: list[torch.Tensor]) -> torch.Tensor:
     NO_SHARD all-reduce, and HYBRID_SHARD's over the replicas). gloo cuts the buffer into 2W (or
     more) segments of `ceil(bytes / 2W)` bytes rounded up to an element, a whole number per
     rank; the elements of rank r's segments are added in the order r-1, r-2, ..., r+1, r, as
-    in the reduce-scatter (`reference.trainer._average`). Measured on torch 2.13's gloo at
+    in the reduce-scatter (`reference.reduction.average`). Measured on torch 2.13's gloo at
     W = 3 and 4 for 1 to 5000 fp32 elements (and for a single element it is `gloo_scalar_sum`);
     gloo's segment cap (`maxSegmentSize`, far above the models here) is not modelled."""
     world = len(values)

@@ -82,7 +82,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     ctx.phase("shard (engine)")
     engine = resolve_engine(case.engine)
     if case.activation_checkpointing:
-        turned_off = without_kv_cache(model)  # the reference's model too (reference/trainer.py)
+        turned_off = without_kv_cache(model)  # the reference's model too (reference/reference_model.py)
         if trace is not None and turned_off:
             trace.meta[CACHE_OFF] = turned_off
         if not capabilities_of(engine).checkpoints:  # else the engine applies its own policy

@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from fsdp_verify.reference.trainer import RankPass
+from fsdp_verify.reference.records import RankPass
 from fsdp_verify.sharded.arena import Fill, arena
 
 
@@ -32,7 +32,7 @@ class SplitUnsafe(RuntimeError):
 
 
 class SharedReference:
-    """This process's part of a split reference run: a `RankShare` (reference/trainer.py)."""
+    """This process's part of a split reference run: a `RankShare` (reference/records.py)."""
 
     def __init__(self, rank: int, world_size: int, directory: str, group: dist.ProcessGroup | None = None):
         """`rank` and `world_size` within `group`: the processes on one host (default: all)."""
