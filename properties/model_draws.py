@@ -206,6 +206,16 @@ def _runs_in(name: str, spec: ModelSpec, precision: PrecisionSpec | None) -> boo
     return True
 
 
+def experts_cannot_accumulate(model: ModelSpec, precision) -> bool:
+    """Whether FSDP2 cannot accumulate `model`'s routed experts' gradients without reducing each
+    micro-batch (a PyTorch bug: an expert first reached in the last micro-batch brings a param_dtype
+    gradient among the reduce_dtype accumulated ones;
+    tests/upstream/test_fsdp2_no_sync_param_used_only_in_last_microbatch.py): drawn reducing every
+    micro-batch (`sync_values`), never pipelined (a stage accumulates: `pipelines`)."""
+    low = precision.param_dtype not in (None, "fp32")
+    return bool(model.experts) and low and precision.reduce_dtype not in (None, precision.param_dtype)
+
+
 def wrap_plans(
     spec: ModelSpec, max_units: int = 8, precision: PrecisionSpec | None = None
 ) -> SearchStrategy[tuple[str, ...]]:

@@ -43,6 +43,7 @@ from fsdp_verify.properties.fsdp1 import fsdp1_modelled
 from fsdp_verify.properties.meshes import hsdp_meshes, takes_2d_meshes
 from fsdp_verify.properties.model_draws import (
     custom_pins,
+    experts_cannot_accumulate,
     frozen_in_units,
     ignored_draws,
     model_keywords,
@@ -166,8 +167,7 @@ def sync_values(model: ModelSpec, precision: PrecisionSpec) -> SearchStrategy[bo
     param_dtype reduce every micro-batch: FSDP2 cannot accumulate them without sync (an expert
     first reached in the last micro-batch brings a param_dtype gradient among the reduce_dtype
     accumulated ones; tests/upstream/test_fsdp2_no_sync_param_used_only_in_last_microbatch.py)."""
-    low = precision.param_dtype not in (None, "fp32")
-    if model.experts and low and precision.reduce_dtype not in (None, precision.param_dtype):
+    if experts_cannot_accumulate(model, precision):
         return st.just(True)
     return st.sampled_from((True, False))
 

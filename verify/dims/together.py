@@ -93,7 +93,17 @@ NOT_MODELLED_TOGETHER: dict[str, tuple[NotModelled, ...]] = {
     ),
     "pp": (
         NotModelled("step", None, "a user's step (the schedule runs forward and backward)", drawn=False),
-        NotModelled("model.experts", 0, "routed experts", drawn=False),
+        # The per-expert loop (top-1) trains in its stage as any module does (sweep 9103); grouped
+        # experts count their routing over every data-parallel rank (the aux loss's and the router
+        # bias's all-reduce), which no rank of another stage joins: a hang (sweep 9102).
+        NotModelled(
+            "model.top_k",
+            None,
+            "grouped experts (their routing counts are all-reduced over every rank, a stage's ranks only take part)",
+        ),
+        NotModelled("model.capacity_factor", None, "grouped experts' capacity"),
+        NotModelled("model.aux_loss", 0.0, "grouped experts' load-balancing loss"),
+        NotModelled("model.router_bias", 0.0, "grouped experts' router bias"),
         NotModelled("model.dropout", 0.0, "dropout (each stage's rank draws its own masks)", drawn=False),
         NotModelled("loss_scaling", None, "fp16 loss scaling"),
         NotModelled("ignored", (), "ignored parameters"),
