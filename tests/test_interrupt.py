@@ -106,3 +106,31 @@ def test_a_ctrl_c_swallowed_where_it_landed_is_raised_at_the_next_check():
                 raise_if_interrupted()
     finally:
         signal.signal(signal.SIGINT, previous)
+
+
+def test_fuzz_raises_a_swallowed_ctrl_c_after_the_case_it_landed_in(tmp_path, monkeypatch):
+    """The same in `fuzz`: a Ctrl-C swallowed during a case (here: remembered as the handler would,
+    after the first case) stops the search there, the report written, exit 130."""
+    from fsdp_verify.commands import interrupt
+    from fsdp_verify.commands.cli import main
+    from fsdp_verify.properties import properties
+
+    real = properties.check_case
+
+    def interrupted_during(case, **kwargs):
+        verdict = real(case, **kwargs)
+        interrupt._interrupted.set()  # what the handler does before its KeyboardInterrupt is swallowed
+        return verdict
+
+    monkeypatch.setattr(properties, "check_case", interrupted_during)
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    try:
+        rc = main(
+            ["fuzz", "--engine", "fsdp2", "--world-sizes", "1", "--max-examples", "20", "--seed", "7"]
+            + ["--out", str(tmp_path), "--no-progress"]
+        )
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    assert rc == 130
+    report = load(tmp_path / "report.json")
+    assert report["interrupted"] is True and report["examples"] == 1, report["examples"]

@@ -70,6 +70,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from fsdp_verify.commands.interrupt import noticing_interrupts, raise_if_interrupted
     from fsdp_verify.engines import EngineLoadError
     from fsdp_verify.properties.pins import PinError
     from fsdp_verify.properties.properties import PROPERTIES
@@ -103,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
         if bar is not None:
             bar.update(1)
             bar.set_postfix_str(f"shrinking ({failures_seen} failing)" if failures_seen else "all passed so far")
+        raise_if_interrupted()  # a Ctrl-C swallowed in a gc callback during the case (verify/commands/interrupt.py)
 
     def on_first_failure(failure, seconds: float) -> None:
         say = bar.write if bar is not None else print
@@ -112,7 +114,7 @@ def run(args: argparse.Namespace) -> int:
 
     warned = Tally()  # the ranks' and this process's library warnings (verify/library_warnings.py)
     try:
-        with collecting(warned):
+        with collecting(warned), noticing_interrupts():
             result = search(
                 check,
                 strategy,
