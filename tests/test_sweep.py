@@ -211,3 +211,32 @@ def test_fsdp2_passes_hsdp_cases_and_a_mutant_fails_them(tmp_path):
     assert [r["mesh_shape"] for r in load(tmp_path / "ok")["cases"]] == [[2, 2], [2, 2]]
     engine = ["--engine", "fsdp_verify.zoo.mutants:grads_divided_twice"]
     assert main(["sweep", "--cases", "1", *hsdp, *engine, "--no-progress", "--out", str(tmp_path / "bad")]) == 1
+
+
+def test_a_case_that_raises_in_this_process_fails_and_the_sweep_goes_on(tmp_path, monkeypatch):
+    """An exception of the reference or the checks (this process, not a rank) fails its case with
+    the traceback saved beside it; the sweep runs the rest (a nightly keeps its other cases)."""
+    import fsdp_verify.runner
+
+    real, calls = fsdp_verify.runner.check_case, []
+
+    def second_raises(case, **kwargs):
+        calls.append(case.hash)
+        if len(calls) == 2:
+            raise RuntimeError("the reference broke")
+        return real(case, **kwargs)
+
+    monkeypatch.setattr(fsdp_verify.runner, "check_case", second_raises)
+    out = tmp_path / "out"
+    rc = main(
+        ["sweep", "--engine", "fsdp2", "--world-sizes", "1", "--cases", "3", "--seed", "5"]
+        + ["--out", str(out), "--no-progress"]
+    )
+    assert rc == 1 and len(calls) == 3
+    rows = load(out / "report.json")["cases"]
+    (broken,) = [r for r in rows if not r["ok"]]
+    assert broken["status"] == "error" and broken["case_hash"] == calls[1]
+    assert broken["first_divergence"].startswith("failure in this process (the reference or the checks): ")
+    assert "RuntimeError: the reference broke" in broken["summary"]
+    saved = json.loads((out / "failures" / f"{calls[1]}.verdict.json").read_text())
+    assert "RuntimeError: the reference broke" in saved["traceback"]

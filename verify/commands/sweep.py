@@ -15,6 +15,7 @@ import argparse
 import json
 import sys
 import time
+import traceback
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -207,6 +208,11 @@ def _sweep(args, mine, done: dict, rows_path: Path) -> tuple[list[dict], float]:
             except RankFailure as e:
                 row = case_row(case, None, time.perf_counter() - start, index=k, error=str(e))
                 row["replay"] = _save(failed, case, {"rank_failure": str(e)})
+            except Exception as e:  # this process's (the reference, the checks): the case fails, the sweep goes on
+                error = f"this process raised {type(e).__name__}: {e}"
+                failed_in = "failure in this process (the reference or the checks)"
+                row = case_row(case, None, time.perf_counter() - start, index=k, error=error, failed_in=failed_in)
+                row["replay"] = _save(failed, case, {"error": error, "traceback": traceback.format_exc()})
             else:
                 row = case_row(case, verdict, time.perf_counter() - start, index=k)
                 if not verdict.ok:

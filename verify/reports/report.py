@@ -67,8 +67,17 @@ def ratios_by_comparator(verdict) -> dict[str, dict[str, float | str]]:
     return {c: {s: ratio(r) for s, r in sorted(steps.items(), key=lambda kv: int(kv[0]))} for c, steps in out.items()}
 
 
-def case_row(case, verdict, seconds: float, *, index: int | None = None, error: str | None = None) -> dict[str, Any]:
-    """One case: what it was, pass/fail/error, its worst ratio and where, per comparator and step."""
+def case_row(
+    case,
+    verdict,
+    seconds: float,
+    *,
+    index: int | None = None,
+    error: str | None = None,
+    failed_in: str = "rank failure",
+) -> dict[str, Any]:
+    """One case: what it was, pass/fail/error, its worst ratio and where, per comparator and step.
+    `error`: why it has no verdict, raised in `failed_in` (a rank, or this process)."""
     worst = verdict.worst() if verdict is not None else None
     ok = error is None and verdict is not None and verdict.ok
     return {
@@ -86,7 +95,7 @@ def case_row(case, verdict, seconds: float, *, index: int | None = None, error: 
         "knobs": case_knobs(case),
         "worst_ratio": ratio(worst.ratio) if worst is not None else None,
         "worst_where": f"step {worst.step} {worst.phase} {worst.name}" if worst is not None else None,
-        "first_divergence": first_divergence(verdict) if error is None else f"rank failure: {error.splitlines()[0]}",
+        "first_divergence": first_divergence(verdict) if error is None else f"{failed_in}: {error.splitlines()[0]}",
         "summary": (verdict.summary() if verdict is not None else error) if not ok else None,
         **({"hint": verdict.hint} if not ok and verdict is not None and verdict.hint else {}),
         "ratios": ratios_by_comparator(verdict) if verdict is not None else {},
