@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 from fsdp_verify import dtypes
 from fsdp_verify.commands import case_flags
 from fsdp_verify.commands.case_flags import _items, dtype
+from fsdp_verify.commands.run_flags import MODEL
 from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.trust import add_trust_argument, typed
 
@@ -166,7 +167,7 @@ def add_framework_argument(p: argparse.ArgumentParser) -> None:
 def add_model_arguments(p: argparse.ArgumentParser) -> None:
     """`--model` and what a user's model factory takes, one value each (fuzz and sweep draw
     around the model they name)."""
-    group = p.add_argument_group(case_flags.MODEL)
+    group = p.add_argument_group(MODEL)
     for f in case_flags.FLAGS:
         if f.draw == "fixed":
             group.add_argument(f.flag, dest=f.dest, type=f.parse, metavar=f.metavar, help=f.help, default=None)
