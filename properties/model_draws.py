@@ -290,7 +290,7 @@ def model_keywords(
                     f"model_kwargs: expected a dict or a JSON object, got {extras['model_kwargs']!r} ({e})"
                 ) from None
         if isinstance(changes.get("shrinkable"), (str, list)):
-            from fsdp_verify.commands.case_flags import names
+            from fsdp_verify.commands.flag import names
 
             raw = changes["shrinkable"]
             changes["shrinkable"] = names(raw) if isinstance(raw, str) else tuple(raw)

@@ -271,11 +271,13 @@ def test_flag_text_round_trips_json_types():
 
 def _read(value):
     """What the flag parsers make of the text of `value` (as case_to_flags writes it)."""
-    text = case_flags.text(value)
+    from fsdp_verify.commands import flag
+
+    text = flag.text(value)
     if isinstance(value, bool):
-        return case_flags.boolean(text)
+        return flag.boolean(text)
     if isinstance(value, dict):
         return json.loads(text)
     if isinstance(value, tuple):
-        return case_flags.or_none(case_flags.integers)(text) or ()
-    return case_flags.or_none(case_flags.number)(text)
+        return flag.or_none(flag.integers)(text) or ()
+    return flag.or_none(flag.number)(text)

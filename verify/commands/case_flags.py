@@ -17,24 +17,10 @@ if TYPE_CHECKING:
     from fsdp_verify.case import Case
 
 from fsdp_verify.commands.dimension_flags import DIMENSION_FLAGS
-from fsdp_verify.commands.flag import (  # noqa: F401 (the parsers, re-exported for the commands)
+from fsdp_verify.commands.flag import (
     _MISSING,
-    _NONE,
     Flag,
-    _fail,
-    _items,
     _same,
-    _tuple_of,
-    boolean,
-    dtype,
-    integer,
-    integers,
-    mesh,
-    names,
-    number,
-    numbers,
-    or_none,
-    reshard,
     text,
 )
 from fsdp_verify.commands.run_flags import RUN_FLAGS

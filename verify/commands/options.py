@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from fsdp_verify import dtypes
 from fsdp_verify.commands import case_flags
-from fsdp_verify.commands.case_flags import _items, dtype
+from fsdp_verify.commands.flag import _items, dtype
 from fsdp_verify.commands.run_flags import MODEL
 from fsdp_verify.dims.parallel_dims import ParallelDims
 from fsdp_verify.trust import add_trust_argument, typed
