@@ -19,7 +19,6 @@ class PinError(ValueError):
     """A pin names no field of a Case."""
 
 
-# ---- pins ---------------------------------------------------------------------------------------
 def valid_pin_names() -> set[str]:
     names = {f.name for f in fields(Case)}
     for head, spec in (

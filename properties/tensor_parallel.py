@@ -18,7 +18,6 @@ from fsdp_verify.dims.together import drawn_off
 from fsdp_verify.properties.pins import PinError, pinned
 
 
-# ---- tensor parallelism (docs/tensor-parallel.md) -----------------------------------------------
 def _parallel_pins(parallelism: str) -> dict[str, Any]:
     """What the strategies draw that is not modelled beside `parallelism` (verify/dims/together.py,
     the one table), each field pinned to its value when off."""

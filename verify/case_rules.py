@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from fsdp_verify.case import Case
 
 
-# ---- validation -------------------------------------------------------------------------
 def validate(case: Case) -> None:
     case.model.validate()
     case.precision.validate()

@@ -47,6 +47,7 @@ from torch import nn
 from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from fsdp_verify import module_names
+from fsdp_verify.compare.tolerance import unit_roundoff
 
 COMPARATOR = "Float8Rounding"
 PHASE = "dims"  # a dimension's own check (verify/trace.py)
@@ -56,10 +57,6 @@ MATMULS = {
     "grad_input": "g @ W",
     "grad_weight": "g.T @ x",
 }
-
-
-def unit_roundoff(dtype: torch.dtype) -> float:
-    return torch.finfo(dtype).eps / 2
 
 
 def cast_error(t: torch.Tensor, cast) -> torch.Tensor:
@@ -100,18 +97,21 @@ def roundings(cast_a, cast_b, out_dtype: torch.dtype) -> list[torch.dtype]:
     return [mm, mm] + ([out_dtype] if out_dtype != mm else [])
 
 
-def product_bound(a: torch.Tensor, b: torch.Tensor, cast_a, cast_b, out_dtype: torch.dtype) -> torch.Tensor:
-    """Elementwise bound of |float8 a @ b - a @ b| (operands float64, 2-D), the product rounded
-    on its way to `out_dtype` as `roundings` says."""
+def product_bound(
+    a: torch.Tensor, b: torch.Tensor, exact: torch.Tensor, cast_a, cast_b, out_dtype: torch.dtype
+) -> torch.Tensor:
+    """Elementwise bound of |float8 a @ b - a @ b| (operands float64, 2-D; `exact` their product,
+    which the caller compares against too), the product rounded on its way to `out_dtype` as
+    `roundings` says."""
     ea, eb = cast_error(a, cast_a), cast_error(b, cast_b)
     aa, ab = a.abs(), b.abs()
     k = a.shape[-1]
     gamma = k * 2.0**-24 / (1 - k * 2.0**-24) + F32_MORE
     bound = ea @ ab + aa @ eb + ea @ eb
     bound = bound + gamma * ((aa + ea) @ (ab + eb))
-    exact = (a @ b).abs()
+    size = exact.abs()
     for dtype in roundings(cast_a, cast_b, out_dtype):
-        bound = bound + unit_roundoff(dtype) * (exact + bound)
+        bound = bound + unit_roundoff(dtype) * (size + bound)
     return bound
 
 
@@ -149,7 +149,7 @@ def _measure(
         float(ratio.flatten()[worst]) if ratio.numel() else 0.0,
         float(diff.flatten()[worst]) if diff.numel() else 0.0,
         float(bound.flatten()[worst]) if bound.numel() else 0.0,
-        float((got.double() - exact).norm()) / norm if norm > 0 else float(diff.max() if diff.numel() else 0.0),
+        float(diff.norm()) / norm if norm > 0 else float(diff.max() if diff.numel() else 0.0),
         casts,
     )
 
@@ -218,7 +218,7 @@ class Watch:
             c, call = mod.config, self._forward.pop(id(mod))
             w = call.weight.detach().double()
             exact = call.x @ w.T
-            bound = product_bound(call.x, w.T, c.cast_config_input, c.cast_config_weight, out.dtype)
+            bound = product_bound(call.x, w.T, exact, c.cast_config_input, c.cast_config_weight, out.dtype)
             if mod.bias is not None:
                 b = mod.bias.detach().double()
                 u = unit_roundoff(out.dtype)
@@ -245,7 +245,8 @@ class Watch:
             return
         c, w = mod.config, call.weight.detach().double()
         exact = call.g @ w
-        bound = product_bound(call.g, w, c.cast_config_grad_output, c.cast_config_weight_for_grad_input, call.g_dtype)
+        cast_go, cast_w = c.cast_config_grad_output, c.cast_config_weight_for_grad_input
+        bound = product_bound(call.g, w, exact, cast_go, cast_w, call.g_dtype)
         bound = recast(bound, exact, call.g_dtype, gx.dtype)
         casts = f"grad_output {_short(c.cast_config_grad_output)}, weight {_short(c.cast_config_weight_for_grad_input)}"
         got = gx.detach().reshape(-1, gx.shape[-1])
@@ -261,15 +262,16 @@ class Watch:
             return
         exact = torch.zeros(gw.shape, dtype=torch.float64)
         bound = torch.zeros(gw.shape, dtype=torch.float64)
+        cast_go, cast_x = c.cast_config_grad_output_for_grad_weight, c.cast_config_input_for_grad_weight
         for call in done:
             part = call.g.T @ call.x
-            cast_go, cast_x = c.cast_config_grad_output_for_grad_weight, c.cast_config_input_for_grad_weight
-            held = recast(product_bound(call.g.T, call.x, cast_go, cast_x, call.g_dtype), part, call.g_dtype, gw.dtype)
+            held = product_bound(call.g.T, call.x, part, cast_go, cast_x, call.g_dtype)
+            held = recast(held, part, call.g_dtype, gw.dtype)
             exact, bound = exact + part, bound + held
         if len(done) > 1:  # each call's product rounded, then their sum
             bound = bound + len(done) * unit_roundoff(gw.dtype) * (exact.abs() + bound)
         calls.clear()
-        casts = f"grad_output {_short(c.cast_config_grad_output_for_grad_weight)}, input {_short(c.cast_config_input_for_grad_weight)}"
+        casts = f"grad_output {_short(cast_go)}, input {_short(cast_x)}"
         self.measured.append(_measure(self.step, name, "grad_weight", gw.detach(), exact, bound, casts))
 
 
@@ -310,7 +312,9 @@ def watched_case(case):
     """The case as this check runs it: eager and without activation checkpointing (the products
     are the same; a compiled graph would not call the modules' hooks, a checkpointed unit would
     call them twice). The compiler's own check holds the compiled run to eager."""
-    return case.with_(compile=None, compile_fullgraph=False, compile_backend="inductor", activation_checkpointing=False)
+    from fsdp_verify.checks.compiler import eager_case
+
+    return eager_case(case).with_(activation_checkpointing=False)
 
 
 def check(spec, case) -> list:
@@ -323,8 +327,6 @@ def check(spec, case) -> list:
     from fsdp_verify.reference import train_reference
     from fsdp_verify.training.threads import rank_like_threads
 
-    if case.step is not None:
-        return []
     eager = watched_case(case)
     arithmetic = engine_arithmetic(case.engine)
     with rank_like_threads(), watching() as watch:
