@@ -5,6 +5,7 @@ does not cut that report off half written."""
 from __future__ import annotations
 
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -47,10 +48,20 @@ def noticing_interrupts() -> Iterator[None]:
         _interrupted.set()
         raise KeyboardInterrupt
 
+    printing = sys.unraisablehook
+
+    def unraisable(info):
+        # Swallowed, it is remembered and raised again: Python's "Exception ignored in ...
+        # Traceback ... KeyboardInterrupt" on stderr would only alarm (CI met one in fuzz).
+        if not (isinstance(info.exc_value, KeyboardInterrupt) and _interrupted.is_set()):
+            printing(info)
+
     previous = signal.signal(signal.SIGINT, handler)
+    sys.unraisablehook = unraisable
     try:
         yield
     finally:
+        sys.unraisablehook = printing
         signal.signal(signal.SIGINT, previous)
 
 
