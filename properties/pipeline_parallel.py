@@ -13,6 +13,7 @@ from hypothesis.strategies import SearchStrategy
 
 from fsdp_verify.case import Case, CaseError
 from fsdp_verify.dims.together import beside_another, drawn_off, pinned_beside
+from fsdp_verify.engines.expert_parallel import experts_of
 from fsdp_verify.properties.meshes import hsdp_meshes
 from fsdp_verify.properties.model_draws import experts_cannot_accumulate
 from fsdp_verify.properties.pins import asked, pinned
@@ -43,6 +44,8 @@ def pipelines(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     if pinned_on or "mesh_shape" in pins or beside_another("pp", case):
         degrees = []
     if experts_cannot_accumulate(case.model, case.precision):  # a PyTorch bug, left out of the draws
+        degrees = []
+    if case.model.is_custom and experts_of(case.model):  # refused (verify/engines/expert_parallel.py)
         degrees = []
     pp = draw(
         pinned(pins, "pp", st.one_of(st.just(1), st.just(1), st.sampled_from(degrees)) if degrees else st.just(1))

@@ -38,7 +38,11 @@ from fsdp_verify.dims import registry
 from fsdp_verify.dtypes import DRAWABLE_POLICIES, PRECISION_POLICIES, canonical
 from fsdp_verify.engines.placement import PLACEMENTS
 from fsdp_verify.properties.compile_draws import with_compile
-from fsdp_verify.properties.expert_parallel import grouped_experts, routing_never_decides_what_requires_grad
+from fsdp_verify.properties.expert_parallel import (
+    checkpointed_blocks_recomputed,
+    grouped_experts,
+    routing_never_decides_what_requires_grad,
+)
 from fsdp_verify.properties.fsdp1 import fsdp1_modelled
 from fsdp_verify.properties.meshes import hsdp_meshes, takes_2d_meshes
 from fsdp_verify.properties.model_draws import (
@@ -408,7 +412,7 @@ def cases(
             drawn = drawn.map(sequence_parallel_norms_trainable)
     drawn = drawn.flatmap(lambda case: grouped_experts(case, pins))
     if "model.frozen" not in pins:
-        drawn = drawn.map(routing_never_decides_what_requires_grad)
+        drawn = drawn.map(routing_never_decides_what_requires_grad).map(checkpointed_blocks_recomputed)
     drawn = drawn.flatmap(lambda case: pipelines(case, pins))
     if "groups" in engine_capabilities(engine).takes:
         drawn = drawn.flatmap(lambda case: unit_groups(case, pins))

@@ -29,16 +29,28 @@ from types import SimpleNamespace
 import torch
 from torch.func import functional_call
 
+from fsdp_verify.engines.expert_parallel import experts_of
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.models.moe import GroupedMoE, moe_layers
 from fsdp_verify.training.data import as_call, take
 
-EXPERTS_UNIT = "moe.experts"
-
 
 def expert_names(case, names) -> list[str]:
-    """The grouped experts' parameters among `names`."""
-    return [n for n in names if n.startswith(EXPERTS_UNIT + ".")]
+    """The grouped experts' parameters among `names` (the built-in MLP's `moe.experts`, or a
+    model's own grouped experts modules: verify/engines/expert_parallel.py `experts_of`)."""
+    modules = tuple(f"{fqn}." for fqn in experts_of(case.model))
+    return [n for n in names if n.startswith(modules)] if modules else []
+
+
+def _experts(case, name: str) -> int:
+    """How many experts parameter `name` holds (its module's count)."""
+    return next(n for fqn, n in experts_of(case.model).items() if name.startswith(f"{fqn}."))
+
+
+def ep_groups(case) -> list[list[int]]:
+    """Each ep group's global ranks, in ep-index order."""
+    replicas, shards, ep, groups = _layout(case)
+    return [[_rank(r, g, j, shards, ep) for j in range(ep)] for r in range(replicas) for g in range(groups)]
 
 
 def _layout(case) -> tuple[int, int, int, int]:
@@ -52,28 +64,29 @@ def _rank(replica: int, group: int, j: int, shards: int, ep: int) -> int:
     return replica * shards + group * ep + j
 
 
-def ep_sums(case, rank_grads: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+def ep_sums(
+    case, rank_grads: list[dict[str, torch.Tensor]], held: set[str] = frozenset()
+) -> list[dict[str, torch.Tensor]]:
     """Each rank's expert gradients as its ep rank holds them after backward: for the experts it
     holds, the sum of its ep group's gradients in source-rank order (the first, then `+` each
-    next, in their dtype); zeros for the others (another ep rank holds them)."""
-    names = expert_names(case, rank_grads[0])
+    next, in their dtype); zeros for the others (another ep rank holds them). `held`: parameters
+    already laid out so (a grouped GEMM's: reference/grouped_gemm.py)."""
+    names = [n for n in expert_names(case, rank_grads[0]) if n not in held]
     if case.ep == 1 or not names:
         return rank_grads
-    replicas, shards, ep, groups = _layout(case)
-    local = case.model.experts // ep
+    ep = case.ep
     out = [dict(g) for g in rank_grads]
-    for replica in range(replicas):
-        for group in range(groups):
-            members = [_rank(replica, group, j, shards, ep) for j in range(ep)]
-            for n in names:
-                for j, holder in enumerate(members):
-                    held = torch.zeros_like(rank_grads[holder][n])
-                    for e in range(j * local, (j + 1) * local):
-                        total = rank_grads[members[0]][n][e]
-                        for source in members[1:]:
-                            total = total + rank_grads[source][n][e]
-                        held[e] = total
-                    out[holder][n] = held
+    for members in ep_groups(case):
+        for n in names:
+            local = _experts(case, n) // ep
+            for j, holder in enumerate(members):
+                block = torch.zeros_like(rank_grads[holder][n])
+                for e in range(j * local, (j + 1) * local):
+                    total = rank_grads[members[0]][n][e]
+                    for source in members[1:]:
+                        total = total + rank_grads[source][n][e]
+                    block[e] = total
+                out[holder][n] = block
     return out
 
 
@@ -97,18 +110,23 @@ def ep_average(
     if not names:
         return out
     replicas, shards, ep, groups = _layout(case)
-    local = case.model.experts // ep
     if groups == 1 and divide[0] == 1 and divide[1] != 1:
         # A reduce-scatter group of one: no collective to force a sum for; FSDP2 divides the
         # copy by the factor at once, then sums over the replicas (verify/engines/expert_parallel.py).
         divide = (divide[1], 1.0)
+    # Each grouped experts module's parameters reduced together (its own unit, or, with torchtitan's
+    # per-parameter meshes, its block's collective over the experts' mesh).
     smaller = SimpleNamespace(
-        mesh=(replicas, groups), world_size=replicas * groups, wrap_plan=(EXPERTS_UNIT, ""), shard_placement="dim0"
+        mesh=(replicas, groups),
+        world_size=replicas * groups,
+        wrap_plan=(*experts_of(case.model), ""),
+        shard_placement="dim0",
     )
+    local = {n: _experts(case, n) // ep for n in names}
     pieces: dict[str, list[torch.Tensor]] = {n: [] for n in names}
     for j in range(ep):
         held = [
-            {n: rank_grads[_rank(r, i, j, shards, ep)][n][j * local : (j + 1) * local] for n in names}
+            {n: rank_grads[_rank(r, i, j, shards, ep)][n][j * local[n] : (j + 1) * local[n]] for n in names}
             for r in range(replicas)
             for i in range(groups)
         ]

@@ -4,7 +4,7 @@ resume's loaded state."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
@@ -28,6 +28,8 @@ class RankPass:
     rng_before: int  # its dropout generator's fingerprint before and after the forward,
     rng_after: int
     rng_after_backward: int  # and after the backward
+    # A grouped GEMM's rows under expert parallelism, by parameter (reference/grouped_gemm.py).
+    rows: dict = field(default_factory=dict)
 
 
 class RankShare(Protocol):

@@ -30,6 +30,7 @@ from fsdp_verify.models import is_frozen, is_ignored
 from fsdp_verify.models.custom import logits_of
 from fsdp_verify.reference.expert_parallel import ep_average, ep_norm, ep_sums, global_routing, update_router_biases
 from fsdp_verify.reference.fusion import FusionJolt
+from fsdp_verify.reference.grouped_gemm import HolderGrads
 from fsdp_verify.reference.loss_scale import DynamicLossScale
 from fsdp_verify.reference.perturbation import Perturbation
 from fsdp_verify.reference.pipeline_parallel import after_reduction as pp_after_reduction
@@ -63,6 +64,7 @@ from fsdp_verify.training.optim import (
     make_optimizer,
     make_scheduler,
     optimizer_state,
+    run_model_hook_before_step,
     schedule_state,
     step_scheduler,
 )
@@ -146,6 +148,13 @@ class _Step:
     ignored_grads: list[dict[str, torch.Tensor]] = field(default_factory=list)
 
 
+def emulates_ep(case: Case, emulate: bool, order: str, layout) -> bool:
+    """Expert parallelism's reduction emulated (reference/expert_parallel.py): FSDP2's own
+    arithmetic, every rank emulated; the calibration runs sum the ranks' expert gradients in
+    their own orders, as any other gradient's."""
+    return case.ep > 1 and order == "ring" and layout is None and emulate
+
+
 @dataclass
 class _Run:
     """A reference run's context, built once (`build`): what every phase reads. `rng_states`
@@ -178,6 +187,8 @@ class _Run:
     # Parameters a dimension package has the ranks compute with in another dtype than
     # `param_dtype` (float8's all-gathered weights: fp32, verify/dims/float8/runtime.py).
     compute_dtypes: dict[str, torch.dtype] = field(default_factory=dict)
+    # A grouped GEMM's ep holders' gradients, emulated (reference/grouped_gemm.py).
+    held_rows: HolderGrads | None = None
 
     @classmethod
     def build(
@@ -200,6 +211,7 @@ class _Run:
             share.begin(model)
         params = dict(model.named_parameters())  # tied weights appear once
         optimizer = make_optimizer(case.optim, params.values())
+        run_model_hook_before_step(model, optimizer)
         scheduler = make_scheduler(case.optim, optimizer, case.steps)
         flat = order == "flat" or (order == "ring" and arithmetic.layout == "flat")
         emulated = arithmetic if order == "ring" else Arithmetic(layout="flat")
@@ -241,6 +253,7 @@ class _Run:
             fusion=jolted,
             tp=TensorParallel(case, model) if case.tp > 1 else None,
             compute_dtypes={k: v for d in registry.call(case, "compute_dtypes", model) for k, v in d.items()},
+            held_rows=HolderGrads.install(case, model) if emulates_ep(case, emulate, order, layout) else None,
         )
 
     def unfreeze(self, step: int) -> None:
@@ -269,6 +282,7 @@ class _Run:
                 if is_frozen(after.model, n):
                     p.requires_grad_(True)
         optimizer = make_optimizer(after.optim, params.values())
+        run_model_hook_before_step(model, optimizer)
         scheduler = make_scheduler(after.optim, optimizer, after.steps)  # before the load, as a loop builds it
         optimizer.load_state_dict(self.optimizer.state_dict())
         if scheduler is not None:
@@ -392,6 +406,11 @@ class _Run:
         if self.tp is not None:  # its tp ranks side by side (reference/tensor_parallel.py)
             with self.tp.region():
                 return self._rank_pass_of(state, r, index)
+        if self.held_rows is not None:  # its grouped GEMMs' rows kept for their ep holders
+            with self.held_rows.pass_rows() as rows:
+                done = self._rank_pass_of(state, r, index)
+            done.rows = rows
+            return done
         return self._rank_pass_of(state, r, index)
 
     def _rank_pass_of(self, state: _Step, r: int, index) -> RankPass:
@@ -471,6 +490,8 @@ class _Run:
             rank_grads.append(done.grads)
             state.rank_loss[r] += done.loss
             store_logits(state.logits, index, done.logits)
+        if self.held_rows is not None:
+            rank_grads = self.held_rows.holders(rank_grads, [ranks[r].rows for r in range(len(group))])
         return rank_grads
 
     # ---- the reduction ----------------------------------------------------------------------------
@@ -479,7 +500,7 @@ class _Run:
         once (`sync_every_microbatch`), or each rank's accumulated until the last micro-batch;
         the `ignored` parameters' as the loop reduces them (`reduce_ignored`)."""
         if self.emulates_ep():  # each ep rank's experts: its group's gradients added (reference/expert_parallel.py)
-            rank_grads = ep_sums(self.case, rank_grads)
+            rank_grads = ep_sums(self.case, rank_grads, self.held_rows.names() if self.held_rows else frozenset())
         if self.case.ignored:
             rank_grads = self.reduce_ignored(state, m, rank_grads)
         if not self.case.sync_every_microbatch:
@@ -570,10 +591,7 @@ class _Run:
         )
 
     def emulates_ep(self) -> bool:
-        """Expert parallelism's reduction emulated (reference/expert_parallel.py): FSDP2's own
-        arithmetic, every rank emulated; the calibration runs sum the ranks' expert gradients in
-        their own orders, as any other gradient's."""
-        return self.case.ep > 1 and self.order == "ring" and self.layout is None and self.emulate
+        return emulates_ep(self.case, self.emulate, self.order, self.layout)
 
     def average(self, rank_grads: list[dict[str, torch.Tensor]], step: int) -> dict[str, torch.Tensor]:
         """The ranks' gradients averaged in `reduce_dtype` as the engine does (a flat engine's

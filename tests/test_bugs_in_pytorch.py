@@ -36,7 +36,8 @@ def test_the_table_has_a_row_for_every_repro():
 @pytest.mark.parametrize("row", ROWS, ids=[re.search(r"test_\w+", r["repro"]).group(0) for r in ROWS])
 def test_each_row_names_the_upstream_issue_or_a_ready_report(row):
     issue = re.fullmatch(
-        r"\[pytorch/(pytorch|ao)#(\d+)\]\(https://github\.com/pytorch/\1/issues/\2\)( \(.+\))?", row["upstream"]
+        r"\[pytorch/(pytorch|ao|torchtitan)#(\d+)\]\(https://github\.com/pytorch/\1/issues/\2\)( \(.+\))?",
+        row["upstream"],
     )
     report = re.fullmatch(r"none found; ready to file: `tests/upstream/reports/(test_\w+)\.md`", row["upstream"])
     assert issue or report, row["upstream"]

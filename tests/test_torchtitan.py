@@ -10,7 +10,7 @@ import json
 
 import pytest
 
-from fsdp_verify.case import Case
+from fsdp_verify.case import Case, CaseError
 from fsdp_verify.frameworks import preset
 from tests.in_process import run_cli
 
@@ -365,3 +365,59 @@ def test_its_dimensions_are_drawn_together_and_apart():
     for case in drawn:
         assert (case.pp_split is not None) == (case.pp > 1) and case.loss_parallel == (case.tp > 1)
         refuse_untakeable(case)
+
+
+def titan_moe_case(world: int, **changes) -> Case:
+    """torchtitan's Qwen3 MoE debug model, one block of its experts (shrunk: 8 of them, 2 a token)."""
+    fields = preset("torchtitan", "qwen3:debugmodel_moe", {"n_layers": 1})
+    batch = changes.pop("batch", 2 * world)
+    return Case(world_size=world, steps=2).with_(**{**fields, "data.batch_size": batch, **changes})
+
+
+def test_torchtitans_moe_is_drawn_its_own_experts_and_its_block_units():
+    case = titan_moe_case(4, ep=2)
+    assert case.wrap_plan == ("tok_embeddings", "layers.0", "norm+lm_head", "")  # its experts inside the block
+    from fsdp_verify.engines.expert_parallel import experts_of
+
+    assert experts_of(case.model) == {"layers.0.moe.routed_experts.inner_experts": 8}
+    with pytest.raises(CaseError, match=r"ep: expected a divisor of the experts \(8\)"):
+        titan_moe_case(2, world_size=6, batch=12, ep=3)
+
+
+@pytest.mark.parametrize(
+    ("world", "changes"),
+    [
+        (4, {"ep": 2, "clip_norm": 1e-3, "microbatches": 2, "batch": 8}),  # two ep groups, each expert over efsdp 2
+        (4, {"ep": 2, "mesh_shape": (2, 2), "precision.param_dtype": "bf16", "activation_checkpointing": True}),
+    ],
+    ids=["ep2-of-4-clip-microbatches", "ep2-hsdp-bf16-checkpointed"],
+)
+def test_torchtitans_moe_under_its_expert_parallelism_is_bit_exact(fsdp_check, world, changes):
+    """Its all-to-all dispatch, its grouped GEMM's weight gradients summed over the ep group's
+    rows at once (reference/grouped_gemm.py), its per-parameter meshes in each block, its clip
+    over the two meshes and its load balancing: every record exact, the bias moved."""
+    from fsdp_verify.runner import emulating_reference
+
+    case = titan_moe_case(world, **changes)
+    verdict = fsdp_check(case)
+    assert verdict.ok, verdict.summary()
+    numeric = [f for f in verdict.findings if f.phase in ("grads", "params", "logits", "grad_norm", "buffers")]
+    assert numeric and all(f.max_abs == 0 for f in numeric), [f for f in numeric if f.max_abs]
+    bias = emulating_reference(case).records[(case.steps, "buffers", "layers.0.moe.expert_bias_E")]
+    assert bias.abs().max() > 0  # torchtitan's own hook moved it, on both sides
+
+
+def test_the_holders_gradient_is_one_product_over_the_ep_groups_rows(fsdp_check):
+    """Without the grouped GEMM's emulation (each rank's own product, added: what the one-rank
+    passes give), the experts' gradients part from torchtitan's at step 1: the emulation is what
+    makes them exact, not a tolerance."""
+    from unittest import mock
+
+    from fsdp_verify.reference import grouped_gemm
+
+    case = titan_moe_case(2, ep=2)
+    with mock.patch.object(grouped_gemm.HolderGrads, "install", classmethod(lambda cls, case, model: None)):
+        verdict = fsdp_check(case)
+    assert not verdict.ok
+    first = verdict.first_divergence
+    assert first.phase == "grads" and "inner_experts" in first.name, first

@@ -454,8 +454,10 @@ def _wrap(case: Case) -> None:
     check(bool(plan) and plan[-1] == "", "wrap", 'a plan that ends with the root ""', plan)
     if any(units.is_group(u) for u in plan):
         # a group's one unit over several modules: tried with tp and pp (each group in one
-        # stage: verify/engines/pipeline_parallel.py), not with ep
-        check(case.ep == 1, "wrap", "units of one module each beside ep (not modelled)", plan)
+        # stage: verify/engines/pipeline_parallel.py), and with torchtitan's ep ([norm, lm_head]
+        # beside its experts in each block: docs/frameworks/torchtitan.md), not with the built-in
+        # MLP's experts
+        check(case.ep == 1 or case.model.is_custom, "wrap", "units of one module each beside ep (not modelled)", plan)
         # explicit prefetching's replay places a unit's pre-forward by module nesting, which
         # a group's first member does not follow (verify/checks/prefetch.py)
         check(case.prefetch is None, "wrap", "units of one module each beside prefetch (not modelled)", plan)

@@ -32,6 +32,16 @@ EP, EXPERTS_SHARD, SHARD = "ep", "efsdp", "shard"
 
 
 # ---- the case -----------------------------------------------------------------------------------
+def experts_of(model) -> dict[str, int]:
+    """The model's grouped experts modules and how many experts each holds: the built-in MLP's
+    `moe.experts`, or those a model's meta-device build shows (verify/models/moe.py `experts_held`)."""
+    if model.is_custom:
+        from fsdp_verify.models.custom import info
+
+        return dict(info(model).grouped_experts)
+    return {"moe.experts": model.experts} if model.grouped_experts is not None else {}
+
+
 def check_experts(case) -> None:
     """The grouped experts' settings beside the loop, and the case's `ep`: a degree that divides
     the experts and the shard dim, over the grouped experts in a unit of their own, beside only
@@ -63,15 +73,29 @@ def check_experts(case) -> None:
         )
     ep = case.ep
     check(is_int(ep) and ep >= 1, "ep", "a positive integer (1: no expert parallelism)", ep)
+    if model.is_custom and case.pp > 1 and experts_of(model):
+        # torch's pipelining runs each stage's forward once more at the first step, in training
+        # mode, a later stage on uninitialized memory: a MoE's token counts (torchtitan's load
+        # balancing) take that in (tests/upstream/test_pipelining_metadata_forward_in_training_mode.py)
+        check(
+            False,
+            "pp",
+            "1 for a model's own grouped experts (torch's pipelining runs a stage's forward once more"
+            " in training mode at the first step, on uninitialized memory: not modelled)",
+            case.pp,
+        )
     if ep == 1:
         return
+    counts = experts_of(model)
     check(
-        model.grouped_experts is not None,
+        bool(counts),
         "ep",
-        f"1 unless the model has grouped routed experts (an MLP with --experts N --top-k K): ep={ep} shards them",
+        f"1 unless the model has grouped routed experts (an MLP with --experts N --top-k K, or a model's"
+        f" module with `num_experts` and its parameters one row an expert): ep={ep} shards them",
         ep,
     )
-    check(model.experts % ep == 0, "ep", f"a divisor of the experts ({model.experts})", ep)
+    for n in sorted(set(counts.values())):
+        check(n % ep == 0, "ep", f"a divisor of the experts ({n})", ep)
     shard = case.mesh[-1]
     check(
         shard % ep == 0,
@@ -79,12 +103,13 @@ def check_experts(case) -> None:
         f"a divisor of the shard dimension {shard} (mesh {case.mesh}): the ep ranks are carved out of it",
         ep,
     )
-    check(
-        "moe.experts" in case.wrap_plan,
-        "wrap",
-        f"a plan with 'moe.experts' as a unit of its own with ep={ep} (its parameters live on the ep mesh)",
-        case.wrap_plan,
-    )
+    if not model.is_custom:  # a model's own experts sit where its engine puts them (torchtitan: in each block)
+        check(
+            "moe.experts" in case.wrap_plan,
+            "wrap",
+            f"a plan with 'moe.experts' as a unit of its own with ep={ep} (its parameters live on the ep mesh)",
+            case.wrap_plan,
+        )
     if shard == ep:
         low = case.precision.reduce_dtype or case.precision.param_dtype
         check(
@@ -192,9 +217,9 @@ class ExpertParallel:
 
 
 def grouped_experts(model: nn.Module) -> list[tuple[str, nn.Module]]:
-    from fsdp_verify.models.moe import GroupedExperts
+    from fsdp_verify.models.moe import grouped_experts_modules
 
-    return [(n, m) for n, m in model.named_modules() if isinstance(m, GroupedExperts)]
+    return grouped_experts_modules(model)
 
 
 def apply_expert_parallel(model: nn.Module, mesh: DeviceMesh, style: type = ExpertParallel) -> DeviceMesh:

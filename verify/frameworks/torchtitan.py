@@ -33,6 +33,7 @@ holds against the placements torchtitan built (docs/frameworks/torchtitan.md).
 from __future__ import annotations
 
 import tempfile
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -77,6 +78,77 @@ def llama3(
     model = config.build()
     model.sequence_parallel = sequence_parallel  # what `tp_plan` and `parallelize` read
     return model
+
+
+def qwen3(
+    flavor: str = "debugmodel_moe",
+    n_layers: int | None = None,
+    seq_len: int | None = None,
+    attention: str = "sdpa",
+    sequence_parallel: bool = True,
+    experts: int | None = 8,
+    top_k: int | None = 2,
+    moe_hidden_dim: int | None = 64,
+):
+    """torchtitan's Qwen3 `flavor` (its MoE debug model by default) from its registry, built as
+    `llama3` builds Llama, with its sharding declarations for expert parallelism set as its
+    trainer sets them (`set_qwen3_sharding_config(enable_ep=...)`: they act only where
+    `parallelize` gets an ep mesh, so they are always set). A MoE flavor's experts are shrunk for
+    a CPU (`experts`, `top_k`, `moe_hidden_dim`; None keeps the flavor's 64, 8, 768: 38M
+    parameters a block), its router, dispatcher and grouped GEMM unchanged."""
+    require("torchtitan", "torchtitan")
+    from torchtitan.models.qwen3 import model_registry
+    from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
+
+    config = model_registry(flavor, attn_backend="flex").model
+    if n_layers is not None:
+        config.layers = config.layers[:n_layers]
+    for block in config.layers:
+        if seq_len is not None:
+            block.attention.rope.max_seq_len = seq_len
+        block.attention.inner_attention = _cpu_attention(block.attention.inner_attention, attention)
+        if getattr(block, "moe", None) is not None:
+            _shrink_experts(block.moe, experts, top_k, moe_hidden_dim)
+    set_qwen3_sharding_config(config, enable_sp=sequence_parallel, enable_ep=True)
+    model = config.build()
+    with torch.no_grad():  # its grouped experts are `torch.empty` until then, as its trainer runs it
+        model.init_weights(buffer_device=None)
+    model.before_optimizer_step = load_balancing([model], ONE_DEVICE)  # the ranks' engine sets its own
+    model.sequence_parallel = sequence_parallel
+    return model
+
+
+def load_balancing(parts: list[nn.Module], dims):
+    """torchtitan's auxiliary-loss-free load balancing, its own code: the pre-step hook that its
+    `register_moe_load_balancing_hook` puts on its optimizers (each MoE block's `expert_bias_E`
+    moved by its `tokens_per_expert_E`, counted in forward and summed over the "loss" mesh, then
+    zeroed), for the toolkit's loop to call before each optimizer step (a model's
+    `before_optimizer_step`: verify/training/optim.py). None where its MoE blocks set no
+    `load_balance_coeff`. `dims`: torchtitan's `ParallelDims` on the ranks; `ONE_DEVICE` in the
+    reference, whose one model has counted every emulated rank's tokens (the sum a "loss" mesh
+    all-reduces)."""
+    from torchtitan.components.optimizer.optimizer import register_moe_load_balancing_hook
+
+    hooks: list = []
+    register_moe_load_balancing_hook(SimpleNamespace(register_step_pre_hook=hooks.append), parts, dims)
+    return hooks[0] if hooks else None
+
+
+# What torchtitan's load balancing asks of its `ParallelDims` on one device: no mesh to sum over.
+ONE_DEVICE = SimpleNamespace(ep_enabled=False, tp=1, get_optional_mesh=lambda *_a, **_k: None)
+
+
+def _shrink_experts(moe, experts: int | None, top_k: int | None, hidden: int | None) -> None:
+    """A MoE block's config with `experts` experts, `top_k` of them a token, each `hidden` wide:
+    every sub-config that holds the count (the router's gate, the dispatcher, the grouped GEMM)."""
+    routed = moe.routed_experts
+    if experts is not None:
+        moe.num_experts = routed.inner_experts.num_experts = routed.token_dispatcher.num_experts = experts
+        moe.router.num_experts = moe.router.gate.out_features = experts
+    if top_k is not None:
+        moe.router.top_k = routed.token_dispatcher.top_k = top_k
+    if hidden is not None:
+        routed.inner_experts.hidden_dim = hidden
 
 
 def _cpu_attention(config, attention: str):
@@ -130,10 +202,10 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
     from torchtitan.config import ParallelismConfig, TrainingConfig
     from torchtitan.distributed import parallel_dims as dims_module
     from torchtitan.distributed import utils as dist_utils
-    from torchtitan.models.llama3 import parallelize_llama
 
     case = spec.case
     replicate, shard = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])
+    _refuse_experts_on_dim1(model, shard if case.ep > 1 else replicate * shard)
     local_batch = case.data.batch_size // case.dp_size  # a data-parallel rank's block of the step
     training = TrainingConfig(
         mixed_precision_param=_dtype(case.precision.param_dtype),
@@ -145,6 +217,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
         data_parallel_shard_degree=shard,
         fsdp_reshard_after_forward="default" if case.reshard_after_forward else "never",
         tensor_parallel_degree=case.tp,
+        expert_parallel_degree=case.ep,
         enable_sequence_parallel=model.sequence_parallel,
         spmd_backend=SPMD_BACKEND,
         pipeline_parallel_degree=case.pp,
@@ -158,7 +231,7 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
     if case.pp > 1:
         return _pipeline(model, mesh, case, dims, training, parallelism, _ac_config(case, full_ac))
     with tempfile.TemporaryDirectory() as dump:
-        parallelize_llama(
+        parallelize_fn(model)(
             model,
             parallel_dims=dims,
             training=training,
@@ -169,7 +242,36 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
         )
     _force_sum(model)
     model.verify_view = lambda: TorchtitanView(model)
+    model.before_optimizer_step = load_balancing([model], dims)
     return model
+
+
+def _refuse_experts_on_dim1(model: nn.Module, shard: int) -> None:
+    """torchtitan shards a block's experts Shard(1) where the ranks it counts outnumber them
+    (`apply_fsdp_to_decoder`: efsdp x ep under ep, else its whole data-parallel mesh); the
+    reference shards them as every parameter, Shard(0): not modelled, refused naming the field."""
+    from fsdp_verify.models.moe import experts_held, grouped_experts_modules
+
+    for _, experts in grouped_experts_modules(model):
+        n = experts_held(experts)
+        if shard > n:
+            raise CaseError(
+                "model.kwargs.experts",
+                f"at least the {shard} ranks torchtitan shards them over (fewer it shards on dim 1: not modelled)",
+                n,
+            )
+
+
+def parallelize_fn(model: nn.Module):
+    """torchtitan's own parallelize function of the model's family (`parallelize_llama`,
+    `parallelize_qwen3`), as its model registry pairs them."""
+    if type(model).__module__.startswith("torchtitan.models.qwen3"):
+        from torchtitan.models.qwen3 import parallelize_qwen3
+
+        return parallelize_qwen3
+    from torchtitan.models.llama3 import parallelize_llama
+
+    return parallelize_llama
 
 
 def _force_sum(model: nn.Module) -> None:
@@ -187,7 +289,6 @@ def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallel
     (GPipe, 1F1B): the part is the rank's copy of the model under the model's names; two
     (Interleaved1F1B): the two parts' modules gathered under those names (`_RankCopy`)."""
     from torchtitan.distributed.pipeline_parallel import pipeline_llm
-    from torchtitan.models.llama3 import parallelize_llama
 
     from fsdp_verify.engines.pipeline_engine import Pipeline
 
@@ -203,7 +304,7 @@ def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallel
             dump_folder=dump,
             device=torch.device(mesh.device_type),
             model_config=model.config,
-            parallelize_fn=parallelize_llama,
+            parallelize_fn=parallelize_fn(model),
             loss_fn=lambda output, target: (held["pipe"].loss(output, target), None),  # its (loss, extra)
         )
     for part in parts:
@@ -212,6 +313,7 @@ def _pipeline(model: nn.Module, mesh: DeviceMesh, case, dims, training, parallel
     stages = list(getattr(schedule, "_stages", None) or [schedule._stage])  # torch's schedules keep them so
     pipe = held["pipe"] = Pipeline(case, module, parts, stages, schedule, first=first, last=last)
     module.pipeline, module.pp_mesh = pipe, dims.get_mesh("pp")
+    module.before_optimizer_step = load_balancing(parts, dims)  # each part's MoE blocks, its "loss" mesh
     module.verify_view = lambda: TorchtitanPipelineView(module)
     return module
 
@@ -323,7 +425,10 @@ class TorchtitanView(EngineView):
         from torchtitan.distributed.utils import clip_grad_norm_
 
         params = [p for p in self.module.parameters()]
-        norm = clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=None, ep_enabled=False)
+        from fsdp_verify.engines.expert_parallel import on_ep_mesh
+
+        ep = any(on_ep_mesh(p) for p in params)  # its experts' and the dense norms apart (`_clip_grad_norm_with_ep`)
+        norm = clip_grad_norm_(params, max_norm, foreach=True, pp_mesh=None, ep_enabled=ep)
         return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
@@ -352,7 +457,7 @@ def _dtype(name: str | None) -> str:
 # It compiles as torchtitan's `apply_compile` does (`_compile_config`): the blocks only, fullgraph,
 # torch's automatic dynamic shapes, two Dynamo options set process-wide (the reference sets them too).
 parallelize.capabilities = Capabilities(
-    takes=("groups", "grad_reduction", "compile", "tp", "sequence_parallel", "loss_parallel", "pp"),
+    takes=("groups", "grad_reduction", "compile", "tp", "sequence_parallel", "loss_parallel", "pp", "ep"),
     reshard_per_unit=True,
     checkpoints=True,
     compile_scopes=("blocks",),
@@ -364,7 +469,10 @@ parallelize.capabilities = Capabilities(
 parallelize_full_ac.capabilities = parallelize.capabilities
 
 
-FACTORIES = {"llama3": "fsdp_verify.frameworks.torchtitan:llama3"}
+FACTORIES = {
+    "llama3": "fsdp_verify.frameworks.torchtitan:llama3",
+    "qwen3": "fsdp_verify.frameworks.torchtitan:qwen3",
+}
 # A case's default sequence length for torchtitan's models (its RoPE cache sized to it): short,
 # as a CPU check wants; --seq-len sets another.
 SEQ_LEN = 16

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.imports import load_object
+from fsdp_verify.models.moe import experts_held, grouped_experts_modules
 from fsdp_verify.models.spec import ModelSpec
 from fsdp_verify.validation import CaseError
 
@@ -83,6 +84,9 @@ class ModelInfo:
     # Modules whose training forward updates buffers (BatchNorm's running statistics): what
     # activation checkpointing would update a second time (verify/case_rules.py refuses that).
     running_stats: tuple[str, ...] = ()
+    # Grouped experts modules (verify/models/moe.py `experts_held`): (module FQN, experts held),
+    # what expert parallelism shards.
+    grouped_experts: tuple[tuple[str, int], ...] = ()
 
 
 def info(spec: ModelSpec) -> ModelInfo:
@@ -105,7 +109,8 @@ def _info(spec: ModelSpec) -> ModelInfo:
         for name, m in model.named_modules()
         if isinstance(m, nn.modules.batchnorm._NormBase) and m.track_running_stats
     )
-    return ModelInfo(classes, _vocab_size(model), "attention_mask" in names, tied, first, stats)
+    experts = tuple((name, experts_held(m)) for name, m in grouped_experts_modules(model))
+    return ModelInfo(classes, _vocab_size(model), "attention_mask" in names, tied, first, stats, experts)
 
 
 def tied_groups(spec: ModelSpec) -> tuple[tuple[str, ...], ...]:

@@ -229,5 +229,24 @@ class GroupedMoE(nn.Module):
             self.tokens_per_expert.zero_()
 
 
+def experts_held(module: nn.Module) -> int | None:
+    """How many experts `module` holds if it is grouped experts, else None: the built-in
+    `GroupedExperts`, or any module with an int `num_experts` whose own parameters each lead with
+    that many rows, one an expert (torchtitan's `GroupedExperts`, a user's alike). Expert
+    parallelism shards such a module's parameters Shard(0) over the ep mesh."""
+    if isinstance(module, GroupedExperts):
+        return module.n
+    n = getattr(module, "num_experts", None)
+    own = list(module.parameters(recurse=False))
+    if isinstance(n, int) and n > 0 and own and all(p.dim() >= 1 and p.shape[0] == n for p in own):
+        return n
+    return None
+
+
+def grouped_experts_modules(model: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The grouped experts modules of `model` (`experts_held`), by module name."""
+    return [(name, m) for name, m in model.named_modules() if experts_held(m) is not None]
+
+
 def moe_layers(model: nn.Module) -> list[GroupedMoE]:
     return [m for m in model.modules() if isinstance(m, GroupedMoE)]

@@ -34,7 +34,13 @@ from fsdp_verify.training.compile import fresh_compiler
 from fsdp_verify.training.data import as_call, global_batch, item_count, microbatch_slices, rank_slice, take
 from fsdp_verify.training.export import export_safetensors
 from fsdp_verify.training.loss import global_mean_scale, microbatch_loss
-from fsdp_verify.training.optim import optimizer_state, param_groups_state, schedule_state, step_scheduler
+from fsdp_verify.training.optim import (
+    optimizer_state,
+    param_groups_state,
+    run_model_hook_before_step,
+    schedule_state,
+    step_scheduler,
+)
 from fsdp_verify.training.resume import (
     FRESH_PARAM_GROUPS,
     rank_fingerprints,
@@ -105,6 +111,7 @@ def run_sharded(case: Case, ctx: RankContext) -> Trace | None:
     view = view_of(sharded)
     params = view.parameters()
     optimizer = view.make_optimizer(case.optim, params)
+    run_model_hook_before_step(sharded, optimizer)
     # The schedule spans the whole run: the run up to a save has fewer steps than the case
     # (`{"save": DIR, "steps": N}`), and LinearLR's warmup is over the case's N.
     schedule_steps = (ctx.resume or {}).get("steps", case.steps)

@@ -38,6 +38,15 @@ def make_optimizer(spec: OptimSpec, params: Iterable[torch.nn.Parameter]) -> tor
     )
 
 
+def run_model_hook_before_step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """A model's own `before_optimizer_step()`, where it has one, run before each of the
+    optimizer's steps on the ranks and in the reference alike, as a framework's trainer registers
+    it on its optimizers (torchtitan's MoE load balancing: verify/frameworks/torchtitan.py)."""
+    hook = getattr(model, "before_optimizer_step", None)
+    if callable(hook):
+        optimizer.register_step_pre_hook(lambda *_args: hook())
+
+
 def make_scheduler(
     spec: OptimSpec, optimizer: torch.optim.Optimizer, steps: int
 ) -> torch.optim.lr_scheduler.LRScheduler | None:

@@ -15,6 +15,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from fsdp_verify.engines.spec import ShardSpec
 from fsdp_verify.frameworks import torchtitan as titan
+from fsdp_verify.models.moe import grouped_experts_modules
 from fsdp_verify.zoo.pins import CHEAP
 from fsdp_verify.zoo.registry import registrar
 
@@ -143,3 +144,72 @@ def titan_pp_schedule_scales_grads(model: nn.Module, mesh: DeviceMesh, spec: Sha
 
 
 titan_pp_schedule_scales_grads.capabilities = titan.parallelize.capabilities
+
+
+# Its MoE debug model (Qwen3's) cut to one block of eight small experts (verify/frameworks/torchtitan.py `qwen3`).
+_TITAN_MOE = ("torchtitan", "qwen3:debugmodel_moe", (("n_layers", 1),))
+
+
+@bug(
+    "torchtitan's MoE load balancing moving each rank's expert bias by its own tokens, never summed over the ranks",
+    "load balancing built with a ParallelDims that has no loss mesh (the counts' all-reduce skipped)",
+    ("buffers",),
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins={**CHEAP, "ep": 2, "data.batch_size": 4},
+    framework=_TITAN_MOE,
+)
+def titan_expert_bias_from_local_counts(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's MoE under ep, its load-balancing hook (`register_moe_load_balancing_hook`,
+    unchanged) built without the "loss" mesh it sums the counts over: each rank moves its
+    experts' bias by its own tokens, and the ranks route by biases that part."""
+    titan.parallelize(model, mesh, spec)
+    model.before_optimizer_step = titan.load_balancing([model], titan.ONE_DEVICE)
+    return model
+
+
+@bug(
+    "torchtitan's MoE trained without its load balancing: the expert bias never moves",
+    "an optimizer built outside torchtitan's container, which registers the expert-bias hook",
+    ("buffers",),
+    world_sizes=(2,),
+    precisions=("fp32",),
+    pins={**CHEAP, "ep": 2, "data.batch_size": 4},
+    framework=_TITAN_MOE,
+)
+def titan_load_balancing_dropped(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's MoE under ep with its optimizers' pre-step hook gone (a trainer that builds
+    its own optimizer and so never calls `register_moe_load_balancing_hook`): the bias stays
+    where it started while the tokens keep being counted."""
+    titan.parallelize(model, mesh, spec)
+    model.before_optimizer_step = None
+    return model
+
+
+@bug(
+    "torchtitan's MoE with its token dispatch wired to the experts' FSDP mesh dim instead of the ep dim",
+    "the ep and efsdp dims swapped (tokens sent to ranks that hold the same experts)",
+    ("logits",),
+    world_sizes=(4,),
+    precisions=("fp32",),
+    pins={**CHEAP, "ep": 2, "data.batch_size": 4},
+    framework=_TITAN_MOE,
+)
+def titan_dispatch_over_efsdp(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
+    """torchtitan's MoE under ep 2 on 4 ranks, each block's token dispatcher then wired
+    (`wire_meshes`, as `RoutedExperts.parallelize` wires it) to the experts' "efsdp" dim instead
+    of "ep": every token goes to a rank that holds the same experts as its own, which computes
+    it with the wrong experts."""
+    titan.parallelize(model, mesh, spec)
+    for _, experts in grouped_experts_modules(model):
+        weight = next(experts.parameters())
+        efsdp = weight.device_mesh["efsdp"] if "efsdp" in (weight.device_mesh.mesh_dim_names or ()) else None
+        for module in model.modules():
+            dispatcher = getattr(module, "token_dispatcher", None)
+            if dispatcher is not None and getattr(module, "inner_experts", None) is experts and efsdp is not None:
+                dispatcher.wire_meshes(ep_mesh=efsdp)
+    return model
+
+
+for _mutant in (titan_expert_bias_from_local_counts, titan_load_balancing_dropped, titan_dispatch_over_efsdp):
+    _mutant.capabilities = titan.parallelize.capabilities
