@@ -387,10 +387,10 @@ def test_torchtitans_moe_is_drawn_its_own_experts_and_its_block_units():
 @pytest.mark.parametrize(
     ("world", "changes"),
     [
-        (4, {"ep": 2, "clip_norm": 1e-3, "microbatches": 2, "batch": 8}),  # two ep groups, each expert over efsdp 2
+        (4, {"ep": 2, "clip_norm": 1e-3, "batch": 4}),  # two ep groups, each expert reduced over efsdp 2
         (4, {"ep": 2, "mesh_shape": (2, 2), "precision.param_dtype": "bf16", "activation_checkpointing": True}),
     ],
-    ids=["ep2-of-4-clip-microbatches", "ep2-hsdp-bf16-checkpointed"],
+    ids=["ep2-of-4-clip", "ep2-hsdp-bf16-checkpointed"],
 )
 def test_torchtitans_moe_under_its_expert_parallelism_is_bit_exact(fsdp_check, world, changes):
     """Its all-to-all dispatch, its grouped GEMM's weight gradients summed over the ep group's
@@ -417,7 +417,7 @@ def test_the_holders_gradient_is_one_product_over_the_ep_groups_rows(fsdp_check)
 
     case = titan_moe_case(2, ep=2)
     with mock.patch.object(grouped_gemm.HolderGrads, "install", classmethod(lambda cls, case, model: None)):
-        verdict = fsdp_check(case)
+        verdict = fsdp_check(case, calibrate=False)  # the first divergence is all it asks
     assert not verdict.ok
     first = verdict.first_divergence
     assert first.phase == "grads" and "inner_experts" in first.name, first

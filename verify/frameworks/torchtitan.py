@@ -28,6 +28,12 @@ emulates it bit for bit.
 Under tp (`--tp N`) torchtitan applies its own sharding declarations (`model.parallelize`); the
 reference emulates them as `tp_plan` translates them into torch's styles, which the knobs check
 holds against the placements torchtitan built (docs/frameworks/torchtitan.md).
+
+Its MoE (`qwen3`, `--model qwen3:debugmodel_moe`) runs with `parallelize_qwen3`; under ep (`--ep
+N`) its `ExpertParallel`, all-to-all dispatch and per-parameter meshes, whose experts' weight
+gradients the reference computes as their holder does (reference/grouped_gemm.py). Its load
+balancing is its optimizers' pre-step hook, which the loop runs as the model's
+`before_optimizer_step` (`load_balancing`).
 """
 
 from __future__ import annotations

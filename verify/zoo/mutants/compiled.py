@@ -94,7 +94,15 @@ def compiled_backward_differs(model: nn.Module, mesh: DeviceMesh, spec: ShardSpe
     ("grads",),
     world_sizes=(1, 2, 3, 4),
     precisions=("fp32",),
-    pins={**CHEAP, "compile": "units", "compile_backend": "aot_eager", "model.widths": st.just((7, 5, 3))},
+    # float8 off: the twin, copied before the engine converts the unit, would compute unconverted
+    # and part at the step-1 logits, another bug's symptom (a draw after issue 51 met it)
+    pins={
+        **CHEAP,
+        "compile": "units",
+        "compile_backend": "aot_eager",
+        "model.widths": st.just((7, 5, 3)),
+        "dims.float8.recipe": None,
+    },
 )
 def unit_compiled_with_unsharded_params(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec) -> nn.Module:
     """Compiles each unit before fully_shard as a function of its parameters as they are then: the
