@@ -73,13 +73,7 @@ def llama3(
     from torchtitan.models.llama3 import model_registry
     from torchtitan.models.llama3.sharding import set_llama3_sharding_config
 
-    config = model_registry(flavor, attn_backend="flex").model
-    if n_layers is not None:
-        config.layers = config.layers[:n_layers]
-    for block in config.layers:
-        if seq_len is not None:
-            block.attention.rope.max_seq_len = seq_len
-        block.attention.inner_attention = _cpu_attention(block.attention.inner_attention, attention)
+    config = _config(model_registry, flavor, n_layers, seq_len, attention)
     set_llama3_sharding_config(config, enable_sp=sequence_parallel)
     model = config.build()
     model.sequence_parallel = sequence_parallel  # what `tp_plan` and `parallelize` read
@@ -106,13 +100,8 @@ def qwen3(
     from torchtitan.models.qwen3 import model_registry
     from torchtitan.models.qwen3.sharding import set_qwen3_sharding_config
 
-    config = model_registry(flavor, attn_backend="flex").model
-    if n_layers is not None:
-        config.layers = config.layers[:n_layers]
+    config = _config(model_registry, flavor, n_layers, seq_len, attention)
     for block in config.layers:
-        if seq_len is not None:
-            block.attention.rope.max_seq_len = seq_len
-        block.attention.inner_attention = _cpu_attention(block.attention.inner_attention, attention)
         if getattr(block, "moe", None) is not None:
             _shrink_experts(block.moe, experts, top_k, moe_hidden_dim)
     set_qwen3_sharding_config(config, enable_sp=sequence_parallel, enable_ep=True)
@@ -122,6 +111,19 @@ def qwen3(
     model.before_optimizer_step = load_balancing([model], ONE_DEVICE)  # the ranks' engine sets its own
     model.sequence_parallel = sequence_parallel
     return model
+
+
+def _config(model_registry, flavor: str, n_layers: int | None, seq_len: int | None, attention: str):
+    """A flavor's model config from torchtitan's registry, its first `n_layers` blocks kept, RoPE's
+    cache sized to `seq_len`, each block's inner attention the CPU's (`_cpu_attention`)."""
+    config = model_registry(flavor, attn_backend="flex").model
+    if n_layers is not None:
+        config.layers = config.layers[:n_layers]
+    for block in config.layers:
+        if seq_len is not None:
+            block.attention.rope.max_seq_len = seq_len
+        block.attention.inner_attention = _cpu_attention(block.attention.inner_attention, attention)
+    return config
 
 
 def load_balancing(parts: list[nn.Module], dims):
