@@ -113,6 +113,29 @@ def qwen3(
     return model
 
 
+def deepseek_v3(
+    flavor: str = "debugmodel",
+    n_layers: int | None = None,
+    seq_len: int | None = None,
+    attention: str = "sdpa",
+    sequence_parallel: bool = True,
+):
+    """torchtitan's DeepSeek-V3 `flavor` (its debug model: a dense first block, then MoE blocks of
+    8 experts, 3 a token, beside shared experts; MLA attention), built as `qwen3` builds its MoE."""
+    require("torchtitan", "torchtitan")
+    from torchtitan.models.deepseek_v3 import model_registry
+    from torchtitan.models.deepseek_v3.sharding import set_deepseek_v3_sharding_config
+
+    config = _config(model_registry, flavor, n_layers, seq_len, attention)
+    set_deepseek_v3_sharding_config(config, enable_sp=sequence_parallel, enable_ep=True)
+    model = config.build()
+    with torch.no_grad():
+        model.init_weights(buffer_device=None)
+    model.before_optimizer_step = load_balancing([model], ONE_DEVICE)
+    model.sequence_parallel = sequence_parallel
+    return model
+
+
 def _config(model_registry, flavor: str, n_layers: int | None, seq_len: int | None, attention: str):
     """A flavor's model config from torchtitan's registry, its first `n_layers` blocks kept, RoPE's
     cache sized to `seq_len`, each block's inner attention the CPU's (`_cpu_attention`)."""
@@ -277,6 +300,10 @@ def parallelize_fn(model: nn.Module):
         from torchtitan.models.qwen3 import parallelize_qwen3
 
         return parallelize_qwen3
+    if type(model).__module__.startswith("torchtitan.models.deepseek_v3"):
+        from torchtitan.models.deepseek_v3.parallelize import parallelize_deepseekv3
+
+        return parallelize_deepseekv3
     from torchtitan.models.llama3 import parallelize_llama
 
     return parallelize_llama
@@ -480,6 +507,7 @@ parallelize_full_ac.capabilities = parallelize.capabilities
 FACTORIES = {
     "llama3": "fsdp_verify.frameworks.torchtitan:llama3",
     "qwen3": "fsdp_verify.frameworks.torchtitan:qwen3",
+    "deepseek_v3": "fsdp_verify.frameworks.torchtitan:deepseek_v3",
 }
 # A case's default sequence length for torchtitan's models (its RoPE cache sized to it): short,
 # as a CPU check wants; --seq-len sets another.
