@@ -384,6 +384,15 @@ def test_torchtitans_moe_is_drawn_its_own_experts_and_its_block_units():
     assert experts_of(case.model) == {"layers.0.moe.routed_experts.inner_experts": 8}
     with pytest.raises(CaseError, match=r"ep: expected a divisor of the experts \(8\)"):
         titan_moe_case(2, world_size=6, batch=12, ep=3)
+    # fewer experts than the ranks it shards them over: torchtitan puts them on dim 1 (not modelled),
+    # refused before any rank starts (exit 2), naming the field
+    from fsdp_verify.engines import refuse_untakeable
+
+    fields = preset("torchtitan", "qwen3:debugmodel_moe", {"n_layers": 1, "experts": 2})
+    few = Case(world_size=4, steps=1).with_(**{**fields, "data.batch_size": 4})
+    with pytest.raises(CaseError, match=r"model.kwargs.experts: expected at least the 4 ranks"):
+        refuse_untakeable(few)
+    refuse_untakeable(few.with_(world_size=2, **{"data.batch_size": 2}))
 
 
 @pytest.mark.parametrize(

@@ -184,6 +184,10 @@ class Capabilities:
     # Under pp, where the engine builds its own schedule (torchtitan's `pipeline_llm`): its
     # `scale_grads` (None: the case's, as the toolkit's `ShardSpec.pipeline` builds it).
     pp_scale_grads: bool | None = None
+    # The engine's own refusals: `fn(case)` raising CaseError (naming the field) for a case it
+    # cannot build as the reference models it, checked with the rest before any rank starts
+    # (torchtitan's experts on dim 1: verify/frameworks/torchtitan.py).
+    refuses: Callable[[Any], None] | None = None
 
     def __post_init__(self) -> None:
         if not self.mesh_dims or any(d not in MESH_FORMS for d in self.mesh_dims):
@@ -226,6 +230,8 @@ class Capabilities:
                 f" {engine!r} takes",
                 rsf,
             )
+        if self.refuses is not None:
+            self.refuses(case)
 
     def compile_refusal(self, engine: str, scope: Any, fullgraph: Any) -> tuple[str, str, Any] | None:
         """(field, expected, got) where a compile `scope` (None: not compiled) or its `fullgraph`

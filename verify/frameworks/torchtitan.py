@@ -236,7 +236,6 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
 
     case = spec.case
     replicate, shard = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])
-    _refuse_experts_on_dim1(model, shard if case.ep > 1 else replicate * shard)
     local_batch = case.data.batch_size // case.dp_size  # a data-parallel rank's block of the step
     training = TrainingConfig(
         mixed_precision_param=_dtype(case.precision.param_dtype),
@@ -277,18 +276,22 @@ def _parallelize(model: nn.Module, mesh: DeviceMesh, spec: ShardSpec, full_ac: b
     return model
 
 
-def _refuse_experts_on_dim1(model: nn.Module, shard: int) -> None:
+def refuse_experts_on_dim1(case) -> None:
     """torchtitan shards a block's experts Shard(1) where the ranks it counts outnumber them
     (`apply_fsdp_to_decoder`: efsdp x ep under ep, else its whole data-parallel mesh); the
-    reference shards them as every parameter, Shard(0): not modelled, refused naming the field."""
-    from fsdp_verify.models.moe import experts_held, grouped_experts_modules
+    reference shards them as every parameter, Shard(0): not modelled, refused naming the field
+    before any rank starts (the engine's `Capabilities.refuses`)."""
+    from fsdp_verify.engines.expert_parallel import experts_of
 
-    for _, experts in grouped_experts_modules(model):
-        n = experts_held(experts)
-        if shard > n:
+    if not case.model.is_custom:
+        return
+    replicate, shard = case.mesh if len(case.mesh) == 2 else (1, case.mesh[0])
+    ranks = shard if case.ep > 1 else replicate * shard
+    for n in experts_of(case.model).values():
+        if ranks > n:
             raise CaseError(
                 "model.kwargs.experts",
-                f"at least the {shard} ranks torchtitan shards them over (fewer it shards on dim 1: not modelled)",
+                f"at least the {ranks} ranks torchtitan shards them over (fewer it shards on dim 1: not modelled)",
                 n,
             )
 
@@ -500,6 +503,7 @@ parallelize.capabilities = Capabilities(
     dynamo_config=(("capture_scalar_outputs", True), ("skip_fwd_side_effects_in_bwd_under_checkpoint", True)),
     compile_dynamic=None,
     pp_scale_grads=False,
+    refuses=refuse_experts_on_dim1,
 )
 parallelize_full_ac.capabilities = parallelize.capabilities
 
