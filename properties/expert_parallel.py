@@ -10,7 +10,7 @@ from typing import Any
 from hypothesis import assume
 from hypothesis import strategies as st
 
-from fsdp_verify.case import Case, CaseError, ModelSpec
+from fsdp_verify.case import Case, CaseError
 from fsdp_verify.dims.together import drawn_off, pinned_beside
 from fsdp_verify.engines.expert_parallel import experts_of
 from fsdp_verify.properties.model_draws import ordered_units
@@ -70,7 +70,9 @@ def grouped_experts(draw: Callable, case: Case, pins: dict[str, Any]) -> Case:
     )
     # ep > 1 turns off what is not modelled beside it, unless a pin asked for it
     pinned_on = pinned_beside("ep", case, pins)
-    degrees = [] if pinned_on else ep_degrees(case, grouped)  # half the draws parallel where any fits; shrinks to 1
+    degrees = (
+        [] if pinned_on else ep_degrees(case, [grouped.experts])
+    )  # half the draws parallel where any fits; shrinks to 1
     ep = draw(pinned(pins, "ep", st.one_of(st.just(1), st.sampled_from(degrees)) if degrees else st.just(1)))
     changes: dict[str, Any] = {"model": grouped, "ep": ep}
     if not grouped.frozen:
@@ -102,11 +104,10 @@ def own_experts_parallel(draw: Callable, case: Case, pins: dict[str, Any]) -> Ca
         raise
 
 
-def ep_degrees(case: Case, experts: ModelSpec | list[int], shard: int | None = None) -> list[int]:
-    """Every degree above 1 that divides the experts (the built-in model's, or each count of a
-    model's own) and the shard dim (the case's, or `shard`); not the whole shard dim under an fp16
-    reduction (Case refuses it: FSDP2 divides twice over a group of one)."""
-    counts = [experts.experts] if isinstance(experts, ModelSpec) else experts
+def ep_degrees(case: Case, counts: list[int], shard: int | None = None) -> list[int]:
+    """Every degree above 1 that divides each experts module's count and the shard dim (the
+    case's, or `shard`); not the whole shard dim under an fp16 reduction (Case refuses it: FSDP2
+    divides twice over a group of one)."""
     shard = shard or case.mesh[-1]
     fp16 = (case.precision.reduce_dtype or case.precision.param_dtype) == "fp16"
     return [

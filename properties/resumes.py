@@ -92,7 +92,7 @@ def _resumed_ep(case: Case, pins: dict[str, Any], shard: int) -> SearchStrategy[
     elsewhere. The Case refuses a pinned one the resumed run cannot take: not this draw."""
     if case.model.grouped_experts is None or not asked(pins, {"ep": 1, "resume_ep": None}):
         return st.none()
-    return pinned(pins, "resume_ep", one_or_more(ep_degrees(case, case.model, shard)))
+    return pinned(pins, "resume_ep", one_or_more(ep_degrees(case, [case.model.experts], shard)))
 
 
 def _resumed_pp(case: Case, pins: dict[str, Any], world: int) -> SearchStrategy[int | None]:

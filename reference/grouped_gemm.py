@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from fsdp_verify.models.moe import grouped_experts_modules
+from fsdp_verify.reference.expert_parallel import ep_groups
 from fsdp_verify.validation import CaseError
 
 # torchtitan's `GroupedExperts.forward`: silu(x @ w1) * (x @ w3), then @ w2, each a grouped GEMM.
@@ -88,14 +89,12 @@ class HolderGrads:
         return held
 
     def _seam(self, fqn: str):
-        held = self
-
         def grouped_mm(module, *, A: torch.Tensor, B_t: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
-            if held.kept is None:  # outside a rank's pass (a forward without gradient)
+            if self.kept is None:  # outside a rank's pass (a forward without gradient)
                 return torch._grouped_mm(A, B_t, offs=offs)
             call = module._kept_calls
             module._kept_calls = call + 1
-            return _KeptRows.apply(A, B_t, offs, held.kept.setdefault(f"{fqn}.{CALLS[call]}", []))
+            return _KeptRows.apply(A, B_t, offs, self.kept.setdefault(f"{fqn}.{CALLS[call]}", []))
 
         return grouped_mm
 
@@ -115,8 +114,6 @@ class HolderGrads:
         """Each data-parallel rank's grouped GEMM weight gradients as its ep rank holds them after
         backward: for its own experts, the op's backward over its ep group's rows of each expert,
         source after source; zeros for the others (another ep rank holds them)."""
-        from fsdp_verify.reference.expert_parallel import ep_groups
-
         out = [dict(g) for g in rank_grads]
         ep = self.case.ep
         for name in self.names():

@@ -105,12 +105,7 @@ def qwen3(
         if getattr(block, "moe", None) is not None:
             _shrink_experts(block.moe, experts, top_k, moe_hidden_dim)
     set_qwen3_sharding_config(config, enable_sp=sequence_parallel, enable_ep=True)
-    model = config.build()
-    with torch.no_grad():  # its grouped experts are `torch.empty` until then, as its trainer runs it
-        model.init_weights(buffer_device=None)
-    model.before_optimizer_step = load_balancing([model], ONE_DEVICE)  # the ranks' engine sets its own
-    model.sequence_parallel = sequence_parallel
-    return model
+    return _moe_model(config, sequence_parallel)
 
 
 def deepseek_v3(
@@ -128,11 +123,18 @@ def deepseek_v3(
 
     config = _config(model_registry, flavor, n_layers, seq_len, attention)
     set_deepseek_v3_sharding_config(config, enable_sp=sequence_parallel, enable_ep=True)
+    return _moe_model(config, sequence_parallel)
+
+
+def _moe_model(config, sequence_parallel: bool) -> nn.Module:
+    """A MoE flavor's model built from its config: initialised as torchtitan's trainer does (its
+    grouped experts are `torch.empty` until `init_weights`), its load balancing the model's step
+    hook for one device (the ranks' engine sets its own: `_parallelize`)."""
     model = config.build()
     with torch.no_grad():
         model.init_weights(buffer_device=None)
     model.before_optimizer_step = load_balancing([model], ONE_DEVICE)
-    model.sequence_parallel = sequence_parallel
+    model.sequence_parallel = sequence_parallel  # what `tp_plan` and `parallelize` read
     return model
 
 
