@@ -213,3 +213,20 @@ def test_float8_is_one_package_and_one_registration_line():
 
     assert "fsdp_verify.dims.float8" in registered.PACKAGES
     assert [p.name for p in packages()] == ["float8"]
+
+
+@pytest.mark.parametrize("case_hash", ["c383cd01906a", "30f308dbc7bb"])
+def test_a_frozen_unit_gathered_by_a_prefetch_alone_casts_nothing_alone_and_keeps_its_scale(fsdp_check, case_hash):
+    """CI's fresh-seed false alarms on correct FSDP2 (world sizes 1 and 2), the first layer frozen
+    and float8 all-gathered: the next unit's backward prefetches the frozen one and nothing waits
+    on that gather. At one rank the wait makes the copy, so its amax all-reduce is never issued
+    (the communication contract expected it); over two the gather runs and leaves the weight's
+    scale (4 B) on it until the next forward copies it out (the memory contract allowed none).
+    Two steps: the second forward consumes what the first backward left."""
+    from tests.conftest import regression
+
+    case = regression(case_hash).with_(steps=2)
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    judged = {(f.comparator, f.kind) for f in verdict.findings}
+    assert {("CommContract", "check"), ("MemoryContract", "check")} <= judged, judged

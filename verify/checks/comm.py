@@ -50,7 +50,8 @@ order is reached by backward (tests/regressions/3845c252c6e9.json: a frozen embe
 frozen norm), or, under activation checkpointing, iff it is nested in a checkpointed unit whose
 backward runs, whose recompute runs its forward again (`recomputed_in_backward`; resharded only
 at the end of backward). The prefetched gather's result is never copied out (the unit's own pre-backward,
-which waits for it, never runs): bytes on the wire all the same.
+which waits for it, never runs): bytes on the wire all the same; at S = 1, where the wait makes the
+local copy, a package's casts before it are not made (`prefetched_only`).
 
 These facts (the post-forward order, the units no backward runs through) are measured in the
 first micro-batch of the run's first step (verify/probes/memory.py `forward_facts`), and the
@@ -245,6 +246,26 @@ def backward_reached(
     return set(units) - unreached
 
 
+def prefetched_only(units: dict[str, list[tuple[str, list[int]]]], got: Trace, case: Case, step: int = 1) -> set[str]:
+    """The units backward reaches only by another unit's prefetch (`backward_reached`): no
+    backward runs through them, nor a recompute of their forward, so nothing waits on the
+    all-gather issued for them (`FSDPParamGroup.wait_for_unshard` never runs). At S = 1 that
+    matters: `unshard` gathers nothing there and the local copy, with a package's casts before
+    it (float8's `fsdp_pre_all_gather` and its amax all-reduce), happens in the wait, so these
+    units cast nothing in backward (measured, torch 2.13 and torchao 0.18: the CI's fresh-seed
+    false alarm, tests/regressions/c383cd01906a.json, a frozen first layer at world size 1).
+    Over S > 1 the gather runs and its metadata stays on the unit's parameters until its next
+    copy-out (verify/checks/memory.py)."""
+    from fsdp_verify.probes.memory import forward_facts
+
+    facts = forward_facts(got)
+    if facts is None or unfrozen_at(case, step):
+        return set()
+    no_backward = facts[1]
+    reached = backward_reached(units, got, case, step)
+    return (reached & no_backward) - recomputed_in_backward(case, no_backward)
+
+
 def recomputed_in_backward(case: Case | None, no_backward: set[str]) -> set[str]:
     """Under activation checkpointing, the units no backward runs through whose forward runs
     again in backward all the same: nested in a checkpointed unit (every non-root unit of the
@@ -394,6 +415,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
     for step in range(got.first_step, case.steps + 1):
         with_grad = {n for s, phase, n in got.records if s == step and phase == "grads"}
         reached = backward_reached(units, got, case, step)
+        unwaited = prefetched_only(units, got, case, step) if shard == 1 else set()
         # each unit's all-gather: its dtype, bytes, and what a package casts before one (per step:
         # float8's precomputed scales start after the first)
         traffic = {
@@ -434,7 +456,7 @@ def expected_collectives(case: Case, got: Trace) -> list[Collective]:
                         bwd = Collective(
                             step, m, "backward", "all_gather", gather_dtype, backward_group, gathered, name
                         )
-                        out += _gather(bwd, casts, shard, on["shard"])
+                        out += _gather(bwd, [] if unit in unwaited else casts, shard, on["shard"])
                     # prefetch under checkpointing: gathered again, from its full shards, unless
                     # this backward keeps it unsharded (reshard_after_backward_last)
                     keeps = not last and getattr(case, "reshard_after_backward_last", False)

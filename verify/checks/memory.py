@@ -19,7 +19,10 @@ requires no grad: a frozen embedding fed token ids) is not unsharded again befor
 forward, and `FSDPParam.to_sharded` (called by the root's final backward callback) leaves that
 copy alive: 1/k of the unit's padded parameters in param_dtype, counted as *other* storage after
 the optimizer step and before the next forward (torch 2.13; found by a fresh-seed sweep, 3 of 300
-cases, tests/regressions/8608cf484d42.json). The plan allows exactly that there, no more.
+cases, tests/regressions/8608cf484d42.json). The plan allows exactly that there, no more. Such a
+unit that backward reaches by another unit's prefetch is all-gathered and never copied out: what a
+dimension package's all-gather leaves on its parameters until a copy-out (float8's scales, 4 B a
+weight) stays there too, until the next forward (`unwaited_metadata`; tests/regressions/30f308dbc7bb.json).
 
 Under `shard_placement` a Shard(1) parameter's shard is its dim-1 chunk, numel / S (even by
 construction, verify/engines/placement.py), not dim 0 padded to S rows. Under `offload`
@@ -81,15 +84,18 @@ from fsdp_verify.case import Case
 from fsdp_verify.case_specs import OptimSpec
 from fsdp_verify.checks.comm import (
     _size,
+    backward_group_of,
     held_after_backward,
     ignored_params,
     params_by_unit,
     placement_dims,
+    prefetched_only,
     unfrozen_at,
     unit_reshards,
 )
 from fsdp_verify.checks.prefetch import Boundary, ForwardPass, forward_pass
 from fsdp_verify.compare.finding import Finding
+from fsdp_verify.dims import registry
 from fsdp_verify.engines.prefetch import prefetch_lists
 from fsdp_verify.probes.comm import padded_shard_numel
 from fsdp_verify.probes.memory import forward_facts
@@ -129,6 +135,8 @@ class Budget:
     partial_sums: dict[int, int] = field(default_factory=dict)
     # each unit's reshard_after_forward as the engine built it (verify/checks/comm.py `unit_reshards`)
     reshards: dict[str, bool | int] = field(default_factory=dict)
+    # step -> the metadata the gathers nobody waits on leave until the next forward (`unwaited_metadata`)
+    unwaited: dict[int, int] = field(default_factory=dict)
 
     def kept_after_forward(self, case: Case, unit: str) -> bool:
         rsf = self.reshards.get(unit, case.reshard_after_forward)
@@ -269,7 +277,35 @@ def budget(case: Case, got: Trace) -> Budget:
         lists,
         partial,
         unit_reshards(case, got),
+        unwaited_metadata(case, got, units),
     )
+
+
+def unwaited_metadata(case: Case, got: Trace, units: dict[str, list[tuple[str, list[int]]]]) -> dict[int, int]:
+    """Per step, the bytes the backward's gathers nobody waits on leave behind until the next
+    forward copies the units out: a unit backward reaches only by a prefetch (verify/checks/comm.py
+    `prefetched_only`) is all-gathered from its full shards and never copied out, and a
+    dimension package's gather metadata stays on its parameters (`gather_metadata`: float8's
+    scales). Other storage after the backward and the optimizer step; nothing at S = 1, where
+    no gather runs."""
+    shard = case.mesh[-1]
+    if shard == 1 or not any(True for _ in registry.on(case)):
+        return {}
+    reshards = unit_reshards(case, got)
+    out = {}
+    for step in range(got.first_step, case.steps + 1):
+        gathered = {
+            u
+            for u in prefetched_only(units, got, case, step)
+            if backward_group_of(reshards.get(u, case.reshard_after_forward), shard) == shard
+        }
+        first = step == got.first_step
+        storages: dict[str, int] = {}  # one storage a view of which several units keep counts once
+        for u in gathered:
+            for left in registry.contributions(case, got, "gather_metadata", units[u], first):
+                storages.update(left)
+        out[step] = sum(storages.values())
+    return out
 
 
 def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
@@ -316,10 +352,11 @@ def check_memory(case: Case, ref: Trace, got: Trace) -> list[Finding]:
         for step, m, where, _held, _shapes, other in rec["boundaries"]:
             # "before forward" is the run's first step's (verify/probes/memory.py): a module fresh
             # from sharding (and a load, resumed), nothing left yet of an earlier step
-            allowed = 0 if where == "before forward" else left
+            allowed = 0 if where == "before forward" else left + b.unwaited.get(step, 0)
             if not where.startswith("after forward") and other > allowed and (m == 0 or case.sync_every_microbatch):
                 plan = (
-                    f"the plan allows {allowed:,} B here (FSDP2's post-forward shards of units no backward ran through)"
+                    f"the plan allows {allowed:,} B here (what FSDP2 leaves on units no backward ran through:"
+                    " their post-forward shards, a package's gather metadata)"
                     if allowed
                     else "the plan allows none here"
                 )

@@ -50,6 +50,8 @@ class DimensionPackage:
     reference, `after_optimizer_step(module, spec, case)` in the loop, `applied(model, spec, case)`
     for the knobs check, `built(module, spec, case)` (a JSON record the trace keeps) and
     `all_gather(params, first, built, spec, case)` for the communication contract,
+    `gather_metadata(params, first, built, spec, case)` for the memory contract (what an
+    all-gather leaves on a unit's parameters until they are copied out: bytes by storage),
     `own_check(spec, case)`: its own check of its arithmetic, from the reference alone. `mutants`: the
     module registering its zoo bugs. `requires`: (module, extra) pairs its runtime imports."""
 
@@ -163,7 +165,7 @@ def own_checks(case) -> list[Any]:
 
 def contributions(case, got, hook: str, *args: Any) -> list[Any]:
     """Hook `hook` of each package on, called with (*args, its built record, spec, case): what it
-    adds to a contract (verify/checks/comm.py)."""
+    adds to a contract (verify/checks/comm.py, verify/checks/memory.py)."""
     records = got.meta.get(BUILT, {})
     out = []
     for package, spec in on(case):

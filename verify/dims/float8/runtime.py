@@ -185,3 +185,29 @@ def all_gather(params: list[tuple[str, list[int]]], first: bool, converted: list
     mine = [n for n, _ in params if n in weights]
     amaxes = [] if spec.precompute and not first else [("all_reduce", "fp32", 4)] * len(mine)
     return dict.fromkeys(mine, "float8_e4m3fn"), amaxes
+
+
+def gather_metadata(
+    params: list[tuple[str, list[int]]], first: bool, converted: list[str] | None, spec: Float8Spec, case
+) -> dict[str, int]:
+    """What one all-gather of the unit leaves on its parameters until they are copied out, by
+    storage: torchao's `fsdp_pre_all_gather` returns each converted weight's scale as FSDP2's
+    metadata, which FSDP2 keeps on the parameter (`ExtensionsData`) until its
+    `fsdp_post_all_gather`. A scale cast on the spot is a new fp32 scalar (4 B a weight); a
+    precomputed one (after the first step) is a view of the one tensor
+    `precompute_float8_dynamic_scale_for_fsdp` made for every converted weight, whose whole storage
+    it keeps (4 B a converted weight of the model, once, however many units hold a view), and the
+    next precompute has replaced it on the weights by then. A gather nobody waits on (a unit
+    backward reaches only by a prefetch: verify/checks/comm.py `prefetched_only`) leaves it there
+    until the next forward's copy-out (measured, torch 2.13, torchao 0.18: 4 B after the first
+    optimizer step, 8 B after later ones with two converted weights,
+    tests/regressions/30f308dbc7bb.json)."""
+    if not spec.all_gather:
+        return {}
+    weights = {f"{fqn}.weight" for fqn in converted or ()}
+    mine = [n for n, _ in params if n in weights]
+    if not mine:
+        return {}
+    if spec.precompute and not first:
+        return {"precomputed scales": 4 * len(weights)}
+    return dict.fromkeys(mine, 4)
