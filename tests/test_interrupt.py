@@ -149,3 +149,26 @@ def test_fuzz_raises_a_swallowed_ctrl_c_after_the_case_it_landed_in(tmp_path, mo
     assert rc == 130
     report = load(tmp_path / "report.json")
     assert report["interrupted"] is True and report["examples"] == 1, report["examples"]
+
+
+def test_a_ctrl_c_no_command_handles_exits_130_and_the_exit_cannot_be_cut_by_another(monkeypatch, capsys):
+    """`check` and the other commands have no report to finish: Ctrl-C exits 130 without a
+    traceback. After an interrupted command the process ignores SIGINT for its last instants
+    (Python puts the default back as it shuts down: a late Ctrl-C made `sweep`'s 130 a -2 in CI)."""
+    import fsdp_verify.commands.cli as cli
+    from fsdp_verify.__main__ import entry
+
+    def interrupted():
+        raise KeyboardInterrupt
+
+    before = signal.getsignal(signal.SIGINT)
+    monkeypatch.setattr(sys, "argv", ["fsdp-verify", "check"])
+    try:
+        for main, code, ignored in ((interrupted, 130, True), (lambda: 130, 130, True), (lambda: 0, 0, False)):
+            signal.signal(signal.SIGINT, before)
+            monkeypatch.setattr(cli, "main", main)
+            assert entry() == code
+            assert (signal.getsignal(signal.SIGINT) is signal.SIG_IGN) is ignored
+        assert "fsdp-verify: interrupted (Ctrl-C)" in capsys.readouterr().err
+    finally:
+        signal.signal(signal.SIGINT, before)
