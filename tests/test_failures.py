@@ -44,6 +44,17 @@ def test_crashed_rank_is_named_with_its_phase(pool):
     _recovers(pool)
 
 
+def test_a_segfaulted_rank_is_named_with_its_phase_and_its_python_stack(pool):
+    """A segfault in a library (CI met one in a rank, no stack said where): the failure quotes what
+    faulthandler wrote, the crashing thread's Python stack down to the line."""
+    failure = _fail(pool, "rank1_segfaults_in_forward")
+    assert (failure.kind, failure.rank) == ("crash", 1)
+    assert "killed by signal 11" in failure.detail
+    assert "Fatal Python error: Segmentation fault" in failure.detail, failure.detail
+    assert "faulty.py" in failure.detail, failure.detail
+    _recovers(pool)
+
+
 def test_hung_rank_is_named_with_its_phase(pool):
     failure = _fail(pool, "rank1_hangs_in_forward")
     assert (failure.kind, failure.rank) == ("hang", 1)

@@ -51,6 +51,15 @@ def rank1_crashes_in_forward(model, mesh, spec):
     return fully_shard_engine(model, mesh, spec)
 
 
+def rank1_segfaults_in_forward(model, mesh, spec):
+    """A native crash, as a library's segfault is: SIGSEGV, nothing Python can catch."""
+    if dist.get_rank() == 1:
+        import ctypes
+
+        model.register_forward_pre_hook(lambda *_: ctypes.string_at(0))
+    return fully_shard_engine(model, mesh, spec)
+
+
 def rank1_hangs_in_forward(model, mesh, spec):
     if dist.get_rank() == 1:
         model.register_forward_pre_hook(lambda *_: time.sleep(3600))

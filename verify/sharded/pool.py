@@ -276,6 +276,9 @@ class RankPool:
             where = ", ".join(f"rank {r} in {p!r}" for r, p in sorted(phases.items()))
             how += f": a collective mismatch between ranks ({where}): the ranks issued different collectives, or the same one with other sizes ({said})"
             how += known_crash(self._case)
+        fatal = fatal_error(self._stderr[rank].tail())
+        if fatal:
+            how += f"; its last words:\n{fatal}"
         return RankFailure(
             "crash" if what == "run" else "start", rank, self._board.read(rank), f"process {how}", self._phases()
         )
@@ -350,6 +353,15 @@ MISMATCH_SIGNS = (
     "Is there a distributed collective mismatch",
     "Detected mismatch between collectives",
 )
+
+
+def fatal_error(stderr_tail: str, lines: int = 30) -> str:
+    """What faulthandler wrote when the rank died of a fatal signal ("Fatal Python error: ..." and
+    the Python stacks of its threads, verify/sharded/worker.py), its first `lines`, or ''."""
+    start = stderr_tail.rfind("Fatal Python error")
+    if start < 0:
+        return ""
+    return "\n".join(stderr_tail[start:].splitlines()[:lines])
 
 
 def collective_mismatch(stderr_tail: str) -> str:

@@ -231,6 +231,9 @@ def worker_main(
     # On SIGUSR1 the pool asks for our Python stack, to tell a hung rank from one waiting on it.
     stack_file = open(os.path.join(pool_dir, f"stack-{rank}.txt"), "w")  # noqa: SIM115 (lives with the process)
     faulthandler.register(signal.SIGUSR1, file=stack_file, all_threads=False)
+    # A rank killed by a fatal signal (a segfault in a library) writes its threads' Python stacks
+    # to its stderr first, which the pool relays and quotes in the crash it reports.
+    faulthandler.enable(all_threads=True)
     # Library warnings go back with each reply, tallied (verify/library_warnings.py), not to stderr.
     with collecting() as warned:
         _serve(rank, world_size, pool_dir, conn_in, conn_out, pg_timeout_s, warned)
