@@ -198,3 +198,44 @@ def test_pools_whose_shared_zygote_died_start_again(monkeypatch):
         assert check_case(mlp_case(1), pool=one).ok
         assert check_case(mlp_case(2), pool=two).ok
         assert one._zygote is two._zygote and one._zygote.alive
+
+
+def test_ranks_start_with_the_model_libraries_their_pools_process_has_loaded():
+    """A rank imports a model library after its fork (transformers' Llama: 1.9 s a rank, measured);
+    the zygote imports what the pool's process has loaded before it forks, once, and every rank
+    forked later has it (the test suite's pools of several world sizes: 119-130 s -> 100 s on the
+    heavy modules). The engine fails in a rank that had to import it itself."""
+    import transformers.models.llama.modeling_llama  # noqa: F401  (what a reference of a Llama case loads)
+
+    from fsdp_verify.runner import check_case
+    from fsdp_verify.sharded.zygote import loaded_model_libraries
+
+    assert "transformers.models.llama.modeling_llama" in loaded_model_libraries()
+    with RankPool(2) as pool:  # fresh ranks, forked now
+        verdict = check_case(mlp_case(2, engine="tests/engines/preloaded.py:library_preloaded"), pool=pool)
+    assert verdict.ok, verdict.summary()
+
+
+def test_a_library_that_bound_a_collective_before_the_probe_is_recorded_and_torch_is_left_alone():
+    """Forked with torchtitan imported, a rank holds its dispatcher's `all_to_all_single` bound by
+    name before the communication probe wraps funcol: the probe points such a binding at its
+    wrapper, and leaves torch's own modules as they are (the contracts model what torch records)."""
+    import sys
+    import types
+
+    from fsdp_verify.probes.comm import _rebind_copies
+
+    def original():
+        pass
+
+    def wrapper():
+        pass
+
+    library, torch_own = types.ModuleType("a_library.dispatch"), types.ModuleType("torch.a_module")
+    library.all_to_all_single = torch_own.all_to_all_single = original
+    sys.modules.update({library.__name__: library, torch_own.__name__: torch_own})
+    try:
+        _rebind_copies({id(original): wrapper})
+    finally:
+        del sys.modules[library.__name__], sys.modules[torch_own.__name__]
+    assert library.all_to_all_single is wrapper and torch_own.all_to_all_single is original

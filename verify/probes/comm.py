@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import functools
 import math
+import sys
 from typing import Any
 
 import torch
@@ -121,7 +122,28 @@ def mesh_dim_of(ranks: list[int], shape: tuple[int, ...], names: tuple[str, ...]
 _log: CommLog | None = None
 
 
+def _rebind_copies(wrapped: dict[int, Any]) -> None:
+    """A library that bound a collective by name (`from torch.distributed._functional_collectives
+    import all_to_all_single`: torchtitan's token dispatcher, torchao's float8 amax all-reduce)
+    before the wrappers were installed holds the unwrapped function, and its collectives would go
+    unrecorded: its binding is pointed at the wrapper (`wrapped`: id of the original -> wrapper).
+    A rank's zygote imports such libraries before any probe runs (verify/sharded/zygote.py).
+    torch's own modules are left as they are: the contracts model what torch records."""
+    if not wrapped:
+        return
+    for name, module in list(sys.modules.items()):
+        if module is None or name.split(".", 1)[0] == "torch":
+            continue
+        namespace = getattr(module, "__dict__", None)
+        if not isinstance(namespace, dict):
+            continue
+        for attr, value in list(namespace.items()):
+            if id(value) in wrapped and callable(value):
+                namespace[attr] = wrapped[id(value)]
+
+
 def _install_wrappers() -> None:
+    rebound: dict[int, Any] = {}
     for fn_name, (kind, index, keyword) in _FUNCTIONS.items():
         original = getattr(dist, fn_name, None)
         if original is None or getattr(original, "_verify_comm", False):
@@ -144,6 +166,8 @@ def _install_wrappers() -> None:
 
         wrapped._verify_comm = True  # type: ignore[attr-defined]
         setattr(dist, fn_name, wrapped)
+        rebound[id(original)] = wrapped
+    _rebind_copies(rebound)
 
 
 def _group_dim(group: Any) -> Any:
@@ -177,6 +201,7 @@ def _group_size(group: Any) -> int:
 
 
 def _install_functional_wrappers() -> None:
+    rebound: dict[int, Any] = {}
     for fn_name, kind in _FUNCTIONAL.items():
         original = getattr(funcol, fn_name, None)
         if original is None or getattr(original, "_verify_comm", False):
@@ -202,6 +227,8 @@ def _install_functional_wrappers() -> None:
 
         wrapped._verify_comm = True  # type: ignore[attr-defined]
         setattr(funcol, fn_name, wrapped)
+        rebound[id(original)] = wrapped
+    _rebind_copies(rebound)
 
 
 class CommProbe(Probe):

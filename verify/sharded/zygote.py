@@ -41,6 +41,17 @@ from multiprocessing.reduction import recvfds, sendfds
 # what FSDP2's first `fully_shard` in a process imports lazily (torch._dynamo: 3.4 s, measured).
 # Importing starts no thread and no CUDA, so forking after it is safe.
 WARM = ("fsdp_verify.sharded.worker", "torch._dynamo")
+# Libraries that define models (a case's `hf:` model, torchtitan's, torchao's float8 layers), which a
+# rank imports after its fork, 1.4-1.9 s each (measured): the modules of them the pool's own process
+# has loaded (its reference built one) go with each spawn request, and the zygote imports those it
+# lacks before forking, so every rank forked later has them (a sweep's pools of several world sizes,
+# a pool started again after a failure). Importing them starts no thread (checked before a fork).
+WARM_WHEN_LOADED = ("transformers", "torchtitan", "torchao")
+
+
+def loaded_model_libraries() -> list[str]:
+    """The modules of WARM_WHEN_LOADED this process has imported, in import order."""
+    return [m for m in list(sys.modules) if m.split(".", 1)[0] in WARM_WHEN_LOADED]
 
 
 class ZygoteError(RuntimeError):
@@ -157,11 +168,11 @@ class Zygote:
             try:
                 # the caller's working directory now: another pool may have started the zygote
                 # elsewhere, and a rank resolves relative paths (an engine's file) against its own
-                self._conn.send(("spawn", args, env, os.getcwd()))
+                self._conn.send(("spawn", args, env, os.getcwd(), loaded_model_libraries()))
                 sendfds(self._sock, list(fds))
             except OSError as e:
                 raise ZygoteError(f"the zygote is gone: {e}") from None
-            pid = self._expect("pid", 30.0)
+            pid = self._expect("pid", 120.0)  # after the zygote's imports of what it lacked (seconds)
             self.exits.pop(pid, None)  # an earlier rank's with the same pid (its exit came first)
             self._live.add(pid)
             return RankProcess(self, pid)
@@ -279,6 +290,21 @@ def _rank(args: list[str], fds: list[int], env: dict[str, str], cwd: str, handle
         os._exit(code)
 
 
+def _warm(libraries: list[str]) -> None:
+    """Import the model libraries' modules the pool's process has and this zygote lacks (see
+    WARM_WHEN_LOADED). One that fails to import is left to the rank (which then says why). Forking
+    stays safe only single-threaded: an import that started a thread would be a bug here."""
+    missing = [m for m in libraries if m not in sys.modules]
+    if not missing:
+        return
+    for module in missing:
+        with contextlib.suppress(Exception):
+            importlib.import_module(module)
+    if threading.active_count() != 1:
+        raise RuntimeError(f"the zygote runs threads after importing {missing[:3]}...: forking is unsafe")
+    gc.freeze()  # as after the first imports: out of the ranks' collections
+
+
 def main(fd: int) -> None:
     # Dies with the pool's process (before the imports, which take seconds). No watcher thread, as
     # a rank has (worker.py): the zygote forks, so it stays one thread.
@@ -322,8 +348,9 @@ def main(fd: int) -> None:
             if message[1] in children:  # not reaped yet, so the pid is still this rank's
                 os.kill(message[1], signal.SIGKILL)
             continue
-        _, args, env, cwd = message
+        _, args, env, cwd, libraries = message
         fds = recvfds(control, 3)  # the rank's two pipe ends and its stderr
+        _warm(libraries)
         pid = os.fork()
         if pid == 0:
             _rank(args, fds, env, cwd, [control, conn, wake_r, wake_w])
