@@ -230,3 +230,16 @@ def test_a_frozen_unit_gathered_by_a_prefetch_alone_casts_nothing_alone_and_keep
     assert verdict.ok, verdict.summary()
     judged = {(f.comparator, f.kind) for f in verdict.findings}
     assert {("CommContract", "check"), ("MemoryContract", "check")} <= judged, judged
+
+
+def test_a_unit_whose_other_parameters_are_ignored_gathers_float8_alone_and_is_not_drawn_so():
+    """Sweep 9502 drew the float8 all-gather for a root unit whose bias is an ignored parameter:
+    FSDP2 gathers the weight alone, in float8, which gloo cannot ("Invalid scalar type"). The rule
+    counts only what FSDP2 gathers; the draw keeps the all-gather off there, and a case asking for
+    it is named by the engine step (on the ranks, over gloo)."""
+    from fsdp_verify.dims.float8 import float8_only_units
+    from tests.conftest import regression
+
+    case = regression("8cfa1297599b")
+    assert float8_only_units(case, case.dims.float8) == [""]
+    assert float8_only_units(case.with_(ignored=()), case.dims.float8) == []

@@ -104,11 +104,12 @@ def uneven_rows(model, shard: int, spec: Float8Spec) -> list[str]:
 
 
 def float8_only_units(case, spec: Float8Spec) -> list[str]:
-    """The units of a built-in model's plan whose parameters are all converted weights: FSDP2
-    all-gathers such a unit in float8 itself (not uint8 beside another dtype), which gloo cannot
-    ("Invalid scalar type": no float8 in gloo's all-gather); NCCL can."""
+    """The units of a built-in model's plan whose gathered parameters are all converted weights
+    (an ignored parameter stays out of FSDP2's all-gather: sweep 9502's `ignored` bias beside
+    its weight): FSDP2 all-gathers such a unit in float8 itself (not uint8 beside another dtype),
+    which gloo cannot ("Invalid scalar type": no float8 in gloo's all-gather); NCCL can."""
     from fsdp_verify import units
-    from fsdp_verify.models import parameter_names
+    from fsdp_verify.models import is_ignored, parameter_names
 
     linears = builtin_linears(case.model)
     if linears is None or not spec.all_gather:
@@ -116,7 +117,8 @@ def float8_only_units(case, spec: Float8Spec) -> list[str]:
     weights = {f"{n}.weight" for n, i, o, t in linears if converts(n, i, o, t, spec)}
     held: dict[str, list[str]] = {}
     for name in parameter_names(case.model):
-        held.setdefault(units.owner_of_param(case.wrap_plan, name), []).append(name)
+        if not is_ignored(tuple(case.ignored), name):
+            held.setdefault(units.owner_of_param(case.wrap_plan, name), []).append(name)
     return [u for u, names in held.items() if all(n in weights for n in names)]
 
 
