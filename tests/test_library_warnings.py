@@ -113,3 +113,34 @@ def test_a_crashing_ranks_last_words_still_reach_the_terminal(tmp_path, capfd):
     assert LAST_WORDS in err and "a rank crashed" in out
     # rank 1 died before replying (its warning is lost with it); rank 0's comes with its error reply, if any
     assert all(w["message"] != WARNING or w["count"] <= 1 for w in load(tmp_path)["warnings"])
+
+
+def test_what_a_library_says_as_the_zygote_imports_it_stays_off_the_terminal():
+    """The zygote imports the model libraries its pool's process has loaded (verify/sharded/zygote.py
+    `_warm`); what one logs or warns as it imports (torchao's CUDA kernels a CPU cannot load,
+    Dynamo's notes) would reach the terminal from there, past the report. A fresh process, so that
+    the library (one that logs and warns as it is imported) is imported for the first time there."""
+    import subprocess
+    import sys
+
+    code = (
+        "import logging, warnings\n"
+        "from fsdp_verify.sharded.zygote import _warm\n"
+        "log = logging.getLogger('a_library')\n"
+        "import importlib.abc, importlib.util, sys\n"
+        "class Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):\n"
+        "    def find_spec(self, name, path, target=None):\n"
+        "        return importlib.util.spec_from_loader(name, self) if name == 'loud_library' else None\n"
+        "    def create_module(self, spec):\n"
+        "        return None\n"
+        "    def exec_module(self, module):\n"
+        "        log.warning('Failed to load a kernel')\n"
+        "        warnings.warn('a note at import')\n"
+        "sys.meta_path.insert(0, Finder())\n"
+        "_warm(['loud_library'])\n"
+        "assert 'loud_library' in sys.modules\n"
+        "print('imported')\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and "imported" in done.stdout, done.stderr
+    assert "Failed to load a kernel" not in done.stderr and "a note at import" not in done.stderr, done.stderr

@@ -294,12 +294,17 @@ def _warm(libraries: list[str]) -> None:
     """Import the model libraries' modules the pool's process has and this zygote lacks (see
     WARM_WHEN_LOADED). One that fails to import is left to the rank (which then says why). Forking
     stays safe only single-threaded: an import that started a thread would be a bug here."""
+    from fsdp_verify.library_warnings import collecting
+
     missing = [m for m in libraries if m not in sys.modules]
     if not missing:
         return
-    for module in missing:
-        with contextlib.suppress(Exception):
-            importlib.import_module(module)
+    # What they say as they import (torchao's CUDA kernels it cannot load on a CPU, Dynamo's
+    # notes) would reach the terminal from here, past the report a rank's would go to: dropped.
+    with collecting():
+        for module in missing:
+            with contextlib.suppress(Exception):
+                importlib.import_module(module)
     if threading.active_count() != 1:
         raise RuntimeError(f"the zygote runs threads after importing {missing[:3]}...: forking is unsafe")
     gc.freeze()  # as after the first imports: out of the ranks' collections
