@@ -243,3 +243,17 @@ def test_a_unit_whose_other_parameters_are_ignored_gathers_float8_alone_and_is_n
     case = regression("8cfa1297599b")
     assert float8_only_units(case, case.dims.float8) == [""]
     assert float8_only_units(case.with_(ignored=()), case.dims.float8) == []
+
+
+def test_a_transformers_model_in_float8_has_its_amax_all_reduces_recorded(fsdp_check):
+    """transformers imports torchao, and a rank's zygote imports both before any probe wraps funcol
+    (verify/sharded/zygote.py): torchao's amax all-reduce, bound by name at its import, is pointed
+    at the probe's wrapper (verify/probes/comm.py `_rebind_copies`). Without that the communication
+    contract finds every amax all-reduce missing ("expected all_reduce fp32 of 4 B ... none issued",
+    measured on this case)."""
+    llama = ModelSpec(kind="custom", factory="fsdp_verify.models.hf:tiny_llama", seq_len=4)
+    case = _case(2, llama, GATHER, steps=1, wrap=("model.layers.0", "model.layers.1", ""))
+    case = case.with_(**{"precision.param_dtype": "bf16", "precision.reduce_dtype": "fp32"})
+    verdict = fsdp_check(case, calibrate=False)
+    assert verdict.ok, verdict.summary()
+    assert ("CommContract", "check") in {(f.comparator, f.kind) for f in verdict.findings}

@@ -79,21 +79,7 @@ def convert(model: nn.Module, mesh, spec: Float8Spec, case) -> None:
             " all-gathers in float8 and gloo cannot (RuntimeError: Invalid scalar type); on the CPU put a"
             " parameter of another dtype in each unit, or turn the float8 all-gather off"
         )
-    _visible_amax_all_reduce()
     _convert(model, spec)
-
-
-def _visible_amax_all_reduce() -> None:
-    """torchao binds funcol's `all_reduce` by name when it is first imported
-    (`float8_utils.all_reduce`, its amax all-reduce); imported before the communication probe
-    wraps funcol (transformers imports torchao with itself), its all-reduces would go unrecorded
-    and the contract would count them missing. Re-bound to funcol's function as it is now (the
-    probe's wrapper, verify/probes/comm.py): what torchao calls is unchanged."""
-    import torch.distributed._functional_collectives as funcol
-    from torchao.float8 import float8_utils
-
-    if getattr(float8_utils, "all_reduce", None) is not None:
-        float8_utils.all_reduce = funcol.all_reduce
 
 
 def convert_reference(model: nn.Module, spec: Float8Spec, case) -> None:
